@@ -1,0 +1,18 @@
+"""Kernels behind small functions: attention, grouped matmul, gated delta rule.
+
+Each function picks its implementation from the backend of its inputs, so model code stays the same on the
+CPU (portable XLA paths, the numerical reference) and on the GPU (cuDNN flash attention, Mosaic GPU grouped
+matmul). Later work swaps an implementation here without touching the model.
+"""
+
+from jax_dwdp.kernels.attention import causal_attention, decode_attention
+from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
+from jax_dwdp.kernels.grouped_matmul import grouped_matmul
+
+__all__ = [
+    "causal_attention",
+    "decode_attention",
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_step",
+    "grouped_matmul",
+]

@@ -1,0 +1,41 @@
+"""Causal GQA attention for prefill, and masked attention over a KV cache for one decode step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dwdp.kernels._backend import on_gpu
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) -> jax.Array:
+    """softmax(q k^T * scale + causal mask) v with GQA.
+
+    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] with Hq % Hkv == 0 (query head h reads kv head h // (Hq/Hkv)).
+    Right-padded batches need no extra mask: a valid position only sees earlier positions, and positions past a
+    sequence's length are discarded by the caller.
+
+    On the GPU with 16-bit inputs this is cuDNN flash attention (torch SDPA's speed, see gpu_facts.md); elsewhere
+    XLA's reference lowering, which materialises [B, Hq, T, T] logits and is meant for the CPU and for tests.
+    """
+    impl = "cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
+
+
+def decode_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, valid_len: jax.Array, *, scale: float
+) -> jax.Array:
+    """One query token per sequence against a KV cache.
+
+    q: [B, Hq, D]; k_cache, v_cache: [B, S, Hkv, D]; valid_len: [B] (positions < valid_len are attended).
+    Softmax in fp32. Returns [B, Hq, D] in q's dtype.
+    """
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
+    logits = jnp.einsum("bgrd,bsgd->bgrs", qg, k_cache.astype(jnp.float32)) * scale
+    mask = jnp.arange(k_cache.shape[1])[None, :] < valid_len[:, None]
+    logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bgrs,bsgd->bgrd", probs, v_cache.astype(jnp.float32))
+    return out.reshape(b, hq, d).astype(q.dtype)

@@ -1,0 +1,113 @@
+"""The gated delta rule of Gated DeltaNet, in fp32: chunked (WY) form for prefill, step form for decode.
+
+Per value head, with state S [dk, dv] and zero initial state:
+    S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+q and k are l2-normalised over the head dim and q is scaled by dk^-0.5 here (as the reference does).
+
+The chunked form splits T into chunks of C = 64 (T padded with zeros to a multiple of C; padded steps have
+g = beta = 0, so they leave the state unchanged). Inside a chunk the C delta updates collapse into a unit
+lower-triangular solve (the UT/WY transform); only the [dk, dv] state crosses chunk boundaries, so the sequential
+part is a scan over T/C steps of two small matmuls, and the outputs are computed for all chunks at once afterwards.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST  # fp32 state math: never let the GPU drop these matmuls to TF32.
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def chunk_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    chunk_size: int = 64,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """q, k: [B, T, H, dk] (already repeated to the value heads); v: [B, T, H, dv]; g, beta: [B, T, H].
+
+    Returns (o [B, T, H, dv] fp32, final state [B, H, dk, dv] fp32).
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    f32 = jnp.float32
+    q = l2_normalize(q.astype(f32)) * (dk**-0.5)
+    k = l2_normalize(k.astype(f32))
+    v, g, beta = v.astype(f32), g.astype(f32), beta.astype(f32)
+
+    pad = (-t) % c
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+    n = (t + pad) // c
+
+    # [B, T, H, d] -> [B, H, N, C, d]
+    def chunks(x):
+        return x.reshape(b, n, c, h, -1).transpose(0, 3, 1, 2, 4)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    g, beta = chunks(g[..., None])[..., 0], chunks(beta[..., None])[..., 0]
+
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C], log-decay from chunk start to each position
+    causal = jnp.tril(jnp.ones((c, c), dtype=bool))
+    # exp(cum_i - cum_j) for j <= i; masked before exp so the upper triangle cannot overflow.
+    pair_decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    ut = jnp.einsum("bhnid,bhnjd->bhnij", k_beta, k, precision=_HI) * pair_decay
+    # Unit lower-triangular system I + strict_lower(ut).
+    system = jnp.where(jnp.tril(jnp.ones((c, c), dtype=bool), -1), ut, 0.0) + jnp.eye(c, dtype=f32)
+    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u, w = solved[..., :dv], solved[..., dv:]  # new values; decayed keys that read the old state
+
+    intra = jnp.einsum("bhnid,bhnjd->bhnij", q, k, precision=_HI) * pair_decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, H, N]
+
+    state0 = jnp.zeros((b, h, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
+
+    def step(state, xs):
+        u_i, w_i, k_i, decay_i = xs
+        v_new = u_i - jnp.einsum("bhcd,bhde->bhce", w_i, state, precision=_HI)
+        new_state = state * decay_i[..., None, None] + jnp.einsum(
+            "bhcd,bhce->bhde", k_i, v_new, precision=_HI
+        )
+        return new_state, (state, v_new)
+
+    scan_in = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, k_decayed, chunk_decay))
+    final_state, (states, v_new) = jax.lax.scan(step, state0, scan_in)
+    states = jnp.moveaxis(states, 0, 2)  # [B, H, N, dk, dv], the state entering each chunk
+    v_new = jnp.moveaxis(v_new, 0, 2)  # [B, H, N, C, dv]
+
+    o = jnp.einsum("bhncd,bhnde->bhnce", q_decayed, states, precision=_HI)
+    o = o + jnp.einsum("bhnij,bhnjd->bhnid", intra, v_new, precision=_HI)
+    o = o.transpose(0, 2, 3, 1, 4).reshape(b, n * c, h, dv)[:, :t]
+    return o, final_state
+
+
+def recurrent_gated_delta_step(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One token: q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]; state [B, H, dk, dv]. Returns (o, new state)."""
+    f32 = jnp.float32
+    dk = q.shape[-1]
+    q = l2_normalize(q.astype(f32)) * (dk**-0.5)
+    k = l2_normalize(k.astype(f32))
+    state = state.astype(f32) * jnp.exp(g.astype(f32))[..., None, None]
+    predicted = jnp.einsum("bhde,bhd->bhe", state, k, precision=_HI)
+    delta = (v.astype(f32) - predicted) * beta.astype(f32)[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    o = jnp.einsum("bhde,bhd->bhe", state, q, precision=_HI)
+    return o, state

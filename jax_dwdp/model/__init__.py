@@ -1,0 +1,6 @@
+"""The Qwen3.5-MoE text model in Flax NNX."""
+
+from jax_dwdp.model.build import abstract_model, init_model
+from jax_dwdp.model.qwen35_moe import Cache, DecoderLayer, Qwen35MoeForCausalLM
+
+__all__ = ["Cache", "DecoderLayer", "Qwen35MoeForCausalLM", "abstract_model", "init_model"]

@@ -1,0 +1,57 @@
+"""Gated full attention: q/k RMSNorm over head_dim, partial RoPE, GQA, output gated by sigmoid(gate)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_dwdp import kernels
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
+
+
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(h, nh * hd * 2, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, nkv * hd, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, nkv * hd, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(nh * hd, h, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
+
+    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """x [B, T, H], positions [B, T] -> q [B,T,nh,hd], gate [B,T,nh*hd], k, v [B,T,nkv,hd] (k roped)."""
+        b, t, _ = x.shape
+        # q_proj's output is interleaved per head: [q_head0 | gate_head0 | q_head1 | ...].
+        qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(b, t, -1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta)
+        return apply_rope(q, cos, sin), gate, apply_rope(k, cos, sin), v
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Prefill. Returns the output and this layer's (K, V) cache entries [B, T, nkv, hd]."""
+        b, t, _ = x.shape
+        q, gate, k, v = self._project(x, positions)
+        attn = kernels.causal_attention(q, k, v, scale=self.head_dim**-0.5)
+        out = attn.reshape(b, t, -1) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
+        return self.o_proj(out), (k, v)
+
+    def decode(
+        self, x: jax.Array, position: jax.Array, k_cache: jax.Array, v_cache: jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """One token per sequence: x [B, 1, H] at position [B]; caches [B, S, nkv, hd] hold positions < position."""
+        b = x.shape[0]
+        q, gate, k, v = self._project(x, position[:, None])
+        rows = jnp.arange(b)
+        k_cache = k_cache.at[rows, position].set(k[:, 0].astype(k_cache.dtype))
+        v_cache = v_cache.at[rows, position].set(v[:, 0].astype(v_cache.dtype))
+        attn = kernels.decode_attention(q[:, 0], k_cache, v_cache, position + 1, scale=self.head_dim**-0.5)
+        out = attn.reshape(b, 1, -1) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
+        return self.o_proj(out), (k_cache, v_cache)

@@ -1,0 +1,47 @@
+"""Building models: random weights created on the device inside jit, or an abstract model to load into."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.model.qwen35_moe import Qwen35MoeForCausalLM
+
+
+def abstract_model(
+    cfg: ModelConfig, *, dtype=jnp.bfloat16, start_layer: int = 0, end_layer: int | None = None
+) -> Qwen35MoeForCausalLM:
+    """The model's structure with ShapeDtypeStruct leaves: allocates nothing (for loaders)."""
+    return nnx.eval_shape(
+        lambda: Qwen35MoeForCausalLM(
+            cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(0)
+        )
+    )
+
+
+def init_model(
+    cfg: ModelConfig,
+    *,
+    dtype=jnp.bfloat16,
+    seed: int = 0,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+    device: jax.Device | None = None,
+) -> Qwen35MoeForCausalLM:
+    """A model with random weights, generated directly on `device` (default: the first device).
+
+    Generation runs jitted, so a 35B-parameter model never passes through host memory.
+    """
+    graphdef, _ = nnx.split(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer))
+
+    def make_state():
+        model = Qwen35MoeForCausalLM(
+            cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(seed)
+        )
+        return nnx.state(model)
+
+    device = device or jax.devices()[0]
+    state = jax.jit(make_state, out_shardings=jax.sharding.SingleDeviceSharding(device))()
+    return nnx.merge(graphdef, state)

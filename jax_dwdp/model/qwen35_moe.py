@@ -1,0 +1,223 @@
+"""Qwen3.5-MoE text model over a layer range [start_layer, end_layer), its caches, prefill and decode.
+
+A model built for a range holds only those layers' weights, the embedding only if it starts at layer 0, and the
+final norm and lm_head only if it ends at the last layer: one pipeline stage is exactly such a model. Caches are
+allocated for the range only and indexed by position inside it (see `Cache`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from jax_dwdp.model.attention import GatedAttention
+from jax_dwdp.model.gated_deltanet import GatedDeltaNet
+from jax_dwdp.model.layers import Embedding, Linear, RMSNorm
+from jax_dwdp.model.moe import SparseMoe
+
+LogitsMode = Literal["all", "last", "none"]
+
+
+@struct.dataclass
+class Cache:
+    """What a decode step continues from, for the layers of one range.
+
+    Slot i of `key`/`value` belongs to the range's i-th full-attention layer (`full_layer_ids[i]`, a global id);
+    slot i of `conv`/`recurrent` to its i-th linear-attention layer (`linear_layer_ids[i]`). A stage never holds a
+    slot for a layer outside its range.
+    """
+
+    key: jax.Array  # [n_full, B, S, nkv, hd]
+    value: jax.Array  # [n_full, B, S, nkv, hd]
+    conv: jax.Array  # [n_linear, B, conv_dim, K-1]
+    recurrent: jax.Array  # [n_linear, B, HV, dk, dv] fp32
+    lengths: jax.Array  # [B] int32: tokens held per sequence
+    full_layer_ids: tuple[int, ...] = struct.field(pytree_node=False)
+    linear_layer_ids: tuple[int, ...] = struct.field(pytree_node=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.key.shape[2]
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in (self.key, self.value, self.conv, self.recurrent))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, dtype, rngs: nnx.Rngs):
+        self.layer_id = layer_id
+        self.layer_type = cfg.layer_types[layer_id]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        if self.layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.mlp = SparseMoe(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, lengths, experts=None):
+        with jax.named_scope(f"layer{self.layer_id}_{self.layer_type}"):
+            h = self.input_layernorm(x)
+            if self.layer_type == LINEAR_ATTENTION:
+                mixed, cache = self.linear_attn(h, lengths)
+            else:
+                mixed, cache = self.self_attn(h, positions)
+            x = x + mixed
+            x = x + self.mlp(self.post_attention_layernorm(x), experts)
+        return x, cache
+
+    def decode(self, x, position, cache):
+        h = self.input_layernorm(x)
+        if self.layer_type == LINEAR_ATTENTION:
+            mixed, cache = self.linear_attn.decode(h, *cache)
+        else:
+            mixed, cache = self.self_attn.decode(h, position, *cache)
+        x = x + mixed
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Qwen35MoeForCausalLM(nnx.Module):
+    """The text model (or one contiguous range of its layers, for a pipeline stage)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype=jnp.bfloat16,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+        rngs: nnx.Rngs,
+    ):
+        end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
+        if not 0 <= start_layer < end_layer <= cfg.num_hidden_layers:
+            raise ValueError(
+                f"layer range [{start_layer}, {end_layer}) is empty or outside [0, {cfg.num_hidden_layers})"
+            )
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.start_layer, self.end_layer = start_layer, end_layer
+        self.is_first, self.is_last = start_layer == 0, end_layer == cfg.num_hidden_layers
+        if self.is_first:
+            self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(start_layer, end_layer)])
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            # With tied embeddings the loader fills lm_head from embed_tokens, so the last stage needs no embedding.
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    # ---- pieces a pipeline stage composes -----------------------------------------------------
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return self.cfg.layer_ids(FULL_ATTENTION, self.start_layer, self.end_layer)
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return self.cfg.layer_ids(LINEAR_ATTENTION, self.start_layer, self.end_layer)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return self.embed_tokens(tokens)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final norm and lm_head; logits in fp32."""
+        h = self.norm(h)
+        w = self.lm_head.weight[...]
+        return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
+
+    def forward_layers(
+        self, h: jax.Array, lengths: jax.Array, *, cache_len: int | None = None, experts=None
+    ) -> tuple[jax.Array, Cache]:
+        """Runs this range's layers over h [B, T, H] (right-padded, valid lengths [B]) and builds its cache.
+
+        `experts`, when given, maps a global layer id to that layer's (gate_up_proj, down_proj) (used by DWDP).
+        """
+        b, t, _ = h.shape
+        cache_len = t if cache_len is None else cache_len
+        if cache_len < t:
+            raise ValueError(f"cache_len {cache_len} is shorter than the prompt ({t} tokens)")
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        keys, values, convs, states = [], [], [], []
+        for layer in self.layers:
+            layer_experts = None if experts is None else experts(layer.layer_id)
+            h, cache = layer(h, positions, lengths, layer_experts)
+            if layer.layer_type == LINEAR_ATTENTION:
+                convs.append(cache[0])
+                states.append(cache[1])
+            else:
+                pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
+                keys.append(jnp.pad(cache[0], pad))
+                values.append(jnp.pad(cache[1], pad))
+        return h, self._stack_cache(keys, values, convs, states, lengths, b, cache_len)
+
+    def _stack_cache(self, keys, values, convs, states, lengths, b, cache_len) -> Cache:
+        cfg = self.cfg
+        kv_shape = (0, b, cache_len, cfg.num_key_value_heads, cfg.head_dim)
+        return Cache(
+            key=jnp.stack(keys) if keys else jnp.zeros(kv_shape, self.dtype),
+            value=jnp.stack(values) if values else jnp.zeros(kv_shape, self.dtype),
+            conv=jnp.stack(convs) if convs else jnp.zeros((0, b, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), self.dtype),
+            recurrent=jnp.stack(states)
+            if states
+            else jnp.zeros(
+                (0, b, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32
+            ),
+            lengths=lengths.astype(jnp.int32),
+            full_layer_ids=self.full_layer_ids,
+            linear_layer_ids=self.linear_layer_ids,
+        )
+
+    # ---- whole-model entry points -------------------------------------------------------------
+    def prefill(
+        self,
+        tokens: jax.Array,
+        lengths: jax.Array | None = None,
+        *,
+        logits: LogitsMode = "all",
+        cache_len: int | None = None,
+    ) -> tuple[jax.Array | None, Cache]:
+        """tokens [B, T] int32, right-padded; lengths [B] (default T). Returns (logits, cache).
+
+        logits="all": [B, T, V] fp32; "last": [B, V] at each sequence's last valid position; "none": None.
+        """
+        if not (self.is_first and self.is_last):
+            raise ValueError("prefill() needs the whole model; a pipeline stage runs forward_layers()")
+        b, t = tokens.shape
+        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        h, cache = self.forward_layers(self.embed(tokens), lengths, cache_len=cache_len)
+        return self.head(h, lengths, logits), cache
+
+    def head(self, h: jax.Array, lengths: jax.Array, mode: LogitsMode) -> jax.Array | None:
+        if mode == "none":
+            return None
+        if mode == "last":
+            h = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        elif mode != "all":
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {mode!r}")
+        return self.logits(h)
+
+    def decode_step(self, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """Reference decode of one token per sequence (tokens [B]) at position cache.lengths; logits [B, V] fp32.
+
+        Needs cache.capacity > max(cache.lengths) (prefill with cache_len > T).
+        """
+        position = cache.lengths
+        x = self.embed(tokens[:, None])
+        keys, values, convs, states = [], [], [], []
+        full_slot = {layer_id: i for i, layer_id in enumerate(cache.full_layer_ids)}
+        linear_slot = {layer_id: i for i, layer_id in enumerate(cache.linear_layer_ids)}
+        for layer in self.layers:
+            if layer.layer_type == LINEAR_ATTENTION:
+                i = linear_slot[layer.layer_id]
+                x, (c, s) = layer.decode(x, position, (cache.conv[i], cache.recurrent[i]))
+                convs.append(c)
+                states.append(s)
+            else:
+                i = full_slot[layer.layer_id]
+                x, (k, v) = layer.decode(x, position, (cache.key[i], cache.value[i]))
+                keys.append(k)
+                values.append(v)
+        new_cache = self._stack_cache(keys, values, convs, states, position + 1, tokens.shape[0], cache.capacity)
+        return self.logits(x[:, 0]), new_cache
