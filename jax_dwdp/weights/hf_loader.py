@@ -1,0 +1,187 @@
+"""Loading Hugging Face Qwen3.5-MoE safetensors checkpoints into jax_dwdp models, one tensor at a time.
+
+Tensors are read lazily from memory-mapped files, converted and placed on the device one by one, so host memory
+peaks near the largest tensor (a fused expert tensor when per-expert pieces are assembled), not the model.
+A loader for a layer range never reads the tensors of other layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model
+from jax_dwdp.weights import hf_names
+from jax_dwdp.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+
+log = logging.getLogger(__name__)
+
+# Decides where a parameter lives: (path, shape, dtype) -> a jax Sharding. Default: the first device.
+Placement = Callable[[hf_names.Path, tuple[int, ...], np.dtype], jax.sharding.Sharding]
+
+
+@dataclasses.dataclass
+class LoadReport:
+    tensors_loaded: int = 0
+    skipped_non_text: int = 0
+    skipped_other_layers: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return (
+            f"loaded {self.tensors_loaded} tensors ({self.bytes_read / 1e9:.3f} GB) in {self.seconds:.2f} s; "
+            f"skipped {self.skipped_non_text} vision/MTP tensors and {self.skipped_other_layers} tensors of "
+            "layers outside the range"
+        )
+
+
+def load_config(checkpoint_dir: str | Path) -> ModelConfig:
+    path = Path(checkpoint_dir) / "config.json"
+    return ModelConfig.from_json_file(path)
+
+
+def _convert(array: np.ndarray, dtype: np.dtype, name: str, file: Path) -> np.ndarray:
+    if not (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
+        raise CheckpointError(f"{file}: tensor {name} has dtype {array.dtype}; expected a floating-point tensor")
+    return array.astype(dtype, copy=False)
+
+
+class _ExpertAssembler:
+    """Builds fused expert tensors from per-expert pieces; host memory: one fused tensor per open layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.buffers: dict[hf_names.Path, np.ndarray] = {}
+        self.seen: dict[hf_names.Path, set[tuple[int, str]]] = {}
+
+    def add(self, target: hf_names.Target, piece: np.ndarray, shape, dtype, name: str, file: Path):
+        i, h = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        expected = (h, i) if target.part == "down_proj" else (i, h)
+        if tuple(piece.shape) != expected:
+            raise CheckpointError(f"{file}: tensor {name} has shape {tuple(piece.shape)}; expected {expected}")
+        if not 0 <= target.expert < self.cfg.num_experts:
+            raise CheckpointError(f"{file}: tensor {name} names expert {target.expert}; the model has {self.cfg.num_experts}")
+        buf = self.buffers.get(target.path)
+        if buf is None:
+            buf = self.buffers[target.path] = np.empty(shape, dtype)
+            self.seen[target.path] = set()
+        rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[target.part]
+        buf[target.expert, rows] = _convert(piece, dtype, name, file)
+        self.seen[target.path].add((target.expert, target.part))
+        parts = ("down_proj",) if target.part == "down_proj" else ("gate_proj", "up_proj")
+        if len(self.seen[target.path]) == self.cfg.num_experts * len(parts):
+            del self.seen[target.path]
+            return self.buffers.pop(target.path)
+        return None
+
+    def missing(self, start_layer: int) -> str | None:
+        for path, seen in self.seen.items():
+            parts = ("down_proj",) if path[-1] == "down_proj" else ("gate_proj", "up_proj")
+            for e in range(self.cfg.num_experts):
+                for p in parts:
+                    if (e, p) not in seen:
+                        layer = int(path[1]) + start_layer
+                        return f"model.language_model.layers.{layer}.mlp.experts.{e}.{p}.weight"
+        return None
+
+
+def load_hf_checkpoint(
+    checkpoint_dir: str | Path,
+    *,
+    cfg: ModelConfig | None = None,
+    dtype=jnp.bfloat16,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+    placement: Placement | None = None,
+) -> tuple[Qwen35MoeForCausalLM, LoadReport]:
+    """Loads layers [start_layer, end_layer) (and the embedding / head when the range has them).
+
+    Raises CheckpointError naming the file, the tensor and the expected shape for a missing, unexpected or
+    mis-shaped tensor.
+    """
+    t0 = time.perf_counter()
+    checkpoint_dir = Path(checkpoint_dir)
+    cfg = cfg or load_config(checkpoint_dir)
+    end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
+    dtype = jnp.dtype(dtype)
+    model = abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer)
+    graphdef, abstract = nnx.split(model)
+    expected = {path: var for path, var in nnx.to_flat_state(abstract)}
+    if placement is None:
+        device = jax.devices()[0]
+        placement = lambda path, shape, dt: jax.sharding.SingleDeviceSharding(device)  # noqa: E731
+    loaded: dict[hf_names.Path, jax.Array] = {}
+    report = LoadReport()
+    assembler = _ExpertAssembler(cfg)
+
+    def place(path, array: np.ndarray, name: str, file: Path):
+        var = expected[path]
+        if tuple(array.shape) != tuple(var.shape):
+            raise CheckpointError(
+                f"{file}: tensor {name} has shape {tuple(array.shape)}; expected {tuple(var.shape)}"
+            )
+        if path in loaded:
+            raise CheckpointError(f"{file}: tensor {name} is given twice (as fused and per-expert tensors?)")
+        host = _convert(array, var.dtype, name, file)
+        loaded[path] = jax.device_put(host, placement(path, tuple(var.shape), var.dtype))
+        report.tensors_loaded += 1
+
+    with SafetensorsCheckpoint(checkpoint_dir) as ckpt:
+        for name in ckpt.names():
+            info = ckpt.info(name)
+            target = hf_names.classify(name, start_layer, end_layer)
+            if target is None:
+                raise CheckpointError(f"{info.file}: unexpected tensor {name} (not part of the Qwen3.5-MoE text model)")
+            if target.kind == "non_text":
+                report.skipped_non_text += 1
+            elif target.kind == "other_layer":
+                if target.layer >= cfg.num_hidden_layers:
+                    raise CheckpointError(
+                        f"{info.file}: tensor {name} belongs to layer {target.layer}, but the config has "
+                        f"{cfg.num_hidden_layers} layers"
+                    )
+                report.skipped_other_layers += 1
+            elif target.kind == "expert_piece":
+                var = expected.get(target.path)
+                if var is None:
+                    raise CheckpointError(f"{info.file}: unexpected tensor {name}")
+                fused = assembler.add(target, ckpt.read(name), tuple(var.shape), var.dtype, name, info.file)
+                if fused is not None:
+                    place(target.path, fused, name, info.file)
+            else:
+                path = target.path
+                if path == ("embed_tokens", "weight") and cfg.tie_word_embeddings and ("lm_head", "weight") in expected:
+                    place(("lm_head", "weight"), ckpt.read(name), name, info.file)
+                if path not in expected:
+                    if path in (("embed_tokens", "weight"), ("norm", "weight"), ("lm_head", "weight")):
+                        report.skipped_other_layers += 1  # belongs to another pipeline stage
+                        continue
+                    raise CheckpointError(
+                        f"{info.file}: unexpected tensor {name} (no parameter {'.'.join(map(str, path))} in "
+                        f"layer type {cfg.layer_types[target.layer] if target.layer is not None else 'model'})"
+                    )
+                place(path, ckpt.read(name), name, info.file)
+        report.bytes_read = ckpt.bytes_read
+        missing_piece = assembler.missing(start_layer)
+        if missing_piece is not None:
+            raise CheckpointError(f"{checkpoint_dir}: missing tensor {missing_piece}")
+    for path, var in expected.items():
+        if path not in loaded:
+            raise CheckpointError(
+                f"{checkpoint_dir}: missing tensor {hf_names.hf_name(path, start_layer)} "
+                f"(expected shape {tuple(var.shape)})"
+            )
+    state = nnx.from_flat_state([(path, type(var)(loaded[path])) for path, var in expected.items()])
+    report.seconds = time.perf_counter() - t0
+    log.info("%s", report.line())
+    return nnx.merge(graphdef, state), report
