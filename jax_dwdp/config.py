@@ -235,8 +235,12 @@ class ModelConfig:
             f"{self.num_hidden_layers} layers ({len(self.layer_ids(LINEAR_ATTENTION))} linear, "
             f"{len(self.layer_ids(FULL_ATTENTION))} full), hidden {self.hidden_size}, "
             f"{self.num_experts} experts top-{self.num_experts_per_tok}, "
-            f"{counts['total'] / 1e9:.3g}B params ({counts['active'] / 1e9:.3g}B active)"
+            f"{_count(counts['total'])} params ({_count(counts['active'])} active)"
         )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -1,0 +1,214 @@
+"""The `jax-dwdp` command line.
+
+    jax-dwdp prefill (--checkpoint DIR | --preset NAME) [--tokens FILE.npy | --batch B --seq-len T]
+                     [--dtype bfloat16|float32] [--logits-out FILE.npy] [--json]
+
+Bad input ends with one line on stderr starting with "error:" and a non-zero exit status, never a traceback
+(pass --debug to see one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DTYPES = ("bfloat16", "float32")
+EXIT_BAD_INPUT = 2
+EXIT_RUNTIME = 1
+
+
+class UsageError(ValueError):
+    """A command line that cannot run; the message says why."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", type=Path, help="HF safetensors folder (with config.json)")
+    src.add_argument("--preset", help="tiny | 35b-a3b | 122b-a10b | 397b-a17b (random weights)")
+    p.add_argument("--num-layers", type=int, help="with --preset: keep only the first N layers")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and random tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jax-dwdp", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prefill", help="run a jit-compiled prefill and report its speed")
+    _add_model_args(p)
+    p.add_argument("--tokens", type=Path, help="int32 [B, T] .npy of token ids")
+    p.add_argument("--batch", type=int, default=1, help="random tokens: sequences (default 1)")
+    p.add_argument("--seq-len", type=int, default=128, help="random tokens: length (default 128)")
+    p.add_argument("--logits-out", type=Path, help="write float32 [B, T, V] logits of all positions here")
+    p.add_argument("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _dtype(name: str):
+    import jax.numpy as jnp
+
+    if name not in DTYPES:
+        raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return jnp.dtype(name)
+
+
+def _load_tokens(args, vocab_size: int):
+    import numpy as np
+
+    if args.tokens is not None:
+        if not args.tokens.is_file():
+            raise UsageError(f"--tokens {args.tokens}: no such file")
+        try:
+            tokens = np.load(args.tokens, allow_pickle=False)
+        except Exception as e:  # numpy raises several types for a file that is not .npy
+            raise UsageError(f"--tokens {args.tokens}: not a readable .npy file ({e})") from None
+        return tokens
+    if args.batch < 1 or args.seq_len < 1:
+        raise UsageError(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
+    rng = np.random.default_rng(args.seed)
+    return rng.integers(0, vocab_size, (args.batch, args.seq_len)).astype(np.int32)
+
+
+def _load_model(args, dtype):
+    from jax_dwdp.config import ModelConfig
+
+    if args.checkpoint is not None:
+        from jax_dwdp.weights.hf_loader import load_hf_checkpoint, load_config
+
+        if not args.checkpoint.is_dir():
+            raise UsageError(f"--checkpoint {args.checkpoint}: no such folder")
+        cfg = load_config(args.checkpoint)
+        model, report = load_hf_checkpoint(args.checkpoint, cfg=cfg, dtype=dtype)
+        return cfg, model, report.line()
+    from jax_dwdp.model import init_model
+
+    cfg = ModelConfig.preset(args.preset)
+    if args.num_layers is not None:
+        if not 1 <= args.num_layers <= cfg.num_hidden_layers:
+            raise UsageError(f"--num-layers must lie in [1, {cfg.num_hidden_layers}], got {args.num_layers}")
+        cfg = cfg.replace(num_hidden_layers=args.num_layers)
+    return cfg, init_model(cfg, dtype=dtype, seed=args.seed), f"random weights ({cfg.summary()})"
+
+
+def _peak_memory_bytes() -> int | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def _save_npy_atomically(path: Path, array) -> None:
+    import numpy as np
+
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def cmd_prefill(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_dwdp.prefill import check_tokens, jit_prefill
+
+    dtype = _dtype(args.dtype)
+    if args.iters < 1:
+        raise UsageError(f"--iters must be >= 1, got {args.iters}")
+    if args.logits_out is not None and not args.logits_out.parent.is_dir():
+        raise UsageError(f"--logits-out {args.logits_out}: folder {args.logits_out.parent} does not exist")
+    if args.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    cfg, model, source = _load_model(args, dtype)
+    tokens, lengths = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
+    mode = "all" if args.logits_out is not None else "last"
+    prefill = jit_prefill(model, logits=mode)
+    tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
+
+    t0 = time.perf_counter()
+    prefill.lower(tokens_d, lengths_d).compile()
+    compile_s = time.perf_counter() - t0
+    logits, cache = prefill(tokens_d, lengths_d)  # warm-up (first call also fills jit's cache)
+    jax.block_until_ready((logits, cache))
+    times = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(prefill(tokens_d, lengths_d))
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    n_tokens = int(tokens.size)
+    flops = cfg.flops_per_token(tokens.shape[1]) * n_tokens
+    if args.logits_out is not None:
+        _save_npy_atomically(args.logits_out, np.asarray(logits, np.float32))
+    return {
+        "command": "prefill",
+        "model": source,
+        "platform": jax.devices()[0].platform,
+        "device": jax.devices()[0].device_kind,
+        "dtype": args.dtype,
+        "batch": int(tokens.shape[0]),
+        "seq_len": int(tokens.shape[1]),
+        "compile_s": round(compile_s, 3),
+        "prefill_s": round(seconds, 5),
+        "tokens_per_s": round(n_tokens / seconds, 1),
+        "tflops_per_s": round(flops / seconds / 1e12, 2),
+        "peak_device_memory_bytes": _peak_memory_bytes(),
+        "cache_bytes": int(cache.nbytes()),
+        "logits_out": str(args.logits_out) if args.logits_out else None,
+        "logits_finite": bool(np.isfinite(np.asarray(logits)).all()),
+    }
+
+
+def _print_human(result: dict) -> None:
+    peak = result.get("peak_device_memory_bytes")
+    peak_s = f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a on this platform"
+    print(f"model: {result['model']}")
+    print(f"{result['platform']} ({result['device']}), {result['dtype']}, batch {result['batch']} x {result['seq_len']} tokens")
+    print(f"compile: {result['compile_s']:.2f} s; prefill: {result['prefill_s'] * 1e3:.2f} ms")
+    print(f"tokens/s: {result['tokens_per_s']:.1f}  ({result['tflops_per_s']} TFLOP/s)")
+    print(f"peak device memory: {peak_s}")
+    if result.get("logits_out"):
+        print(f"logits written to {result['logits_out']}")
+
+
+COMMANDS = {"prefill": cmd_prefill}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jax_dwdp.config import ConfigError
+    from jax_dwdp.prefill import InputError
+    from jax_dwdp.weights.safetensors_reader import CheckpointError
+
+    try:
+        result = COMMANDS[args.command](args)
+    except (UsageError, ConfigError, InputError, CheckpointError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:  # a device or XLA failure: one line, the first of its message
+        if args.debug:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"error: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_RUNTIME
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_human(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The `jax-dwdp prefill` command: output contract, logits file, and one clear line for each bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dwdp.cli import main
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.prefill import jit_prefill
+from jax_dwdp.weights.hf_loader import load_hf_checkpoint
+from tests.hf_reference import random_hf_model, rel_err, save_hf
+
+SMALL = ModelConfig.preset("tiny").replace(num_hidden_layers=2, vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_hf(random_hf_model(SMALL, seed=7), tmp_path_factory.mktemp("ckpt") / "hf")
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_console_script_prints_one_json_object():
+    exe = shutil.which("jax-dwdp") or sys.executable
+    cmd = [exe] if exe.endswith("jax-dwdp") else [exe, "-m", "jax_dwdp.cli"]
+    proc = subprocess.run(cmd + ["prefill", "--preset", "tiny", "--batch", "2", "--seq-len", "33", "--json",
+                                 "--iters", "1"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["batch"] == 2 and result["seq_len"] == 33 and result["logits_finite"]
+    assert result["tokens_per_s"] > 0 and result["compile_s"] > 0
+
+
+def test_logits_out_matches_python_api(tmp_path, capsys, checkpoint, rng):
+    tokens = rng.integers(0, SMALL.vocab_size, (2, 21)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    code, out, err = run_cli(capsys, "prefill", "--checkpoint", str(checkpoint), "--tokens", str(tmp_path / "tokens.npy"),
+                             "--dtype", "float32", "--logits-out", str(tmp_path / "logits.npy"), "--json", "--iters", "1")
+    assert code == 0, err
+    logits = np.load(tmp_path / "logits.npy")
+    assert logits.dtype == np.float32 and logits.shape == (2, 21, SMALL.vocab_size)
+    model, _ = load_hf_checkpoint(checkpoint, dtype=jnp.float32)
+    expected, _ = jit_prefill(model)(tokens)
+    assert rel_err(logits, expected) <= 1e-5
+    assert json.loads(out)["logits_out"] == str(tmp_path / "logits.npy")
+
+
+def bad_cases(tmp_path, checkpoint):
+    np.save(tmp_path / "oov.npy", np.array([[1, 2, SMALL.vocab_size]], np.int32))
+    np.save(tmp_path / "empty.npy", np.zeros((1, 0), np.int32))
+    (tmp_path / "garbage.npy").write_bytes(b"not numpy")
+    ck = ["--checkpoint", str(checkpoint)]
+    return [
+        (ck + ["--tokens", str(tmp_path / "oov.npy")], f"token id {SMALL.vocab_size} is outside the vocabulary"),
+        (ck + ["--tokens", str(tmp_path / "empty.npy")], "tokens is empty"),
+        (ck + ["--tokens", str(tmp_path / "garbage.npy")], "not a readable .npy"),
+        (ck + ["--tokens", str(tmp_path / "missing.npy")], "no such file"),
+        (ck + ["--dtype", "float16"], "dtype 'float16' is not supported"),
+        (["--checkpoint", str(tmp_path / "nowhere")], "no such folder"),
+        (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--preset", "tiny", "--seq-len", "0"], "--seq-len must be >= 1"),
+        (["--preset", "tiny", "--logits-out", str(tmp_path / "no" / "dir.npy")], "does not exist"),
+    ]
+
+
+def test_bad_input_gives_one_clear_line(tmp_path, capsys, checkpoint):
+    for argv, message in bad_cases(tmp_path, checkpoint):
+        code, out, err = run_cli(capsys, "prefill", *argv, "--iters", "1")
+        assert code == 2, (argv, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argv, err)
+        assert "Traceback" not in err and out == ""
