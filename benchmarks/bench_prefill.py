@@ -1,0 +1,82 @@
+"""Prefill throughput of one model on one device: tokens/s, TFLOP/s, MFU, compile time, peak memory.
+
+    python benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 4096 16384 --out results.json
+
+Random weights are generated on the device once; each sequence length is compiled and timed in turn (shortest
+first, so the peak-memory reading after each run belongs to the largest run so far). MFU is against 781 TFLOP/s,
+the dense bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.model import init_model
+from jax_dwdp.prefill import jit_prefill
+
+PEAK_TFLOPS = 781.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="35b-a3b")
+    ap.add_argument("--num-layers", type=int)
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+
+    cfg = ModelConfig.preset(args.preset)
+    if args.num_layers:
+        cfg = cfg.replace(num_hidden_layers=args.num_layers)
+    t0 = time.perf_counter()
+    model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=0)
+    jax.block_until_ready(jax.tree.leaves(model))
+    init_s = time.perf_counter() - t0
+    device = jax.devices()[0]
+    rows = []
+    print(f"{cfg.summary()}; random init {init_s:.1f} s on {device.device_kind}")
+    print(f"{'tokens':>8} {'compile s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
+    for t in sorted(args.seq_lens):
+        tokens = np.random.default_rng(t).integers(0, cfg.vocab_size, (args.batch, t)).astype(np.int32)
+        lengths = np.full((args.batch,), t, np.int32)
+        prefill = jit_prefill(model, logits="last")
+        t0 = time.perf_counter()
+        prefill.lower(jnp.asarray(tokens), jnp.asarray(lengths)).compile()
+        compile_s = time.perf_counter() - t0
+        logits, _ = prefill(tokens, lengths)
+        finite = bool(np.isfinite(np.asarray(logits)).all())
+        times = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(prefill(tokens, lengths))
+            times.append(time.perf_counter() - t0)
+        sec = statistics.median(times)
+        n = args.batch * t
+        tflops = cfg.flops_per_token(t) * n / sec / 1e12
+        peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+        row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
+                   compile_s=round(compile_s, 2), prefill_ms=round(sec * 1e3, 2), tokens_per_s=round(n / sec),
+                   tflops=round(tflops, 1), mfu=round(tflops / PEAK_TFLOPS, 4),
+                   peak_gib=round(peak / 2**30, 2) if peak else None, logits_finite=finite,
+                   times_ms=[round(x * 1e3, 2) for x in times])
+        rows.append(row)
+        print(f"{t:>8} {compile_s:>9.1f} {sec * 1e3:>10.1f} {n / sec:>10.0f} {tflops:>8.1f} {tflops / PEAK_TFLOPS:>6.1%} "
+              f"{row['peak_gib'] or float('nan'):>8.2f}  finite={finite}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
