@@ -7,6 +7,7 @@ matmul). Later work swaps an implementation here without touching the model.
 
 from jax_dwdp.kernels.attention import causal_attention, decode_attention
 from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
+from jax_dwdp.kernels.grouped_matmul import ROW_MULTIPLE as GROUPED_MATMUL_ROW_MULTIPLE
 from jax_dwdp.kernels.grouped_matmul import grouped_matmul
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_step",
     "grouped_matmul",
+    "GROUPED_MATMUL_ROW_MULTIPLE",
 ]

@@ -46,14 +46,22 @@ def _mosaic_config(n: int, k: int) -> dict[str, int]:
     return dict(block_m=128, block_n=block_n, block_k=block_k, max_concurrent_steps=4, grid_block_n=grid_block_n)
 
 
+ROW_MULTIPLE = 8  # the Mosaic kernel's TMA tiling needs M % 8 == 0; callers can pre-pad to avoid a copy
+
+
 def _mosaic(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     # Imported lazily: Pallas Mosaic GPU pulls in GPU-only lowering code.
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
+    m = x.shape[0]
+    pad = (-m) % ROW_MULTIPLE
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
     n, k = w.shape[1], w.shape[2]
-    return ragged_dot_mgpu.ragged_dot(
+    out = ragged_dot_mgpu.ragged_dot(
         x, w, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=True, **_mosaic_config(n, k)
     )
+    return out[:m] if pad else out
 
 
 IMPLEMENTATIONS = {"xla": _xla, "mosaic": _mosaic}

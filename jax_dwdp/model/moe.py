@@ -49,14 +49,16 @@ def routed_experts(
     m, k = expert_ids.shape
     num_experts, two_i, _ = gate_up_proj.shape
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
-    rows = x[order // k]  # [M*k, H]
+    # Row count padded to the kernels' row multiple inside the gather itself (no extra copy); the padded rows
+    # belong to no group and are dropped by the final gather.
+    pad = (-m * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
+    rows = x[jnp.pad(order, (0, pad)) // k]  # [M*k + pad, H]
     gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
     gate, up = gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :]
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
-    out = out * expert_weights.reshape(-1)[order][:, None]
-    inverse = jnp.argsort(order)
-    return jnp.sum(out[inverse].reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
+    out = out[jnp.argsort(order)] * expert_weights.reshape(-1)[:, None]  # back to (token, slot) order
+    return jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
 
 
 class Router(nnx.Module):
