@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--layerwise", action="store_true", help="one compiled program per layer type (fast compile)")
     args = ap.parse_args()
 
     cfg = ModelConfig.preset(args.preset)
@@ -50,7 +51,7 @@ def main() -> None:
     for t in sorted(args.seq_lens):
         tokens = np.random.default_rng(t).integers(0, cfg.vocab_size, (args.batch, t)).astype(np.int32)
         lengths = np.full((args.batch,), t, np.int32)
-        prefill = jit_prefill(model, logits="last")
+        prefill = jit_prefill(model, logits="last", layerwise=args.layerwise)
         t0 = time.perf_counter()
         prefill.lower(jnp.asarray(tokens), jnp.asarray(lengths)).compile()
         compile_s = time.perf_counter() - t0
@@ -63,9 +64,9 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         sec = statistics.median(times)
         n = args.batch * t
-        tflops = cfg.flops_per_token(t) * n / sec / 1e12
+        tflops = cfg.prefill_flops(args.batch, t, args.batch) / sec / 1e12
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
-        row = dict(preset=args.preset, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
+        row = dict(preset=args.preset, layerwise=args.layerwise, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
                    compile_s=round(compile_s, 2), prefill_ms=round(sec * 1e3, 2), tokens_per_s=round(n / sec),
                    tflops=round(tflops, 1), mfu=round(tflops / PEAK_TFLOPS, 4),
                    peak_gib=round(peak / 2**30, 2) if peak else None, logits_finite=finite,

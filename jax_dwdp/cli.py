@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128, help="random tokens: length (default 128)")
     p.add_argument("--logits-out", type=Path, help="write float32 [B, T, V] logits of all positions here")
     p.add_argument("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
+    p.add_argument("--layerwise", action="store_true",
+                   help="compile one program per layer type instead of the whole model (fast compile for deep models)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -132,7 +134,7 @@ def cmd_prefill(args) -> dict:
     cfg, model, source = _load_model(args, dtype)
     tokens, lengths = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
     mode = "all" if args.logits_out is not None else "last"
-    prefill = jit_prefill(model, logits=mode)
+    prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
     tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
 
     t0 = time.perf_counter()
@@ -147,7 +149,8 @@ def cmd_prefill(args) -> dict:
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
     n_tokens = int(tokens.size)
-    flops = cfg.flops_per_token(tokens.shape[1]) * n_tokens
+    logits_positions = n_tokens if mode == "all" else tokens.shape[0]
+    flops = cfg.prefill_flops(tokens.shape[0], tokens.shape[1], logits_positions)
     if args.logits_out is not None:
         _save_npy_atomically(args.logits_out, np.asarray(logits, np.float32))
     return {

@@ -138,15 +138,19 @@ class ModelConfig:
         active = dense + embed + self.num_hidden_layers * self.num_experts_per_tok * expert
         return {"total": total, "active": active}
 
-    def flops_per_token(self, context: int) -> float:
-        """Forward FLOPs per token at a given causal context (matmuls + attention), for MFU."""
+    def prefill_flops(self, batch: int, seq_len: int, logits_positions: int) -> float:
+        """Forward FLOPs of a causal prefill (matmuls + attention), for MFU.
+
+        lm_head is counted only for the positions whose logits are computed (1 per sequence for "last").
+        """
         counts = self.param_counts()
-        # Embedding lookup is not a matmul.
-        matmul_params = counts["active"] - self.vocab_size * self.hidden_size
+        head = self.vocab_size * self.hidden_size
+        embed = self.vocab_size * self.hidden_size
+        layer_params = counts["active"] - head - embed  # the embedding is a lookup, not a matmul
         n_full = len(self.layer_ids(FULL_ATTENTION))
-        # QK^T and PV over an average causal context of context/2.
-        attn = n_full * 2 * 2 * self.num_attention_heads * self.head_dim * (context / 2)
-        return 2.0 * matmul_params + attn
+        # QK^T and PV over the average causal context seq_len / 2.
+        attn_per_token = n_full * 2 * 2 * self.num_attention_heads * self.head_dim * (seq_len / 2)
+        return batch * seq_len * (2.0 * layer_params + attn_per_token) + 2.0 * head * logits_positions
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

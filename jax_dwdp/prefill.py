@@ -6,6 +6,7 @@ are neither baked into the executable nor copied per call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -45,15 +46,33 @@ def check_tokens(tokens, vocab_size: int, lengths=None) -> tuple[np.ndarray, np.
     return tokens.astype(np.int32), lengths.astype(np.int32)
 
 
+def _precision(model: Qwen35MoeForCausalLM):
+    """fp32 models are reference runs: every matmul in full fp32 (the GPU would otherwise use TF32)."""
+    return jax.default_matmul_precision("highest" if model.dtype == jnp.float32 else None)
+
+
 def jit_prefill(
-    model: Qwen35MoeForCausalLM, *, logits: LogitsMode = "all", cache_len: int | None = None
+    model: Qwen35MoeForCausalLM,
+    *,
+    logits: LogitsMode = "all",
+    cache_len: int | None = None,
+    layerwise: bool = False,
 ) -> Callable[..., tuple[jax.Array | None, Cache]]:
-    """Returns prefill(tokens [B, T], lengths [B] | None) -> (logits, cache), compiled once per shape."""
+    """Returns prefill(tokens [B, T], lengths [B] | None) -> (logits, cache), compiled once per shape.
+
+    layerwise=False compiles the whole prefill as one program. layerwise=True compiles one program per layer type
+    (the layers of a type share it, their weights passed as arguments) and runs the layers from Python: the same
+    numbers, a compile time independent of depth (XLA needs about 10 s per layer on the GPU for whole-model
+    programs), and a few microseconds of dispatch per layer.
+    """
+    if layerwise:
+        return _layerwise_prefill(model, logits=logits, cache_len=cache_len)
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def run(state, tokens, lengths):
-        return nnx.merge(graphdef, state).prefill(tokens, lengths, logits=logits, cache_len=cache_len)
+        with _precision(model):
+            return nnx.merge(graphdef, state).prefill(tokens, lengths, logits=logits, cache_len=cache_len)
 
     def prefill(tokens, lengths=None):
         tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths)
@@ -63,13 +82,70 @@ def jit_prefill(
     return prefill
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _run_layer(graphdef, state, h, positions, lengths):
+    with jax.default_matmul_precision("highest" if h.dtype == jnp.float32 else None):
+        return nnx.merge(graphdef, state)(h, positions, lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _embed(graphdef, state, tokens):
+    return nnx.merge(graphdef, state).embed(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _head(graphdef, state, h, lengths, mode):
+    with jax.default_matmul_precision("highest" if h.dtype == jnp.float32 else None):
+        return nnx.merge(graphdef, state).head(h, lengths, mode)
+
+
+def _layerwise_prefill(model: Qwen35MoeForCausalLM, *, logits: LogitsMode, cache_len: int | None):
+    # Layers of one type differ only in weights and in their (static) layer id: run every layer through the
+    # graphdef of the first layer of its type, so they share one executable.
+    canonical = {}
+    for layer in model.layers:
+        canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
+    layer_states = {id(layer): nnx.state(layer) for layer in model.layers}
+    graphdef, state = nnx.split(model)
+
+    def run_layer(layer, h, positions, lengths, experts):
+        if experts is not None:
+            raise ValueError("layer-wise prefill takes no expert override")
+        return _run_layer(canonical[layer.layer_type], layer_states[id(layer)], h, positions, lengths)
+
+    def run(tokens, lengths):
+        h = _embed(graphdef, state, tokens)
+        h, cache = model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
+        return _head(graphdef, state, h, lengths, logits), cache
+
+    def prefill(tokens, lengths=None):
+        tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths)
+        return run(jnp.asarray(tokens), jnp.asarray(lengths))
+
+    def lower(tokens, lengths):
+        """Compiles every program once (on dummy data of these shapes); returns an object with .compile()."""
+        return _Warmup(lambda: jax.block_until_ready(run(tokens, lengths)))
+
+    prefill.lower = lower
+    return prefill
+
+
+class _Warmup:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def compile(self):
+        return self.fn()
+
+
 def jit_decode_step(model: Qwen35MoeForCausalLM) -> Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]:
     """Returns decode(tokens [B], cache) -> (logits [B, V], cache), the reference single-token step."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def run(state, tokens, cache):
-        return nnx.merge(graphdef, state).decode_step(tokens, cache)
+        with _precision(model):
+            return nnx.merge(graphdef, state).decode_step(tokens, cache)
 
     def decode(tokens, cache: Cache):
         tokens = np.asarray(tokens)

@@ -43,6 +43,18 @@ def test_decode_continues_prefill(model32, rng):
         assert e <= 1e-5, field
 
 
+def test_layerwise_prefill_equals_whole_program(model32, rng):
+    lengths = np.array([70, 41], np.int32)
+    tokens = rng.integers(0, CFG.vocab_size, (2, 70)).astype(np.int32)
+    whole_logits, whole = jit_prefill(model32, logits="last", cache_len=75)(tokens, lengths)
+    lw_logits, lw = jit_prefill(model32, logits="last", cache_len=75, layerwise=True)(tokens, lengths)
+    assert lw.full_layer_ids == whole.full_layer_ids and lw.linear_layer_ids == whole.linear_layer_ids
+    for name, a, b in [("logits", lw_logits, whole_logits), ("key", lw.key, whole.key),
+                       ("recurrent", lw.recurrent, whole.recurrent), ("conv", lw.conv, whole.conv)]:
+        assert a.shape == b.shape
+        assert rel_err(a, b) <= 1e-5, name
+
+
 def test_decode_on_full_cache_is_refused(model32, rng):
     tokens = rng.integers(0, CFG.vocab_size, (1, 9)).astype(np.int32)
     _, cache = jit_prefill(model32, logits="none")(tokens)

@@ -7,6 +7,7 @@ allocated for the range only and indexed by position inside it (see `Cache`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -128,12 +129,20 @@ class Qwen35MoeForCausalLM(nnx.Module):
         return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
 
     def forward_layers(
-        self, h: jax.Array, lengths: jax.Array, *, cache_len: int | None = None, experts=None
+        self,
+        h: jax.Array,
+        lengths: jax.Array,
+        *,
+        cache_len: int | None = None,
+        experts=None,
+        run_layer: Callable | None = None,
     ) -> tuple[jax.Array, Cache]:
         """Runs this range's layers over h [B, T, H] (right-padded, valid lengths [B]) and builds its cache.
 
         `experts`, when given, maps a global layer id to that layer's (gate_up_proj, down_proj) (used by DWDP).
+        `run_layer(layer, h, positions, lengths, experts)` replaces the plain call (layer-wise compilation uses it).
         """
+        run_layer = run_layer or (lambda layer, *args: layer(*args))
         b, t, _ = h.shape
         cache_len = t if cache_len is None else cache_len
         if cache_len < t:
@@ -142,7 +151,7 @@ class Qwen35MoeForCausalLM(nnx.Module):
         keys, values, convs, states = [], [], [], []
         for layer in self.layers:
             layer_experts = None if experts is None else experts(layer.layer_id)
-            h, cache = layer(h, positions, lengths, layer_experts)
+            h, cache = run_layer(layer, h, positions, lengths, layer_experts)
             if layer.layer_type == LINEAR_ATTENTION:
                 convs.append(cache[0])
                 states.append(cache[1])
