@@ -23,6 +23,7 @@ def random_hf_model(cfg: ModelConfig, seed: int) -> Qwen3_5MoeForCausalLM:
     torch.manual_seed(seed)
     model = Qwen3_5MoeForCausalLM(hf_text_config(cfg)).eval()
     model.config._attn_implementation = "eager"
+    model.config._experts_implementation = "eager"  # the per-expert loop: exact, any shape
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
