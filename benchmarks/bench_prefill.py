@@ -53,7 +53,7 @@ def main() -> None:
         lengths = np.full((args.batch,), t, np.int32)
         prefill = jit_prefill(model, logits="last", layerwise=args.layerwise)
         t0 = time.perf_counter()
-        prefill.lower(jnp.asarray(tokens), jnp.asarray(lengths)).compile()
+        prefill.compile(tokens, lengths)
         compile_s = time.perf_counter() - t0
         logits, _ = prefill(tokens, lengths)
         finite = bool(np.isfinite(np.asarray(logits)).all())

@@ -138,7 +138,7 @@ def cmd_prefill(args) -> dict:
     tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
 
     t0 = time.perf_counter()
-    prefill.lower(tokens_d, lengths_d).compile()
+    prefill.compile(tokens_d, lengths_d)
     compile_s = time.perf_counter() - t0
     logits, cache = prefill(tokens_d, lengths_d)  # warm-up (first call also fills jit's cache)
     jax.block_until_ready((logits, cache))

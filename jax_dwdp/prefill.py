@@ -46,9 +46,75 @@ def check_tokens(tokens, vocab_size: int, lengths=None) -> tuple[np.ndarray, np.
     return tokens.astype(np.int32), lengths.astype(np.int32)
 
 
-def _precision(model: Qwen35MoeForCausalLM):
+def _precision(dtype):
     """fp32 models are reference runs: every matmul in full fp32 (the GPU would otherwise use TF32)."""
-    return jax.default_matmul_precision("highest" if model.dtype == jnp.float32 else None)
+    return jax.default_matmul_precision("highest" if jnp.dtype(dtype) == jnp.float32 else None)
+
+
+class StageProgram:
+    """A compiled `model.forward` (whole model or one pipeline stage): (x, lengths) -> (logits | hidden, cache).
+
+    layerwise=False compiles the range as one program. layerwise=True compiles one program per layer type (the
+    layers of a type share it, their weights passed as arguments) and runs the layers from Python: the same
+    numbers, a compile time independent of depth (XLA needs about 10 s per layer on the GPU for whole-model
+    programs), and a few microseconds of dispatch per layer.
+    """
+
+    def __init__(self, model: Qwen35MoeForCausalLM, *, logits: LogitsMode = "all", cache_len: int | None = None,
+                 layerwise: bool = False):
+        self.model, self.logits, self.cache_len, self.layerwise = model, logits, cache_len, layerwise
+        self.graphdef, self.state = nnx.split(model)
+        if layerwise:
+            # Layers of one type differ only in weights and their static layer id: run every layer through the
+            # graphdef of the first layer of its type, so that they share one executable.
+            self.canonical = {}
+            for layer in model.layers:
+                self.canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
+            self.layer_states = {id(layer): nnx.state(layer) for layer in model.layers}
+        else:
+            self._whole = jax.jit(self._forward)
+
+    def _forward(self, state, x, lengths):
+        with _precision(self.model.dtype):
+            return nnx.merge(self.graphdef, state).forward(x, lengths, logits=self.logits, cache_len=self.cache_len)
+
+    def _run_layer(self, layer, h, positions, lengths, experts):
+        if experts is not None:
+            raise ValueError("layer-wise prefill takes no expert override")
+        return _run_layer(self.canonical[layer.layer_type], self.layer_states[id(layer)], h, positions, lengths)
+
+    def __call__(self, x: jax.Array, lengths: jax.Array):
+        if not self.layerwise:
+            return self._whole(self.state, x, lengths)
+        model = self.model
+        h = _embed(self.graphdef, self.state, x) if model.is_first else x
+        h, cache = model.forward_layers(h, lengths, cache_len=self.cache_len, run_layer=self._run_layer)
+        out = _head(self.graphdef, self.state, h, lengths, self.logits) if model.is_last else h
+        return out, cache
+
+    def compile(self, x: jax.Array, lengths: jax.Array) -> None:
+        """Compiles ahead of time for these shapes (layer-wise: by one run, which compiles each program once)."""
+        if self.layerwise:
+            jax.block_until_ready(self(x, lengths))
+        else:
+            self._whole.lower(self.state, x, lengths).compile()
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _run_layer(graphdef, state, h, positions, lengths):
+    with _precision(h.dtype):
+        return nnx.merge(graphdef, state)(h, positions, lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _embed(graphdef, state, tokens):
+    return nnx.merge(graphdef, state).embed(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _head(graphdef, state, h, lengths, mode):
+    with _precision(h.dtype):
+        return nnx.merge(graphdef, state).head(h, lengths, mode)
 
 
 def jit_prefill(
@@ -60,82 +126,18 @@ def jit_prefill(
 ) -> Callable[..., tuple[jax.Array | None, Cache]]:
     """Returns prefill(tokens [B, T], lengths [B] | None) -> (logits, cache), compiled once per shape.
 
-    layerwise=False compiles the whole prefill as one program. layerwise=True compiles one program per layer type
-    (the layers of a type share it, their weights passed as arguments) and runs the layers from Python: the same
-    numbers, a compile time independent of depth (XLA needs about 10 s per layer on the GPU for whole-model
-    programs), and a few microseconds of dispatch per layer.
+    `prefill.compile(tokens, lengths)` compiles ahead of time. See StageProgram for `layerwise`.
     """
-    if layerwise:
-        return _layerwise_prefill(model, logits=logits, cache_len=cache_len)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def run(state, tokens, lengths):
-        with _precision(model):
-            return nnx.merge(graphdef, state).prefill(tokens, lengths, logits=logits, cache_len=cache_len)
+    if not (model.is_first and model.is_last):
+        raise ValueError("jit_prefill needs the whole model; pipeline stages run through jax_dwdp.parallel")
+    program = StageProgram(model, logits=logits, cache_len=cache_len, layerwise=layerwise)
 
     def prefill(tokens, lengths=None):
         tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths)
-        return run(state, jnp.asarray(tokens), jnp.asarray(lengths))
+        return program(jnp.asarray(tokens), jnp.asarray(lengths))
 
-    prefill.lower = lambda tokens, lengths: run.lower(state, tokens, lengths)  # for AOT compile timing
+    prefill.compile = lambda tokens, lengths: program.compile(jnp.asarray(tokens), jnp.asarray(lengths))
     return prefill
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _run_layer(graphdef, state, h, positions, lengths):
-    with jax.default_matmul_precision("highest" if h.dtype == jnp.float32 else None):
-        return nnx.merge(graphdef, state)(h, positions, lengths)
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _embed(graphdef, state, tokens):
-    return nnx.merge(graphdef, state).embed(tokens)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _head(graphdef, state, h, lengths, mode):
-    with jax.default_matmul_precision("highest" if h.dtype == jnp.float32 else None):
-        return nnx.merge(graphdef, state).head(h, lengths, mode)
-
-
-def _layerwise_prefill(model: Qwen35MoeForCausalLM, *, logits: LogitsMode, cache_len: int | None):
-    # Layers of one type differ only in weights and in their (static) layer id: run every layer through the
-    # graphdef of the first layer of its type, so they share one executable.
-    canonical = {}
-    for layer in model.layers:
-        canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
-    layer_states = {id(layer): nnx.state(layer) for layer in model.layers}
-    graphdef, state = nnx.split(model)
-
-    def run_layer(layer, h, positions, lengths, experts):
-        if experts is not None:
-            raise ValueError("layer-wise prefill takes no expert override")
-        return _run_layer(canonical[layer.layer_type], layer_states[id(layer)], h, positions, lengths)
-
-    def run(tokens, lengths):
-        h = _embed(graphdef, state, tokens)
-        h, cache = model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
-        return _head(graphdef, state, h, lengths, logits), cache
-
-    def prefill(tokens, lengths=None):
-        tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths)
-        return run(jnp.asarray(tokens), jnp.asarray(lengths))
-
-    def lower(tokens, lengths):
-        """Compiles every program once (on dummy data of these shapes); returns an object with .compile()."""
-        return _Warmup(lambda: jax.block_until_ready(run(tokens, lengths)))
-
-    prefill.lower = lower
-    return prefill
-
-
-class _Warmup:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def compile(self):
-        return self.fn()
 
 
 def jit_decode_step(model: Qwen35MoeForCausalLM) -> Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]:
@@ -144,7 +146,7 @@ def jit_decode_step(model: Qwen35MoeForCausalLM) -> Callable[[jax.Array, Cache],
 
     @jax.jit
     def run(state, tokens, cache):
-        with _precision(model):
+        with _precision(model.dtype):
             return nnx.merge(graphdef, state).decode_step(tokens, cache)
 
     def decode(tokens, cache: Cache):

@@ -47,6 +47,28 @@ class Cache:
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in (self.key, self.value, self.conv, self.recurrent))
 
+    @staticmethod
+    def concat_batch(caches: list["Cache"]) -> "Cache":
+        """Joins caches of the same layers computed for consecutive slices of a batch (microbatches)."""
+        first = caches[0]
+        if len(caches) == 1:
+            return first
+        if any(c.full_layer_ids != first.full_layer_ids or c.linear_layer_ids != first.linear_layer_ids for c in caches):
+            raise ValueError("caches of different layer ranges cannot be joined along the batch")
+        cat = lambda name, axis: jnp.concatenate([getattr(c, name) for c in caches], axis=axis)  # noqa: E731
+        return first.replace(key=cat("key", 1), value=cat("value", 1), conv=cat("conv", 1),
+                             recurrent=cat("recurrent", 1), lengths=cat("lengths", 0))
+
+    @staticmethod
+    def concat_layers(caches: list["Cache"], device=None) -> "Cache":
+        """Joins the caches of consecutive layer ranges (pipeline stages) into one, on `device`."""
+        moved = [jax.device_put(c, device) for c in caches] if device is not None else caches
+        cat = lambda name: jnp.concatenate([getattr(c, name) for c in moved], axis=0)  # noqa: E731
+        return Cache(key=cat("key"), value=cat("value"), conv=cat("conv"), recurrent=cat("recurrent"),
+                     lengths=moved[0].lengths,
+                     full_layer_ids=sum((c.full_layer_ids for c in caches), ()),
+                     linear_layer_ids=sum((c.linear_layer_ids for c in caches), ()))
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, *, dtype, rngs: nnx.Rngs):
@@ -179,6 +201,21 @@ class Qwen35MoeForCausalLM(nnx.Module):
         )
 
     # ---- whole-model entry points -------------------------------------------------------------
+    def forward(
+        self,
+        x: jax.Array,
+        lengths: jax.Array,
+        *,
+        logits: LogitsMode = "all",
+        cache_len: int | None = None,
+        run_layer: Callable | None = None,
+    ) -> tuple[jax.Array | None, Cache]:
+        """This range's share of a prefill: x is tokens [B, T] if the range starts at layer 0, else hidden states
+        [B, T, H]; returns logits (if the range ends at the last layer) or hidden states, and the range's cache."""
+        h = self.embed(x) if self.is_first else x
+        h, cache = self.forward_layers(h, lengths.astype(jnp.int32), cache_len=cache_len, run_layer=run_layer)
+        return (self.head(h, lengths, logits) if self.is_last else h), cache
+
     def prefill(
         self,
         tokens: jax.Array,
@@ -192,11 +229,10 @@ class Qwen35MoeForCausalLM(nnx.Module):
         logits="all": [B, T, V] fp32; "last": [B, V] at each sequence's last valid position; "none": None.
         """
         if not (self.is_first and self.is_last):
-            raise ValueError("prefill() needs the whole model; a pipeline stage runs forward_layers()")
+            raise ValueError("prefill() needs the whole model; a pipeline stage runs forward()")
         b, t = tokens.shape
-        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        h, cache = self.forward_layers(self.embed(tokens), lengths, cache_len=cache_len)
-        return self.head(h, lengths, logits), cache
+        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
+        return self.forward(tokens, lengths, logits=logits, cache_len=cache_len)
 
     def head(self, h: jax.Array, lengths: jax.Array, mode: LogitsMode) -> jax.Array | None:
         if mode == "none":

@@ -1,0 +1,27 @@
+"""The device mesh: axis 'pipeline' (stages) x axis 'dwdp' (ranks that share each stage's experts)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+AXES = ("pipeline", "dwdp")
+
+
+def make_mesh(pipeline: int = 1, dwdp: int = 1, devices: list[jax.Device] | None = None) -> Mesh:
+    """A (pipeline, dwdp) mesh over the first pipeline * dwdp devices (all of them by default).
+
+    Stage s owns row s of the mesh. On the CPU, tests get several devices with
+    XLA_FLAGS=--xla_force_host_platform_device_count=N.
+    """
+    if pipeline < 1 or dwdp < 1:
+        raise ValueError(f"mesh sizes must be >= 1, got pipeline={pipeline} dwdp={dwdp}")
+    devices = list(jax.devices()) if devices is None else list(devices)
+    need = pipeline * dwdp
+    if len(devices) < need:
+        raise ValueError(
+            f"a mesh of pipeline={pipeline} x dwdp={dwdp} needs {need} devices; {len(devices)} "
+            f"{devices[0].platform if devices else ''} device(s) are available"
+        )
+    return Mesh(np.array(devices[:need]).reshape(pipeline, dwdp), AXES)

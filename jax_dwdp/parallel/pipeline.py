@@ -1,0 +1,179 @@
+"""Pipeline parallelism: contiguous layer ranges on the rows of the mesh, microbatches pushed through them.
+
+Each stage is a model built for its range [start_layer, end_layer) on its own device(s): it holds only those
+layers' weights (loaders skip other layers' tensors without reading them) and allocates caches only for them, one
+slot per linear- or full-attention layer of the range. Stages may cut through the 3 linear + 1 full pattern.
+
+The prefill is GPipe-style and MPMD: each stage is its own compiled program. The driver enqueues stage s for
+microbatch m right after stage s-1, and JAX's asynchronous dispatch lets stage s work on microbatch m while stage
+s-1 works on m+1; activations move between the stages' devices with device_put (a device-to-device copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
+from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.parallel.mesh import make_mesh
+from jax_dwdp.prefill import InputError, StageProgram, check_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    stage: int
+    start_layer: int
+    end_layer: int
+    linear_attention_layers: tuple[int, ...]
+    full_attention_layers: tuple[int, ...]
+
+
+def plan_stages(cfg: ModelConfig, pipeline: int, boundaries: list[int] | None = None) -> list[StageSpec]:
+    """Contiguous layer ranges for `pipeline` stages.
+
+    Without boundaries the split is as even as possible, earlier stages taking the remainder (10 layers over 4
+    stages: 3, 3, 2, 2). `boundaries` gives the pipeline - 1 first layers of stages 1.. explicitly.
+    """
+    n = cfg.num_hidden_layers
+    if pipeline < 1:
+        raise ValueError(f"pipeline must be >= 1, got {pipeline}")
+    if boundaries is None:
+        if pipeline > n:
+            raise ValueError(f"{pipeline} pipeline stages for {n} layers: every stage needs at least one layer")
+        base, extra = divmod(n, pipeline)
+        sizes = [base + (s < extra) for s in range(pipeline)]
+        starts = [sum(sizes[:s]) for s in range(pipeline)]
+    else:
+        boundaries = [int(b) for b in boundaries]
+        if len(boundaries) != pipeline - 1:
+            raise ValueError(f"{pipeline} stages need {pipeline - 1} boundaries, got {len(boundaries)}: {boundaries}")
+        starts = [0, *boundaries]
+        for a, b in zip(starts, [*boundaries, n]):
+            if not a < b:
+                raise ValueError(f"stage boundaries {boundaries} leave an empty stage [{a}, {b}) in {n} layers")
+        if starts[-1] >= n:
+            raise ValueError(f"stage boundary {starts[-1]} is outside the {n} layers")
+    ends = [*starts[1:], n]
+    return [
+        StageSpec(s, a, b, cfg.layer_ids(LINEAR_ATTENTION, a, b), cfg.layer_ids(FULL_ATTENTION, a, b))
+        for s, (a, b) in enumerate(zip(starts, ends))
+    ]
+
+
+def stage_from_model(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: int, device) -> Qwen35MoeForCausalLM:
+    """The stage [start_layer, end_layer) of a whole model, its weights copied to `device` (tests, benchmarks)."""
+    graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype=model.dtype, start_layer=start_layer,
+                                                  end_layer=end_layer))
+    full = dict(nnx.to_flat_state(nnx.state(model)))
+    leaves = []
+    for path, var in nnx.to_flat_state(abstract):
+        src = ("layers", path[1] + start_layer, *path[2:]) if path[0] == "layers" else path
+        leaves.append((path, type(var)(jax.device_put(full[src].get_value(), device))))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+class Pipeline:
+    """Stages of one model on the rows of a (pipeline, dwdp) mesh."""
+
+    def __init__(self, cfg: ModelConfig, stages: list[StageSpec], models: list[Qwen35MoeForCausalLM], mesh):
+        self.cfg, self.stages, self.models, self.mesh = cfg, stages, models, mesh
+        self.devices = [mesh.devices[s, 0] for s in range(len(stages))]
+        self._programs: dict = {}
+        self.load_reports: list = []  # one LoadReport per stage when loaded from a checkpoint
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def random(cls, cfg: ModelConfig, pipeline: int, *, dtype=jnp.bfloat16, seed: int = 0, boundaries=None,
+               devices=None) -> "Pipeline":
+        """Random weights drawn per stage on its own device (no stage ever holds another's weights)."""
+        mesh = make_mesh(pipeline, 1, devices)
+        stages = plan_stages(cfg, pipeline, boundaries)
+        models = [init_model(cfg, dtype=dtype, seed=seed + st.stage, start_layer=st.start_layer,
+                             end_layer=st.end_layer, device=mesh.devices[st.stage, 0]) for st in stages]
+        return cls(cfg, stages, models, mesh)
+
+    @classmethod
+    def from_model(cls, model: Qwen35MoeForCausalLM, pipeline: int, *, boundaries=None, devices=None) -> "Pipeline":
+        """Splits a whole model into stages (for comparing with the one-device model)."""
+        mesh = make_mesh(pipeline, 1, devices)
+        stages = plan_stages(model.cfg, pipeline, boundaries)
+        models = [stage_from_model(model, st.start_layer, st.end_layer, mesh.devices[st.stage, 0]) for st in stages]
+        return cls(model.cfg, stages, models, mesh)
+
+    @classmethod
+    def from_hf(cls, checkpoint_dir: str | Path, pipeline: int, *, dtype=jnp.bfloat16, boundaries=None,
+                devices=None, cfg: ModelConfig | None = None) -> "Pipeline":
+        """Each stage loads only its own layers' tensors, straight onto its device."""
+        from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
+
+        cfg = cfg or load_config(checkpoint_dir)
+        mesh = make_mesh(pipeline, 1, devices)
+        stages = plan_stages(cfg, pipeline, boundaries)
+        models, reports = [], []
+        for st in stages:
+            sharding = jax.sharding.SingleDeviceSharding(mesh.devices[st.stage, 0])
+            model, report = load_hf_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=st.start_layer,
+                                               end_layer=st.end_layer, placement=lambda *_, sh=sharding: sh)
+            models.append(model)
+            reports.append(report)
+        pipe = cls(cfg, stages, models, mesh)
+        pipe.load_reports = reports
+        return pipe
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def programs(self, logits: LogitsMode, cache_len: int | None, layerwise: bool) -> list[StageProgram]:
+        key = (logits, cache_len, layerwise)
+        if key not in self._programs:
+            self._programs[key] = [StageProgram(m, logits=logits, cache_len=cache_len, layerwise=layerwise)
+                                   for m in self.models]
+        return self._programs[key]
+
+    def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
+                cache_len: int | None = None, layerwise: bool = False) -> tuple[jax.Array | None, list[Cache]]:
+        """Returns (logits on the last stage's device, one Cache per stage on that stage's device)."""
+        tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
+        batch = tokens.shape[0]
+        if microbatches < 1 or batch % microbatches:
+            raise InputError(f"batch {batch} cannot be split into {microbatches} equal microbatches")
+        size = batch // microbatches
+        programs = self.programs(logits, cache_len, layerwise)
+        outs, caches = [], [[] for _ in self.stages]
+        for m in range(microbatches):
+            rows = slice(m * size, (m + 1) * size)
+            x = jax.device_put(tokens[rows], self.devices[0])
+            for s, program in enumerate(programs):
+                if s:
+                    x = jax.device_put(x, self.devices[s])
+                x, cache = program(x, jax.device_put(lengths[rows], self.devices[s]))
+                caches[s].append(cache)
+            outs.append(x)
+        out = None if logits == "none" else jnp.concatenate(outs, axis=0)
+        return out, [Cache.concat_batch(c) for c in caches]
+
+    def weight_bytes(self) -> list[int]:
+        return [sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(m))) for m in self.models]
+
+
+def stage_weight_bytes(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
+    """Bytes of a stage's weights, from shapes alone (nothing is allocated)."""
+    abstract = nnx.state(abstract_model(cfg, dtype=dtype, start_layer=stage.start_layer, end_layer=stage.end_layer))
+    return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract)))
+
+
+def cache_bytes_per_token(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
+    """K and V bytes one token adds to the stage's full-attention caches."""
+    return 2 * len(stage.full_attention_layers) * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def cache_bytes_per_sequence(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
+    """Fixed-size state one sequence keeps in the stage's linear-attention layers (conv state + fp32 state)."""
+    per_layer = cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * jnp.dtype(dtype).itemsize
+    per_layer += cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(stage.linear_attention_layers) * per_layer

@@ -1,0 +1,157 @@
+"""Pipeline parallelism on CPU devices: stage layout, stage-local weights and caches, equality with one device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.model import init_model
+from jax_dwdp.model.qwen35_moe import Cache
+from jax_dwdp.parallel import Pipeline, make_mesh, plan_stages
+from jax_dwdp.prefill import InputError, jit_prefill
+from tests.hf_reference import random_hf_model, rel_err, save_hf
+
+BASE = ModelConfig.preset("tiny").replace(vocab_size=90, hidden_size=32, num_experts=6, num_experts_per_tok=2)
+
+
+def model_with_layers(n: int) -> ModelConfig:
+    return BASE.replace(num_hidden_layers=n)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One-device fp32 prefill of a 6- and a 10-layer model on the same batch: the ground truth."""
+    out = {}
+    tokens = np.random.default_rng(123).integers(0, BASE.vocab_size, (4, 70)).astype(np.int32)
+    lengths = np.array([70, 52, 70, 9], np.int32)
+    for n in (6, 10):
+        model = init_model(model_with_layers(n), dtype=jnp.float32, seed=n)
+        logits, cache = jit_prefill(model, logits="all", cache_len=72)(tokens, lengths)
+        out[n] = (model, logits, cache)
+    return tokens, lengths, out
+
+
+def test_even_split_gives_remainder_to_earlier_stages():
+    stages = plan_stages(model_with_layers(10), 4)
+    assert [(s.start_layer, s.end_layer) for s in stages] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    # Layer 3 is the first full-attention layer: stage 1 starts on it, inside the 3 + 1 pattern.
+    assert stages[0].linear_attention_layers == (0, 1, 2) and stages[0].full_attention_layers == ()
+    assert stages[1].full_attention_layers == (3,) and stages[1].linear_attention_layers == (4, 5)
+    assert stages[2].full_attention_layers == (7,) and stages[3].linear_attention_layers == (8, 9)
+
+
+def test_explicit_boundaries_and_bad_layouts():
+    cfg = model_with_layers(6)
+    assert [(s.start_layer, s.end_layer) for s in plan_stages(cfg, 3, [1, 5])] == [(0, 1), (1, 5), (5, 6)]
+    with pytest.raises(ValueError, match="7 pipeline stages for 6 layers"):
+        plan_stages(cfg, 7)
+    with pytest.raises(ValueError, match="empty stage"):
+        plan_stages(cfg, 3, [2, 2])
+    with pytest.raises(ValueError, match="need 2 boundaries"):
+        plan_stages(cfg, 3, [2])
+    with pytest.raises(ValueError, match="empty stage"):
+        plan_stages(cfg, 2, [6])
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh(4, 4)
+
+
+CASES = [  # (layers, stages, microbatches, boundaries)
+    (6, 2, 1, None),
+    (6, 2, 2, None),
+    (6, 3, 4, [1, 4]),
+    (10, 3, 2, None),
+    (10, 4, 4, None),
+    (6, 4, 1, [1, 2, 5]),
+]
+
+
+def errors(logits, merged, ref_logits, ref_cache) -> dict[str, float]:
+    errs = {"logits": rel_err(logits, ref_logits)}
+    for name in ("key", "value", "conv", "recurrent"):
+        errs[name] = rel_err(getattr(merged, name), getattr(ref_cache, name))
+    return errs
+
+
+@pytest.mark.parametrize("layers,stages,microbatches,boundaries", CASES)
+def test_pipeline_equals_one_device(references, layers, stages, microbatches, boundaries):
+    """Against P = 1 with the same microbatches: 1e-5. Against the unsplit one-device batch: 1e-4, since a
+    microbatch of another batch size changes fp32 summation order (1e-7..3e-5 seen), nothing else."""
+    tokens, lengths, refs = references
+    model, ref_logits, ref_cache = refs[layers]
+    pipe = Pipeline.from_model(model, stages, boundaries=boundaries)
+    logits, caches = pipe.prefill(tokens, lengths, microbatches=microbatches, cache_len=72)
+    assert logits.devices() == {pipe.devices[-1]}
+    merged = Cache.concat_layers(caches, jax.devices()[0])
+    assert merged.full_layer_ids == ref_cache.full_layer_ids
+    assert merged.linear_layer_ids == ref_cache.linear_layer_ids
+    np.testing.assert_array_equal(merged.lengths, lengths)
+    one_logits, one_caches = Pipeline.from_model(model, 1).prefill(tokens, lengths, microbatches=microbatches,
+                                                                   cache_len=72)
+    vs_p1 = errors(logits, merged, one_logits, one_caches[0])
+    vs_unsplit = errors(logits, merged, ref_logits, ref_cache)
+    print(f"P={stages} M={microbatches} layers={layers} vs P=1:", " ".join(f"{k}={v:.1e}" for k, v in vs_p1.items()),
+          "| vs unsplit batch:", " ".join(f"{k}={v:.1e}" for k, v in vs_unsplit.items()))
+    for name in vs_p1:
+        assert vs_p1[name] <= 1e-5, (name, vs_p1[name])
+        assert vs_unsplit[name] <= 1e-4, (name, vs_unsplit[name])
+
+
+def test_stage_cache_has_one_slot_per_own_linear_layer(references):
+    """Regression for the seed bug: a stage's linear-attention cache is sized by its own linear layers (not the
+    model's), and slot i holds the state of the stage's i-th linear layer."""
+    tokens, lengths, refs = references
+    model, _, ref_cache = refs[10]
+    pipe = Pipeline.from_model(model, 3)
+    _, caches = pipe.prefill(tokens, lengths, cache_len=72)
+    for spec, cache, stage_model in zip(pipe.stages, caches, pipe.models):
+        assert cache.linear_layer_ids == spec.linear_attention_layers
+        assert cache.conv.shape[0] == cache.recurrent.shape[0] == len(spec.linear_attention_layers)
+        assert cache.key.shape[0] == len(spec.full_attention_layers)
+        assert [layer.layer_id for layer in stage_model.layers] == list(range(spec.start_layer, spec.end_layer))
+        for slot, layer_id in enumerate(spec.linear_attention_layers):
+            global_slot = ref_cache.linear_layer_ids.index(layer_id)
+            assert rel_err(cache.recurrent[slot], ref_cache.recurrent[global_slot]) <= 1e-5
+            # ... and not any other layer's state.
+            for other in range(ref_cache.recurrent.shape[0]):
+                if other != global_slot:
+                    assert rel_err(cache.recurrent[slot], ref_cache.recurrent[other]) > 1e-2
+        for slot, layer_id in enumerate(spec.full_attention_layers):
+            assert rel_err(cache.key[slot], ref_cache.key[ref_cache.full_layer_ids.index(layer_id)]) <= 1e-5
+
+
+def test_stages_hold_only_their_weights_and_read_only_their_tensors(tmp_path, rng):
+    cfg = model_with_layers(6)
+    hf = random_hf_model(cfg, int(rng.integers(1 << 30)))
+    ckpt = save_hf(hf, tmp_path / "hf")
+    pipe = Pipeline.from_hf(ckpt, 3, dtype=jnp.float32, boundaries=[1, 4])
+    state = hf.state_dict()
+    for spec, report, model in zip(pipe.stages, pipe.load_reports, pipe.models):
+        own = [k for k in state if any(k.startswith(f"model.layers.{i}.") for i in range(spec.start_layer, spec.end_layer))]
+        if spec.start_layer == 0:
+            own.append("model.embed_tokens.weight")
+        if spec.end_layer == cfg.num_hidden_layers:
+            own += ["model.norm.weight", "lm_head.weight"]
+        assert report.bytes_read == sum(state[k].numel() * 4 for k in own), spec
+        assert report.tensors_loaded == len(own)
+        leaves = jax.tree.leaves(nnx_state(model))
+        assert {d for x in leaves for d in x.devices()} == {pipe.devices[spec.stage]}
+    tokens = rng.integers(0, cfg.vocab_size, (2, 20)).astype(np.int32)
+    logits, _ = pipe.prefill(tokens, microbatches=2)
+    whole, _ = Pipeline.from_hf(ckpt, 1, dtype=jnp.float32).prefill(tokens)
+    assert rel_err(logits, whole) <= 1e-5
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model)
+
+
+def test_microbatches_must_divide_the_batch(references):
+    tokens, lengths, refs = references
+    pipe = Pipeline.from_model(refs[6][0], 2)
+    with pytest.raises(InputError, match="cannot be split into 3 equal microbatches"):
+        pipe.prefill(tokens, lengths, microbatches=3)
