@@ -46,10 +46,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128, help="random tokens: length (default 128)")
     p.add_argument("--logits-out", type=Path, help="write float32 [B, T, V] logits of all positions here")
     p.add_argument("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
+    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (one device each)")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches pushed through the pipeline")
+    p.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     p.add_argument("--layerwise", action="store_true",
                    help="compile one program per layer type instead of the whole model (fast compile for deep models)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    q = sub.add_parser("plan", help="print the stage layout (and DWDP ranks) as one JSON object")
+    _add_model_args(q)
+    q.add_argument("--pipeline", type=int, default=1)
+    q.add_argument("--dwdp", type=int, default=1)
+    q.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated")
     return parser
+
+
+def _boundaries(args) -> list[int] | None:
+    if not args.stage_boundaries:
+        return None
+    try:
+        return [int(x) for x in args.stage_boundaries.split(",")]
+    except ValueError:
+        raise UsageError(f"--stage-boundaries {args.stage_boundaries!r}: expected comma-separated layer ids") from None
+
+
+def _model_config(args):
+    from jax_dwdp.config import ModelConfig
+
+    if args.checkpoint is not None:
+        from jax_dwdp.weights.hf_loader import load_config
+
+        if not args.checkpoint.is_dir():
+            raise UsageError(f"--checkpoint {args.checkpoint}: no such folder")
+        return load_config(args.checkpoint)
+    cfg = ModelConfig.preset(args.preset)
+    if args.num_layers is not None:
+        if not 1 <= args.num_layers <= cfg.num_hidden_layers:
+            raise UsageError(f"--num-layers must lie in [1, {cfg.num_hidden_layers}], got {args.num_layers}")
+        cfg = cfg.replace(num_hidden_layers=args.num_layers)
+    return cfg
 
 
 def _dtype(name: str):
@@ -77,25 +111,40 @@ def _load_tokens(args, vocab_size: int):
     return rng.integers(0, vocab_size, (args.batch, args.seq_len)).astype(np.int32)
 
 
-def _load_model(args, dtype):
-    from jax_dwdp.config import ModelConfig
+def _build_runner(args, cfg, dtype, mode):
+    """Returns (prefill(tokens, lengths) -> (logits, caches), compile(tokens, lengths), description)."""
+    from jax_dwdp.prefill import jit_prefill
 
+    if args.pipeline < 1 or args.microbatches < 1:
+        raise UsageError(f"--pipeline and --microbatches must be >= 1, got {args.pipeline} and {args.microbatches}")
+    if args.pipeline > 1 or args.microbatches > 1:
+        from jax_dwdp.parallel import Pipeline
+
+        boundaries = _boundaries(args)
+        try:
+            if args.checkpoint is not None:
+                pipe = Pipeline.from_hf(args.checkpoint, args.pipeline, dtype=dtype, cfg=cfg, boundaries=boundaries)
+            else:
+                pipe = Pipeline.random(cfg, args.pipeline, dtype=dtype, seed=args.seed, boundaries=boundaries)
+        except ValueError as e:  # layout and mesh problems (too many stages, too few devices)
+            raise UsageError(str(e)) from None
+
+        def run(tokens, lengths):
+            return pipe.prefill(tokens, lengths, microbatches=args.microbatches, logits=mode, layerwise=args.layerwise)
+
+        stages = ", ".join(f"[{s.start_layer},{s.end_layer})" for s in pipe.stages)
+        return run, run, f"pipeline {args.pipeline} stages {stages}, {args.microbatches} microbatches"
     if args.checkpoint is not None:
-        from jax_dwdp.weights.hf_loader import load_hf_checkpoint, load_config
+        from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 
-        if not args.checkpoint.is_dir():
-            raise UsageError(f"--checkpoint {args.checkpoint}: no such folder")
-        cfg = load_config(args.checkpoint)
         model, report = load_hf_checkpoint(args.checkpoint, cfg=cfg, dtype=dtype)
-        return cfg, model, report.line()
-    from jax_dwdp.model import init_model
+        source = report.line()
+    else:
+        from jax_dwdp.model import init_model
 
-    cfg = ModelConfig.preset(args.preset)
-    if args.num_layers is not None:
-        if not 1 <= args.num_layers <= cfg.num_hidden_layers:
-            raise UsageError(f"--num-layers must lie in [1, {cfg.num_hidden_layers}], got {args.num_layers}")
-        cfg = cfg.replace(num_hidden_layers=args.num_layers)
-    return cfg, init_model(cfg, dtype=dtype, seed=args.seed), f"random weights ({cfg.summary()})"
+        model, source = init_model(cfg, dtype=dtype, seed=args.seed), "random weights"
+    prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
+    return (lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile, source
 
 
 def _peak_memory_bytes() -> int | None:
@@ -122,7 +171,7 @@ def cmd_prefill(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_dwdp.prefill import check_tokens, jit_prefill
+    from jax_dwdp.prefill import check_tokens
 
     dtype = _dtype(args.dtype)
     if args.iters < 1:
@@ -131,21 +180,20 @@ def cmd_prefill(args) -> dict:
         raise UsageError(f"--logits-out {args.logits_out}: folder {args.logits_out.parent} does not exist")
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
-    cfg, model, source = _load_model(args, dtype)
+    cfg = _model_config(args)
     tokens, lengths = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
     mode = "all" if args.logits_out is not None else "last"
-    prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
-    tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
+    run, compile_fn, source = _build_runner(args, cfg, dtype, mode)
 
     t0 = time.perf_counter()
-    prefill.compile(tokens_d, lengths_d)
+    compile_fn(tokens, lengths)
     compile_s = time.perf_counter() - t0
-    logits, cache = prefill(tokens_d, lengths_d)  # warm-up (first call also fills jit's cache)
-    jax.block_until_ready((logits, cache))
+    logits, caches = run(tokens, lengths)  # warm-up
+    jax.block_until_ready((logits, caches))
     times = []
     for _ in range(args.iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(prefill(tokens_d, lengths_d))
+        jax.block_until_ready(run(tokens, lengths))
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
     n_tokens = int(tokens.size)
@@ -155,7 +203,7 @@ def cmd_prefill(args) -> dict:
         _save_npy_atomically(args.logits_out, np.asarray(logits, np.float32))
     return {
         "command": "prefill",
-        "model": source,
+        "model": f"{cfg.summary()}; {source}",
         "platform": jax.devices()[0].platform,
         "device": jax.devices()[0].device_kind,
         "dtype": args.dtype,
@@ -166,7 +214,7 @@ def cmd_prefill(args) -> dict:
         "tokens_per_s": round(n_tokens / seconds, 1),
         "tflops_per_s": round(flops / seconds / 1e12, 2),
         "peak_device_memory_bytes": _peak_memory_bytes(),
-        "cache_bytes": int(cache.nbytes()),
+        "cache_bytes": int(sum(c.nbytes() for c in caches)),
         "logits_out": str(args.logits_out) if args.logits_out else None,
         "logits_finite": bool(np.isfinite(np.asarray(logits)).all()),
     }
@@ -184,11 +232,50 @@ def _print_human(result: dict) -> None:
         print(f"logits written to {result['logits_out']}")
 
 
-COMMANDS = {"prefill": cmd_prefill}
+def cmd_plan(args) -> dict:
+    from jax_dwdp.parallel.pipeline import cache_bytes_per_sequence, cache_bytes_per_token, plan_stages, stage_weight_bytes
+
+    dtype = _dtype(args.dtype)
+    cfg = _model_config(args)
+    if args.dwdp < 1:
+        raise UsageError(f"--dwdp must be >= 1, got {args.dwdp}")
+    try:
+        stages = plan_stages(cfg, args.pipeline, _boundaries(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = []
+    for st in stages:
+        out.append({
+            "stage": st.stage,
+            "start_layer": st.start_layer,
+            "end_layer": st.end_layer,
+            "linear_attention_layers": list(st.linear_attention_layers),
+            "full_attention_layers": list(st.full_attention_layers),
+            "weight_bytes": stage_weight_bytes(cfg, st, dtype),
+            "cache_bytes_per_token": cache_bytes_per_token(cfg, st, dtype),
+            "cache_bytes_per_sequence": cache_bytes_per_sequence(cfg, st, dtype),
+            # Positions in jax.devices() order: row `stage` of the (pipeline, dwdp) mesh.
+            "devices": list(range(st.stage * args.dwdp, (st.stage + 1) * args.dwdp)),
+        })
+    return {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
+            "dwdp": args.dwdp, "stages": out}
+
+
+COMMANDS = {"prefill": cmd_prefill, "plan": cmd_plan}
+
+
+def _ensure_cpu_devices(args) -> None:
+    """A CPU-only run of P stages x N ranks needs P x N host devices, which XLA creates only if told before jax
+    starts; the flag is ignored by GPU backends."""
+    need = getattr(args, "pipeline", 1) * getattr(args, "dwdp", 1)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if need > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _ensure_cpu_devices(args)
     from jax_dwdp.config import ConfigError
     from jax_dwdp.prefill import InputError
     from jax_dwdp.weights.safetensors_reader import CheckpointError
@@ -206,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"error: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
         return EXIT_RUNTIME
-    if args.json:
+    if args.command == "plan" or args.json:
         print(json.dumps(result))
     else:
         _print_human(result)

@@ -81,3 +81,46 @@ def test_bad_input_gives_one_clear_line(tmp_path, capsys, checkpoint):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argv, err)
         assert "Traceback" not in err and out == ""
+
+
+def test_pipeline_prefill_logits_equal_one_device(tmp_path, capsys, checkpoint, rng):
+    tokens = rng.integers(0, SMALL.vocab_size, (4, 19)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    outs = {}
+    for p, m in ((1, 1), (2, 2)):
+        code, out, err = run_cli(capsys, "prefill", "--checkpoint", str(checkpoint), "--tokens", str(tmp_path / "tokens.npy"),
+                                 "--dtype", "float32", "--pipeline", str(p), "--microbatches", str(m), "--iters", "1",
+                                 "--logits-out", str(tmp_path / f"logits{p}.npy"), "--json")
+        assert code == 0, err
+        assert (f"pipeline {p} stages" in json.loads(out)["model"]) == (p > 1)
+        outs[p] = np.load(tmp_path / f"logits{p}.npy")
+    assert rel_err(outs[2], outs[1]) <= 1e-4
+
+
+def test_plan_prints_the_stage_layout(capsys):
+    code, out, err = run_cli(capsys, "plan", "--preset", "35b-a3b", "--pipeline", "3")
+    assert code == 0, err
+    plan = json.loads(out)
+    stages = plan["stages"]
+    assert [(s["start_layer"], s["end_layer"]) for s in stages] == [(0, 14), (14, 27), (27, 40)]
+    cfg = ModelConfig.preset("35b-a3b")
+    for s in stages:
+        ids = range(s["start_layer"], s["end_layer"])
+        assert s["full_attention_layers"] == [i for i in ids if cfg.layer_types[i] == "full_attention"]
+        assert s["linear_attention_layers"] == [i for i in ids if cfg.layer_types[i] == "linear_attention"]
+        assert s["cache_bytes_per_token"] == 2 * len(s["full_attention_layers"]) * 2 * 256 * 2
+        assert s["devices"] == [s["stage"]]
+    # Weights are split exactly: the stages' bytes add up to the whole model's bf16 bytes (A_log stays fp32).
+    a_log = len(cfg.layer_ids("linear_attention")) * cfg.linear_num_value_heads
+    assert sum(s["weight_bytes"] for s in stages) == 2 * cfg.param_counts()["total"] + 2 * a_log
+
+
+def test_plan_and_pipeline_refuse_bad_layouts(capsys):
+    for argv, message in [
+        (["plan", "--preset", "tiny", "--pipeline", "5"], "5 pipeline stages for 4 layers"),
+        (["plan", "--preset", "tiny", "--pipeline", "2", "--stage-boundaries", "4"], "empty stage"),
+        (["plan", "--preset", "tiny", "--pipeline", "2", "--stage-boundaries", "x"], "expected comma-separated"),
+        (["prefill", "--preset", "tiny", "--batch", "3", "--microbatches", "2"], "cannot be split into 2"),
+    ]:
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)

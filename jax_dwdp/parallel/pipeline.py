@@ -144,6 +144,10 @@ class Pipeline:
             raise InputError(f"batch {batch} cannot be split into {microbatches} equal microbatches")
         size = batch // microbatches
         programs = self.programs(logits, cache_len, layerwise)
+        # XLA's CPU client runs host "devices" on one small thread pool: a program enqueued before its input
+        # (another device's output) is ready can hold the thread that input needs, and both wait forever. So on
+        # the CPU each stage's output is awaited before the next stage is enqueued; GPUs overlap freely.
+        wait = jax.block_until_ready if self.devices[0].platform == "cpu" else (lambda x: x)
         outs, caches = [], [[] for _ in self.stages]
         for m in range(microbatches):
             rows = slice(m * size, (m + 1) * size)
@@ -151,7 +155,7 @@ class Pipeline:
             for s, program in enumerate(programs):
                 if s:
                     x = jax.device_put(x, self.devices[s])
-                x, cache = program(x, jax.device_put(lengths[rows], self.devices[s]))
+                x, cache = wait(program(x, jax.device_put(lengths[rows], self.devices[s])))
                 caches[s].append(cache)
             outs.append(x)
         out = None if logits == "none" else jnp.concatenate(outs, axis=0)
