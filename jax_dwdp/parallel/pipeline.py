@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
@@ -80,41 +82,59 @@ def stage_from_model(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: i
 
 
 class Pipeline:
-    """Stages of one model on the rows of a (pipeline, dwdp) mesh."""
+    """Stages of one model on the rows of a (pipeline, dwdp) mesh.
+
+    With a 'dwdp' axis of N > 1, each stage runs as DWDP over the N devices of its row (jax_dwdp.parallel.dwdp):
+    the batch is split over the ranks, each rank stores 1/N of its stage's experts. With N = 1 a stage is one
+    device. (SGLang refuses DWDP together with pipeline parallelism; here the two compose.)
+    """
 
     def __init__(self, cfg: ModelConfig, stages: list[StageSpec], models: list[Qwen35MoeForCausalLM], mesh):
-        self.cfg, self.stages, self.models, self.mesh = cfg, stages, models, mesh
+        from jax_dwdp.parallel.dwdp import AXIS, shard_model
+
+        self.cfg, self.stages, self.mesh = cfg, stages, mesh
+        self.ranks = mesh.shape[AXIS]
         self.devices = [mesh.devices[s, 0] for s in range(len(stages))]
+        self.row_meshes = [Mesh(mesh.devices[s], (AXIS,)) for s in range(len(stages))]
+        if self.ranks > 1:
+            # Expert weights split over the row, the rest replicated; the unsharded stage models are dropped.
+            self.sharded = [shard_model(m, row) for m, row in zip(models, self.row_meshes)]
+            self.models = [nnx.merge(g, s) for g, s, _ in self.sharded]
+            self.input_shardings = [NamedSharding(row, P(AXIS)) for row in self.row_meshes]
+        else:
+            self.sharded, self.models = None, models
+            self.input_shardings = [SingleDeviceSharding(d) for d in self.devices]
         self._programs: dict = {}
         self.load_reports: list = []  # one LoadReport per stage when loaded from a checkpoint
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def random(cls, cfg: ModelConfig, pipeline: int, *, dtype=jnp.bfloat16, seed: int = 0, boundaries=None,
-               devices=None) -> "Pipeline":
+    def random(cls, cfg: ModelConfig, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
+               boundaries=None, devices=None) -> "Pipeline":
         """Random weights drawn per stage on its own device (no stage ever holds another's weights)."""
-        mesh = make_mesh(pipeline, 1, devices)
+        mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(cfg, pipeline, boundaries)
         models = [init_model(cfg, dtype=dtype, seed=seed + st.stage, start_layer=st.start_layer,
                              end_layer=st.end_layer, device=mesh.devices[st.stage, 0]) for st in stages]
         return cls(cfg, stages, models, mesh)
 
     @classmethod
-    def from_model(cls, model: Qwen35MoeForCausalLM, pipeline: int, *, boundaries=None, devices=None) -> "Pipeline":
+    def from_model(cls, model: Qwen35MoeForCausalLM, pipeline: int, *, dwdp: int = 1, boundaries=None,
+                   devices=None) -> "Pipeline":
         """Splits a whole model into stages (for comparing with the one-device model)."""
-        mesh = make_mesh(pipeline, 1, devices)
+        mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(model.cfg, pipeline, boundaries)
         models = [stage_from_model(model, st.start_layer, st.end_layer, mesh.devices[st.stage, 0]) for st in stages]
         return cls(model.cfg, stages, models, mesh)
 
     @classmethod
-    def from_hf(cls, checkpoint_dir: str | Path, pipeline: int, *, dtype=jnp.bfloat16, boundaries=None,
-                devices=None, cfg: ModelConfig | None = None) -> "Pipeline":
+    def from_hf(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
+                boundaries=None, devices=None, cfg: ModelConfig | None = None) -> "Pipeline":
         """Each stage loads only its own layers' tensors, straight onto its device."""
         from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
 
         cfg = cfg or load_config(checkpoint_dir)
-        mesh = make_mesh(pipeline, 1, devices)
+        mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(cfg, pipeline, boundaries)
         models, reports = [], []
         for st in stages:
@@ -128,11 +148,20 @@ class Pipeline:
         return pipe
 
     # ---- prefill ------------------------------------------------------------------------------
-    def programs(self, logits: LogitsMode, cache_len: int | None, layerwise: bool) -> list[StageProgram]:
+    def programs(self, logits: LogitsMode, cache_len: int | None, layerwise: bool) -> list:
         key = (logits, cache_len, layerwise)
         if key not in self._programs:
-            self._programs[key] = [StageProgram(m, logits=logits, cache_len=cache_len, layerwise=layerwise)
-                                   for m in self.models]
+            if self.ranks > 1:
+                from jax_dwdp.parallel.dwdp import DwdpProgram
+
+                if layerwise:
+                    raise ValueError("layer-wise compilation is not available with DWDP ranks > 1")
+                self._programs[key] = [
+                    DwdpProgram(m, row, logits=logits, cache_len=cache_len, sharded=sh)
+                    for m, row, sh in zip(self.models, self.row_meshes, self.sharded)]
+            else:
+                self._programs[key] = [StageProgram(m, logits=logits, cache_len=cache_len, layerwise=layerwise)
+                                       for m in self.models]
         return self._programs[key]
 
     def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
@@ -142,6 +171,9 @@ class Pipeline:
         batch = tokens.shape[0]
         if microbatches < 1 or batch % microbatches:
             raise InputError(f"batch {batch} cannot be split into {microbatches} equal microbatches")
+        if (batch // microbatches) % self.ranks:
+            raise InputError(f"a microbatch of {batch // microbatches} sequences cannot be split evenly over "
+                             f"{self.ranks} DWDP ranks")
         size = batch // microbatches
         programs = self.programs(logits, cache_len, layerwise)
         # XLA's CPU client runs host "devices" on one small thread pool: a program enqueued before its input
@@ -151,11 +183,10 @@ class Pipeline:
         outs, caches = [], [[] for _ in self.stages]
         for m in range(microbatches):
             rows = slice(m * size, (m + 1) * size)
-            x = jax.device_put(tokens[rows], self.devices[0])
+            x = tokens[rows]
             for s, program in enumerate(programs):
-                if s:
-                    x = jax.device_put(x, self.devices[s])
-                x, cache = wait(program(x, jax.device_put(lengths[rows], self.devices[s])))
+                x = jax.device_put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
+                x, cache = wait(program(x, jax.device_put(lengths[rows], self.input_shardings[s])))
                 caches[s].append(cache)
             outs.append(x)
         out = None if logits == "none" else jnp.concatenate(outs, axis=0)

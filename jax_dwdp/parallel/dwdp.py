@@ -1,0 +1,229 @@
+"""DWDP (distributed weight data parallelism) over XLA: the reference path, on every platform.
+
+N ranks (the 'dwdp' axis of a stage's mesh row) each run their own sequences against all experts. Each rank
+stores one block of every MoE layer's experts (`ExpertLayout`); non-expert weights are replicated. No token
+leaves its rank: the expert weights come to the tokens.
+
+Two ways to run it:
+- `DwdpProgram` (SPMD, equal shapes): one jitted `shard_map` over the ranks. Before layer l's MoE, layer l's
+  experts are all-gathered over 'dwdp'; the gather for layer l+1 is issued when layer l starts, tied to layer l's
+  input by an optimization barrier so that XLA can overlap it with layer l but cannot hoist every layer's gather
+  to the start (which would hold all layers' experts at once).
+- `IndependentRanks`: each rank runs its own batch, of its own length, as its own programs (one per layer type),
+  and pulls the peers' expert blocks for layer l+1 with device-to-device copies issued before layer l runs. Ranks
+  share no collective, so a rank with a short sequence never waits for one with a long sequence.
+
+The CUDA VMM custom call (issue 5's FFI path) replaces the gather with peer reads through a composite virtual
+address; this module is the reference it must match.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
+from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.parallel.expert_layout import ExpertLayout
+from jax_dwdp.prefill import _precision
+
+AXIS = "dwdp"
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def is_expert_weight(path: tuple) -> bool:
+    return len(path) == 5 and path[0] == "layers" and path[2:4] == ("mlp", "experts") and path[4] in _EXPERT_WEIGHTS
+
+
+def pad_experts(array, layout: ExpertLayout):
+    """[E, ...] -> [N * ceil(E/N), ...] with zero padding slots at the end."""
+    pad = layout.padded_experts - array.shape[0]
+    if pad == 0:
+        return array
+    return jnp.concatenate([array, jnp.zeros((pad, *array.shape[1:]), array.dtype)], axis=0)
+
+
+def shard_model(model: Qwen35MoeForCausalLM, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, ExpertLayout]:
+    """Places a model (or stage) on a 1-D 'dwdp' mesh: expert weights split by rank, the rest replicated."""
+    layout = ExpertLayout(model.cfg.num_experts, mesh.shape[AXIS])
+    graphdef, state = nnx.split(model)
+    split, replicated = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+    leaves = []
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        if is_expert_weight(path):
+            placed = jax.device_put(pad_experts(value, layout), split)
+        else:
+            placed = jax.device_put(value, replicated)
+        leaves.append((path, type(var)(placed)))
+    return graphdef, nnx.from_flat_state(leaves), layout
+
+
+def _specs(state: nnx.State):
+    """The shard_map in_specs of a sharded state: P('dwdp') for expert weights, P() otherwise."""
+    flat = [(path, type(var)(P(AXIS) if is_expert_weight(path) else P())) for path, var in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
+
+
+def _cache_spec(model: Qwen35MoeForCausalLM) -> Cache:
+    batch = P(None, AXIS)
+    return Cache(key=batch, value=batch, conv=batch, recurrent=batch, lengths=P(AXIS),
+                 full_layer_ids=model.full_layer_ids, linear_layer_ids=model.linear_layer_ids)
+
+
+def gather_experts(local: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map: every rank's block of one layer -> the layer's full (padded) expert set."""
+    return tuple(jax.lax.all_gather(w, AXIS, tiled=True) for w in local)
+
+
+class DwdpProgram:
+    """A model or pipeline stage run as DWDP over a 1-D 'dwdp' mesh, one SPMD program with all-gathered experts.
+
+    Called like StageProgram: (x, lengths) with the batch split evenly over the ranks (rank r gets rows
+    [r B/N, (r+1) B/N)). Returns (logits or hidden states, Cache), both sharded by batch over the ranks.
+    """
+
+    def __init__(self, model: Qwen35MoeForCausalLM, mesh: Mesh, *, logits: LogitsMode = "all",
+                 cache_len: int | None = None, sharded=None):
+        """`sharded`: the result of shard_model(model, mesh), to share one placement among several programs."""
+        self.model, self.mesh = model, mesh
+        self.graphdef, self.state, self.layout = sharded or shard_model(model, mesh)
+        self.ranks = mesh.shape[AXIS]
+        self.batch_sharding = NamedSharding(mesh, P(AXIS))
+        out_spec = None if (model.is_last and logits == "none") else P(AXIS)
+        body = functools.partial(self._body, logits=logits, cache_len=cache_len)
+        self._run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(_specs(self.state), P(AXIS), P(AXIS)),
+                                          out_specs=(out_spec, _cache_spec(model)), check_vma=False))
+
+    def _body(self, state, x, lengths, *, logits, cache_len):
+        model = nnx.merge(self.graphdef, state)
+        ids = [layer.layer_id for layer in model.layers]
+        local = {layer.layer_id: (layer.mlp.experts.gate_up_proj[...], layer.mlp.experts.down_proj[...])
+                 for layer in model.layers}
+        ready = {ids[0]: gather_experts(local[ids[0]])}
+
+        def run_layer(layer, h, positions, lengths, _):
+            i = ids.index(layer.layer_id)
+            experts = ready.pop(layer.layer_id)
+            if i + 1 < len(ids):
+                # Prefetch layer l+1 while layer l computes: the barrier makes its gather wait for layer l's input.
+                h, next_local = jax.lax.optimization_barrier((h, local[ids[i + 1]]))
+                ready[ids[i + 1]] = gather_experts(next_local)
+            return layer(h, positions, lengths, experts)
+
+        with _precision(self.model.dtype):
+            return model.forward(x, lengths, logits=logits, cache_len=cache_len, run_layer=run_layer)
+
+    def place(self, x):
+        return jax.device_put(x, self.batch_sharding)
+
+    def __call__(self, x, lengths):
+        if x.shape[0] % self.ranks:
+            raise ValueError(f"batch {x.shape[0]} cannot be split evenly over {self.ranks} DWDP ranks")
+        return self._run(self.state, self.place(x), self.place(lengths))
+
+    def compile(self, x, lengths) -> None:
+        self._run.lower(self.state, self.place(x), self.place(lengths)).compile()
+
+    def resident_bytes_per_rank(self) -> int:
+        """Bytes one rank holds: replicated weights plus its expert slots."""
+        total = 0
+        for x in jax.tree.leaves(self.state):
+            total += x.addressable_shards[0].data.nbytes
+        return total
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _layer_with_experts(graphdef, state, h, positions, lengths, gate_up_blocks, down_blocks):
+    with _precision(h.dtype):
+        experts = (jnp.concatenate(gate_up_blocks, axis=0), jnp.concatenate(down_blocks, axis=0))
+        return nnx.merge(graphdef, state)(h, positions, lengths, experts)
+
+
+class IndependentRanks:
+    """DWDP ranks that run independently: each its own batch and length, no collective between them.
+
+    Rank r holds the non-expert weights and its own expert blocks on device r. To run layer l it needs every
+    peer's block of layer l: those are copied device-to-device (jax.device_put), the copies for layer l+1 issued
+    before layer l is enqueued, so they overlap layer l's compute; at most two layers of remote experts are
+    resident per rank. Layers run as one compiled program per layer type (see StageProgram's layer-wise mode).
+    """
+
+    def __init__(self, model: Qwen35MoeForCausalLM, devices: list[jax.Device]):
+        if not (model.is_first and model.is_last):
+            raise ValueError("independent DWDP ranks run whole models (use a Pipeline for stages)")
+        self.model, self.devices = model, list(devices)
+        self.layout = ExpertLayout(model.cfg.num_experts, len(devices))
+        slots = self.layout.slots_per_rank
+        self.graphdef = nnx.graphdef(model)
+        self.canonical = {}
+        for layer in model.layers:
+            self.canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
+        self.ranks = []
+        for r, device in enumerate(self.devices):
+            dense, blocks = {}, {}
+            for layer in model.layers:
+                state = nnx.state(layer)
+                flat = []
+                for path, var in nnx.to_flat_state(state):
+                    if path[:2] == ("mlp", "experts"):
+                        # Dense placeholder of the right dtype: the layer program receives experts as arguments.
+                        flat.append((path, type(var)(jnp.zeros((), var.get_value().dtype))))
+                    else:
+                        flat.append((path, type(var)(jax.device_put(var.get_value(), device))))
+                dense[layer.layer_id] = nnx.from_flat_state(flat)
+                blocks[layer.layer_id] = tuple(
+                    jax.device_put(pad_experts(w, self.layout)[r * slots:(r + 1) * slots], device)
+                    for w in (layer.mlp.experts.gate_up_proj[...], layer.mlp.experts.down_proj[...]))
+            top = jax.device_put(nnx.state(model, nnx.Not(nnx.PathContains("layers"))), device)
+            self.ranks.append({"device": device, "dense": dense, "blocks": blocks,
+                               "top": _TopState(self.graphdef, top, dense)})
+
+    def _fetch(self, rank: int, layer_id: int):
+        """Every rank's block of one layer, on `rank`'s device (peer blocks copied, own block as is)."""
+        device = self.ranks[rank]["device"]
+        blocks = [peer["blocks"][layer_id] if p == rank else jax.device_put(peer["blocks"][layer_id], device)
+                  for p, peer in enumerate(self.ranks)]
+        return tuple(b[0] for b in blocks), tuple(b[1] for b in blocks)
+
+    def prefill(self, rank: int, tokens, lengths=None, *, logits: LogitsMode = "all", cache_len: int | None = None):
+        """Rank `rank` prefills its own batch; returns (logits, cache) on its device. Dispatch is asynchronous, so
+        calling this for every rank in turn runs the ranks concurrently."""
+        from jax_dwdp.prefill import _embed, _head, check_tokens
+
+        model, r = self.model, self.ranks[rank]
+        tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths)
+        tokens, lengths = jax.device_put(tokens, r["device"]), jax.device_put(lengths, r["device"])
+        ids = [layer.layer_id for layer in model.layers]
+        pending = {ids[0]: self._fetch(rank, ids[0])}
+
+        def run_layer(layer, h, positions, lens, _):
+            i = ids.index(layer.layer_id)
+            experts = pending.pop(layer.layer_id)
+            if i + 1 < len(ids):
+                pending[ids[i + 1]] = self._fetch(rank, ids[i + 1])  # copies overlap this layer's compute
+            return _layer_with_experts(self.canonical[layer.layer_type], r["dense"][layer.layer_id], h, positions,
+                                       lens, *experts)
+
+        top = r["top"]
+        h = _embed(top.graphdef, top.state, tokens)
+        h, cache = model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
+        return _head(top.graphdef, top.state, h, lengths, logits), cache
+
+
+class _TopState:
+    """The whole model's graphdef with a state holding the rank's embedding, final norm and lm_head (the layers'
+    entries are the dense placeholders, never touched by embed/head)."""
+
+    def __init__(self, graphdef, top_state, dense_layers):
+        self.graphdef = graphdef
+        flat = list(nnx.to_flat_state(top_state))
+        for i, layer_id in enumerate(sorted(dense_layers)):
+            flat += [(("layers", i, *path), var) for path, var in nnx.to_flat_state(dense_layers[layer_id])]
+        self.state = nnx.from_flat_state(flat)

@@ -1,0 +1,108 @@
+"""DWDP over XLA on CPU devices: expert layout, sharded storage, equality with one device, independent ranks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.model import Cache, init_model
+from jax_dwdp.parallel import Pipeline
+from jax_dwdp.parallel.dwdp import IndependentRanks
+from jax_dwdp.parallel.expert_layout import ExpertLayout, rank_memory
+from jax_dwdp.prefill import InputError, jit_prefill
+from tests.hf_reference import rel_err
+
+# 6 experts: 4 ranks do not divide them (2 slots each, the last rank holds 2 padding slots).
+CFG = ModelConfig.preset("tiny").replace(num_hidden_layers=6, vocab_size=90, num_experts=6, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = init_model(CFG, dtype=jnp.float32, seed=21)
+    rng = np.random.default_rng(99)
+    tokens = rng.integers(0, CFG.vocab_size, (8, 70)).astype(np.int32)
+    lengths = np.array([70, 33, 70, 5, 64, 70, 1, 48], np.int32)
+    logits, cache = jit_prefill(model, cache_len=70)(tokens, lengths)
+    return model, tokens, lengths, logits, cache
+
+
+def test_expert_layout():
+    even = ExpertLayout(8, 4)
+    assert [list(even.owned(r)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    odd = ExpertLayout(6, 4)
+    assert odd.slots_per_rank == 2 and odd.padded_experts == 8
+    assert [list(odd.owned(r)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], []]
+    assert [odd.padding_slots(r) for r in range(4)] == [0, 0, 0, 2]
+    assert sorted(e for r in range(4) for e in odd.owned(r)) == list(range(6))  # every expert owned once
+    assert all(odd.owner(e) == r for r in range(4) for e in odd.owned(r))
+    with pytest.raises(ValueError, match="would own none"):
+        ExpertLayout(3, 4)
+    mem = rank_memory(ModelConfig.preset("35b-a3b"), ExpertLayout(256, 2), 0, 40, 2)
+    assert mem["prefetch_buffer_bytes"] == 2 * 128 * 3 * 2048 * 512 * 2  # two layers of the peer's 128 experts
+
+
+@pytest.mark.parametrize("pipeline,dwdp,microbatches", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (2, 4, 1)])
+def test_dwdp_equals_one_device(setup, pipeline, dwdp, microbatches):
+    """Against one device running the same per-rank batches: 1e-5; against the unsplit batch: 1e-4 (batch shape
+    changes fp32 summation order only)."""
+    model, tokens, lengths, ref_logits, ref_cache = setup
+    pipe = Pipeline.from_model(model, pipeline, dwdp=dwdp)
+    logits, caches = pipe.prefill(tokens, lengths, microbatches=microbatches, cache_len=70)
+    merged = Cache.concat_layers(caches, jax.devices()[0])
+    same_split, split_caches = Pipeline.from_model(model, 1).prefill(tokens, lengths, cache_len=70,
+                                                                     microbatches=microbatches * dwdp)
+    for name, got, want_split, want in [
+        ("logits", logits, same_split, ref_logits),
+        *[(f, getattr(merged, f), getattr(split_caches[0], f), getattr(ref_cache, f))
+          for f in ("key", "value", "conv", "recurrent")],
+    ]:
+        e1, e2 = rel_err(got, want_split), rel_err(got, want)
+        print(f"P={pipeline} N={dwdp} M={microbatches} {name}: vs same split {e1:.1e}, vs unsplit {e2:.1e}")
+        assert e1 <= 1e-5 and e2 <= 1e-4, name
+
+
+def test_each_rank_stores_only_its_expert_block(setup):
+    model, *_ = setup
+    pipe = Pipeline.from_model(model, 1, dwdp=4)
+    layer = pipe.models[0].layers[2]
+    gate_up = layer.mlp.experts.gate_up_proj[...]
+    assert gate_up.shape[0] == 8  # padded to 4 ranks x 2 slots
+    source = np.asarray(model.layers[2].mlp.experts.gate_up_proj[...])
+    for shard in gate_up.addressable_shards:
+        rank = pipe.row_meshes[0].devices.tolist().index(shard.device)
+        block = np.asarray(shard.data)
+        assert block.shape[0] == 2
+        owned = ExpertLayout(6, 4).owned(rank)
+        np.testing.assert_array_equal(block[: len(owned)], source[owned.start:owned.stop])
+        assert not block[len(owned):].any()  # padding slots are zeros
+    # Non-expert weights are replicated on every rank.
+    assert len(layer.mlp.gate.weight[...].addressable_shards) == 4
+
+
+def test_batch_must_split_over_ranks(setup):
+    model, tokens, lengths, *_ = setup
+    with pytest.raises(InputError, match="cannot be split evenly over 4 DWDP ranks"):
+        Pipeline.from_model(model, 1, dwdp=4).prefill(tokens[:6], lengths[:6])
+
+
+def test_independent_ranks_run_their_own_batches_and_lengths(setup):
+    """Rank 0 prefills 3 sequences of 70 tokens while rank 1 prefills one of 41: each equals one device."""
+    model, tokens, lengths, *_ = setup
+    ranks = IndependentRanks(model, jax.devices()[:2])
+    work = {0: (tokens[:3], lengths[:3]), 1: (tokens[3:4, :41], None)}
+    outs = {r: ranks.prefill(r, t, n, cache_len=72) for r, (t, n) in work.items()}  # both enqueued first
+    for r, (t, n) in work.items():
+        logits, cache = outs[r]
+        assert logits.devices() == {jax.devices()[r]}
+        want_logits, want_cache = jit_prefill(model, cache_len=72)(t, n)
+        errs = {"logits": rel_err(logits, want_logits), "recurrent": rel_err(cache.recurrent, want_cache.recurrent),
+                "key": rel_err(cache.key, want_cache.key)}
+        print(f"independent rank {r}: " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
+        assert all(v <= 1e-5 for v in errs.values()), errs
+    # Each rank keeps only its own expert blocks resident.
+    for r, rank in enumerate(ranks.ranks):
+        for layer_id, (gate_up, down) in rank["blocks"].items():
+            assert gate_up.shape[0] == down.shape[0] == 3 and gate_up.devices() == {jax.devices()[r]}
