@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128, help="random tokens: length (default 128)")
     p.add_argument("--logits-out", type=Path, help="write float32 [B, T, V] logits of all positions here")
     p.add_argument("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
-    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (one device each)")
+    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (one mesh row each)")
+    p.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (experts split over them)")
+    p.add_argument("--dwdp-backend", default="xla", help="xla (all-gather, every platform) or ffi (CUDA VMM)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches pushed through the pipeline")
     p.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     p.add_argument("--layerwise", action="store_true",
@@ -115,17 +117,24 @@ def _build_runner(args, cfg, dtype, mode):
     """Returns (prefill(tokens, lengths) -> (logits, caches), compile(tokens, lengths), description)."""
     from jax_dwdp.prefill import jit_prefill
 
-    if args.pipeline < 1 or args.microbatches < 1:
-        raise UsageError(f"--pipeline and --microbatches must be >= 1, got {args.pipeline} and {args.microbatches}")
-    if args.pipeline > 1 or args.microbatches > 1:
+    if min(args.pipeline, args.microbatches, args.dwdp) < 1:
+        raise UsageError("--pipeline, --dwdp and --microbatches must be >= 1")
+    if args.dwdp_backend not in ("xla", "ffi"):
+        raise UsageError(f"--dwdp-backend {args.dwdp_backend!r}: choose xla or ffi")
+    if args.dwdp_backend == "ffi":
+        raise UsageError("--dwdp-backend ffi: the CUDA VMM custom call is not built in this version "
+                         "(see ffi/README.md); use --dwdp-backend xla")
+    if args.pipeline > 1 or args.microbatches > 1 or args.dwdp > 1:
         from jax_dwdp.parallel import Pipeline
 
         boundaries = _boundaries(args)
         try:
             if args.checkpoint is not None:
-                pipe = Pipeline.from_hf(args.checkpoint, args.pipeline, dtype=dtype, cfg=cfg, boundaries=boundaries)
+                pipe = Pipeline.from_hf(args.checkpoint, args.pipeline, dwdp=args.dwdp, dtype=dtype, cfg=cfg,
+                                        boundaries=boundaries)
             else:
-                pipe = Pipeline.random(cfg, args.pipeline, dtype=dtype, seed=args.seed, boundaries=boundaries)
+                pipe = Pipeline.random(cfg, args.pipeline, dwdp=args.dwdp, dtype=dtype, seed=args.seed,
+                                       boundaries=boundaries)
         except ValueError as e:  # layout and mesh problems (too many stages, too few devices)
             raise UsageError(str(e)) from None
 
@@ -133,7 +142,8 @@ def _build_runner(args, cfg, dtype, mode):
             return pipe.prefill(tokens, lengths, microbatches=args.microbatches, logits=mode, layerwise=args.layerwise)
 
         stages = ", ".join(f"[{s.start_layer},{s.end_layer})" for s in pipe.stages)
-        return run, run, f"pipeline {args.pipeline} stages {stages}, {args.microbatches} microbatches"
+        return run, run, (f"pipeline {args.pipeline} stages {stages}, dwdp {args.dwdp} ranks per stage, "
+                          f"{args.microbatches} microbatches")
     if args.checkpoint is not None:
         from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 
@@ -233,6 +243,7 @@ def _print_human(result: dict) -> None:
 
 
 def cmd_plan(args) -> dict:
+    from jax_dwdp.parallel.expert_layout import ExpertLayout, rank_memory
     from jax_dwdp.parallel.pipeline import cache_bytes_per_sequence, cache_bytes_per_token, plan_stages, stage_weight_bytes
 
     dtype = _dtype(args.dtype)
@@ -243,8 +254,16 @@ def cmd_plan(args) -> dict:
         stages = plan_stages(cfg, args.pipeline, _boundaries(args))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    try:
+        layout = ExpertLayout(cfg.num_experts, args.dwdp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    itemsize = 2 if args.dtype == "bfloat16" else 4
     out = []
     for st in stages:
+        moe_layers = st.end_layer - st.start_layer  # every layer is MoE
+        ranks = [dict(rank_memory(cfg, layout, r, moe_layers, itemsize), device=st.stage * args.dwdp + r)
+                 for r in range(args.dwdp)]
         out.append({
             "stage": st.stage,
             "start_layer": st.start_layer,
@@ -256,6 +275,7 @@ def cmd_plan(args) -> dict:
             "cache_bytes_per_sequence": cache_bytes_per_sequence(cfg, st, dtype),
             # Positions in jax.devices() order: row `stage` of the (pipeline, dwdp) mesh.
             "devices": list(range(st.stage * args.dwdp, (st.stage + 1) * args.dwdp)),
+            "dwdp_ranks": ranks,
         })
     return {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
             "dwdp": args.dwdp, "stages": out}
@@ -270,7 +290,8 @@ def _ensure_cpu_devices(args) -> None:
     need = getattr(args, "pipeline", 1) * getattr(args, "dwdp", 1)
     flags = os.environ.get("XLA_FLAGS", "")
     if need > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
+        # At least 8: with exactly 2 host devices XLA's CPU all-gather deadlocked on a 2-core machine (jax 0.10.2).
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(need, 8)}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -190,7 +190,12 @@ class IndependentRanks:
         device = self.ranks[rank]["device"]
         blocks = [peer["blocks"][layer_id] if p == rank else jax.device_put(peer["blocks"][layer_id], device)
                   for p, peer in enumerate(self.ranks)]
-        return tuple(b[0] for b in blocks), tuple(b[1] for b in blocks)
+        return self._wait((tuple(b[0] for b in blocks), tuple(b[1] for b in blocks)))
+
+    def _wait(self, x):
+        # XLA's CPU client runs all host devices on one small thread pool, where work enqueued ahead of its
+        # cross-device inputs can deadlock (see Pipeline.prefill); on the CPU, wait. GPUs overlap freely.
+        return jax.block_until_ready(x) if self.devices[0].platform == "cpu" else x
 
     def prefill(self, rank: int, tokens, lengths=None, *, logits: LogitsMode = "all", cache_len: int | None = None):
         """Rank `rank` prefills its own batch; returns (logits, cache) on its device. Dispatch is asynchronous, so
@@ -208,8 +213,8 @@ class IndependentRanks:
             experts = pending.pop(layer.layer_id)
             if i + 1 < len(ids):
                 pending[ids[i + 1]] = self._fetch(rank, ids[i + 1])  # copies overlap this layer's compute
-            return _layer_with_experts(self.canonical[layer.layer_type], r["dense"][layer.layer_id], h, positions,
-                                       lens, *experts)
+            return self._wait(_layer_with_experts(self.canonical[layer.layer_type], r["dense"][layer.layer_id], h,
+                                                  positions, lens, *experts))
 
         top = r["top"]
         h = _embed(top.graphdef, top.state, tokens)
