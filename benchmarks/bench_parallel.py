@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,16 +25,12 @@ from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
 from jax_dwdp.parallel import Pipeline
 from jax_dwdp.parallel.dwdp import IndependentRanks
+from jax_dwdp.timing import median_seconds
 
 
 def timed(fn, iters: int) -> float:
     jax.block_until_ready(fn())  # compile + warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, iters)[0]
 
 
 def bench_pipeline(cfg, args) -> list[dict]:
@@ -84,7 +78,6 @@ def bench_dwdp(cfg, args) -> list[dict]:
                   args.iters)
     row.update(independent_ms=round(t_ind * 1e3, 2))
     print(json.dumps(row), flush=True)
-    del ranks
     dw = Pipeline.from_model(model, 1, dwdp=n, devices=devices)
     t_xla = timed(lambda: dw.prefill(tokens, lens, logits="last"), args.iters)
     row.update(xla_dwdp_ms=round(t_xla * 1e3, 2), xla_vs_replicated=round(t_xla / t_rep, 3),

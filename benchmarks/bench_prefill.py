@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
@@ -21,6 +20,7 @@ import numpy as np
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
 from jax_dwdp.prefill import jit_prefill
+from jax_dwdp.timing import median_seconds
 
 PEAK_TFLOPS = 781.0
 
@@ -57,12 +57,7 @@ def main() -> None:
         compile_s = time.perf_counter() - t0
         logits, _ = prefill(tokens, lengths)
         finite = bool(np.isfinite(np.asarray(logits)).all())
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(prefill(tokens, lengths))
-            times.append(time.perf_counter() - t0)
-        sec = statistics.median(times)
+        sec, times = median_seconds(lambda: prefill(tokens, lengths), args.iters)
         n = args.batch * t
         tflops = cfg.prefill_flops(args.batch, t, args.batch) / sec / 1e12
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -178,10 +177,10 @@ def _save_npy_atomically(path: Path, array) -> None:
 
 def cmd_prefill(args) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from jax_dwdp.prefill import check_tokens
+    from jax_dwdp.timing import median_seconds
 
     dtype = _dtype(args.dtype)
     if args.iters < 1:
@@ -200,12 +199,7 @@ def cmd_prefill(args) -> dict:
     compile_s = time.perf_counter() - t0
     logits, caches = run(tokens, lengths)  # warm-up
     jax.block_until_ready((logits, caches))
-    times = []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(tokens, lengths))
-        times.append(time.perf_counter() - t0)
-    seconds = statistics.median(times)
+    seconds, _ = median_seconds(lambda: run(tokens, lengths), args.iters)
     n_tokens = int(tokens.size)
     logits_positions = n_tokens if mode == "all" else tokens.shape[0]
     flops = cfg.prefill_flops(tokens.shape[0], tokens.shape[1], logits_positions)
