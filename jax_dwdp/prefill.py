@@ -92,6 +92,12 @@ class StageProgram:
         out = _head(self.graphdef, self.state, h, lengths, self.logits) if model.is_last else h
         return out, cache
 
+    def lower(self, x: jax.Array, lengths: jax.Array):
+        """The lowered whole-range program (to inspect its HLO); not available layer-wise."""
+        if self.layerwise:
+            raise ValueError("a layer-wise program is several programs; lower() needs layerwise=False")
+        return self._whole.lower(self.state, x, lengths)
+
     def compile(self, x: jax.Array, lengths: jax.Array) -> None:
         """Compiles ahead of time for these shapes (layer-wise: by one run, which compiles each program once)."""
         if self.layerwise:
@@ -137,6 +143,7 @@ def jit_prefill(
         return program(jnp.asarray(tokens), jnp.asarray(lengths))
 
     prefill.compile = lambda tokens, lengths: program.compile(jnp.asarray(tokens), jnp.asarray(lengths))
+    prefill.lower = lambda tokens, lengths: program.lower(jnp.asarray(tokens), jnp.asarray(lengths))
     return prefill
 
 

@@ -142,3 +142,4 @@ def test_layer_range_model_holds_only_its_layers():
 def test_bad_tokens_are_refused(model32, tokens, lengths, match):
     with pytest.raises(InputError, match=match):
         jit_prefill(model32)(tokens, lengths)
+

@@ -15,8 +15,6 @@ Implementations:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -71,7 +69,6 @@ def default_implementation(dtype) -> str:
     return "mosaic" if on_gpu() and dtype in (jnp.bfloat16, jnp.float16) else "xla"
 
 
-@functools.partial(jax.named_call, name="grouped_matmul")
 def grouped_matmul(
     x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None
 ) -> jax.Array:
@@ -89,4 +86,5 @@ def grouped_matmul(
         fn = IMPLEMENTATIONS[impl]
     except KeyError:
         raise ValueError(f"unknown grouped matmul implementation {impl!r}; one of {sorted(IMPLEMENTATIONS)}") from None
-    return fn(x, w.astype(x.dtype), group_sizes)
+    with jax.named_scope(f"grouped_matmul_{impl}"):
+        return fn(x, w.astype(x.dtype), group_sizes)
