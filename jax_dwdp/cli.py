@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layerwise", action="store_true",
                    help="compile one program per layer type instead of the whole model (fast compile for deep models)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint")
+    c.add_argument("hf_dir", type=Path)
+    c.add_argument("out_dir", type=Path)
+    c.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR (only once the new one is complete)")
+    c.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     q = sub.add_parser("plan", help="print the stage layout (and DWDP ranks) as one JSON object")
     _add_model_args(q)
     q.add_argument("--pipeline", type=int, default=1)
@@ -129,7 +135,7 @@ def _build_runner(args, cfg, dtype, mode):
         boundaries = _boundaries(args)
         try:
             if args.checkpoint is not None:
-                pipe = Pipeline.from_hf(args.checkpoint, args.pipeline, dwdp=args.dwdp, dtype=dtype, cfg=cfg,
+                pipe = Pipeline.from_checkpoint(args.checkpoint, args.pipeline, dwdp=args.dwdp, dtype=dtype, cfg=cfg,
                                         boundaries=boundaries)
             else:
                 pipe = Pipeline.random(cfg, args.pipeline, dwdp=args.dwdp, dtype=dtype, seed=args.seed,
@@ -144,9 +150,9 @@ def _build_runner(args, cfg, dtype, mode):
         return run, run, (f"pipeline {args.pipeline} stages {stages}, dwdp {args.dwdp} ranks per stage, "
                           f"{args.microbatches} microbatches")
     if args.checkpoint is not None:
-        from jax_dwdp.weights.hf_loader import load_hf_checkpoint
+        from jax_dwdp.weights import load_checkpoint
 
-        model, report = load_hf_checkpoint(args.checkpoint, cfg=cfg, dtype=dtype)
+        model, report = load_checkpoint(args.checkpoint, cfg=cfg, dtype=dtype)
         source = report.line()
     else:
         from jax_dwdp.model import init_model
@@ -275,7 +281,17 @@ def cmd_plan(args) -> dict:
             "dwdp": args.dwdp, "stages": out}
 
 
-COMMANDS = {"prefill": cmd_prefill, "plan": cmd_plan}
+def cmd_convert(args) -> dict:
+    from jax_dwdp.weights.orbax_store import convert_hf_to_orbax
+
+    dtype = _dtype(args.dtype)
+    if not args.hf_dir.is_dir():
+        raise UsageError(f"{args.hf_dir}: no such folder")
+    summary = convert_hf_to_orbax(args.hf_dir, args.out_dir, dtype=dtype, overwrite=args.overwrite)
+    return {"command": "convert", **summary}
+
+
+COMMANDS = {"prefill": cmd_prefill, "plan": cmd_plan, "convert": cmd_convert}
 
 
 def _ensure_cpu_devices(args) -> None:
@@ -310,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RUNTIME
     if args.command == "plan" or args.json:
         print(json.dumps(result))
+    elif args.command == "convert":
+        print(f"converted {result['tensors']} tensors ({result['bytes'] / 1e9:.3f} GB, {result['layers']} layers) "
+              f"to {result['output']} in {result['seconds']:.2f} s ({result['gb_per_s']:.3f} GB/s); skipped "
+              f"{result['skipped_non_text']} vision/MTP tensors; peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
     else:
         _print_human(result)
     return 0

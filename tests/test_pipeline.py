@@ -126,7 +126,7 @@ def test_stages_hold_only_their_weights_and_read_only_their_tensors(tmp_path, rn
     cfg = model_with_layers(6)
     hf = random_hf_model(cfg, int(rng.integers(1 << 30)))
     ckpt = save_hf(hf, tmp_path / "hf")
-    pipe = Pipeline.from_hf(ckpt, 3, dtype=jnp.float32, boundaries=[1, 4])
+    pipe = Pipeline.from_checkpoint(ckpt, 3, dtype=jnp.float32, boundaries=[1, 4])
     state = hf.state_dict()
     for spec, report, model in zip(pipe.stages, pipe.load_reports, pipe.models):
         own = [k for k in state if any(k.startswith(f"model.layers.{i}.") for i in range(spec.start_layer, spec.end_layer))]
@@ -140,7 +140,7 @@ def test_stages_hold_only_their_weights_and_read_only_their_tensors(tmp_path, rn
         assert {d for x in leaves for d in x.devices()} == {pipe.devices[spec.stage]}
     tokens = rng.integers(0, cfg.vocab_size, (2, 20)).astype(np.int32)
     logits, _ = pipe.prefill(tokens, microbatches=2)
-    whole, _ = Pipeline.from_hf(ckpt, 1, dtype=jnp.float32).prefill(tokens)
+    whole, _ = Pipeline.from_checkpoint(ckpt, 1, dtype=jnp.float32).prefill(tokens)
     assert rel_err(logits, whole) <= 1e-5
 
 

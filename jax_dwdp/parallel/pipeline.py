@@ -105,7 +105,7 @@ class Pipeline:
             self.sharded, self.models = None, models
             self.input_shardings = [SingleDeviceSharding(d) for d in self.devices]
         self._programs: dict = {}
-        self.load_reports: list = []  # one LoadReport per stage when loaded from a checkpoint
+        self.load_reports: list = []  # one line per stage when loaded from a checkpoint
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -128,10 +128,11 @@ class Pipeline:
         return cls(model.cfg, stages, models, mesh)
 
     @classmethod
-    def from_hf(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
-                boundaries=None, devices=None, cfg: ModelConfig | None = None) -> "Pipeline":
-        """Each stage loads only its own layers' tensors, straight onto its device."""
-        from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
+    def from_checkpoint(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
+                        boundaries=None, devices=None, cfg: ModelConfig | None = None) -> "Pipeline":
+        """Each stage loads only its own layers (HF or Orbax folder), straight onto its device."""
+        from jax_dwdp.weights import load_checkpoint
+        from jax_dwdp.weights.hf_loader import load_config
 
         cfg = cfg or load_config(checkpoint_dir)
         mesh = make_mesh(pipeline, dwdp, devices)
@@ -139,8 +140,8 @@ class Pipeline:
         models, reports = [], []
         for st in stages:
             sharding = jax.sharding.SingleDeviceSharding(mesh.devices[st.stage, 0])
-            model, report = load_hf_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=st.start_layer,
-                                               end_layer=st.end_layer, placement=lambda *_, sh=sharding: sh)
+            model, report = load_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=st.start_layer,
+                                            end_layer=st.end_layer, placement=lambda *_, sh=sharding: sh)
             models.append(model)
             reports.append(report)
         pipe = cls(cfg, stages, models, mesh)

@@ -1,0 +1,217 @@
+"""jax_dwdp's Orbax checkpoints: converted from HF safetensors layer by layer, restored per stage or per rank.
+
+Layout of a checkpoint folder:
+    config.json          the model config (HF text form)
+    jax_dwdp.json        format marker, dtype, counts; written last, so a folder without it is not a checkpoint
+    embed/               Orbax PyTree checkpoint: {"embed_tokens": {"weight"}}
+    layers/NNN/          one Orbax PyTree checkpoint per layer, keyed like the model's state
+    head/                {"norm": {"weight"}, "lm_head": {"weight"}}
+Each layer is its own Orbax checkpoint, so a pipeline stage opens only its layers' folders and reads no byte of
+another layer; arrays are restored with the caller's sharding, so a DWDP rank reads only its slice of the experts.
+
+Conversion writes into `OUT.partial-<pid>` and renames it to OUT at the very end (rename is atomic): a conversion
+that fails or is killed leaves no folder at OUT, and the next run removes leftover `.partial-*` folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.model import abstract_model
+from jax_dwdp.weights.safetensors_reader import CheckpointError
+
+FORMAT = "jax_dwdp-orbax"
+FORMAT_VERSION = 1
+MARKER = "jax_dwdp.json"
+# Test hook: SIGKILL the converter after this many layers, to prove that a killed conversion leaves nothing.
+_KILL_AFTER_LAYERS = "JAX_DWDP_TEST_KILL_AFTER_LAYERS"
+
+
+def is_orbax_checkpoint(directory: str | Path) -> bool:
+    return (Path(directory) / MARKER).is_file()
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp  # imported here: orbax pulls in a lot at import time
+
+    return ocp.PyTreeCheckpointer()
+
+
+def _layer_dir(root: Path, layer_id: int) -> Path:
+    return root / "layers" / f"{layer_id:03d}"
+
+
+def _to_tree(flat: list[tuple[tuple, object]]) -> dict:
+    tree: dict = {}
+    for path, value in flat:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = value
+    return tree
+
+
+def _host_cpu_placement():
+    cpu = jax.devices("cpu")[0]
+    sharding = jax.sharding.SingleDeviceSharding(cpu)
+    return lambda *_: sharding
+
+
+def _progress(done: int, total: int, nbytes: int, t0: float, stream) -> None:
+    elapsed = max(time.perf_counter() - t0, 1e-9)
+    width = 30
+    filled = int(width * done / total)
+    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} layers, "
+                 f"{nbytes / 1e9:.2f} GB, {nbytes / 1e9 / elapsed:.2f} GB/s")
+    stream.flush()
+
+
+def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, overwrite: bool = False,
+                        progress=sys.stderr) -> dict:
+    """Converts an HF checkpoint folder to a jax_dwdp Orbax checkpoint; returns a summary dict.
+
+    Reads and writes one layer at a time (host memory: about one layer plus a fixed buffer).
+    """
+    from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
+    if out_dir.exists() and not overwrite:
+        raise CheckpointError(f"{out_dir}: already exists; pass --overwrite to replace it")
+    cfg = load_config(hf_dir)
+    dtype = jnp.dtype(dtype)
+    for stale in out_dir.parent.glob(f"{out_dir.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out_dir.parent / f"{out_dir.name}.partial-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    t0 = time.perf_counter()
+    summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0}
+    kill_after = int(os.environ.get(_KILL_AFTER_LAYERS, "-1"))
+    try:
+        ckpt = _checkpointer()
+        placement = _host_cpu_placement()
+        n = cfg.num_hidden_layers
+        for layer_id in range(n):
+            model, report = load_hf_checkpoint(hf_dir, cfg=cfg, dtype=dtype, start_layer=layer_id,
+                                               end_layer=layer_id + 1, placement=placement)
+            flat = list(nnx.to_flat_state(nnx.state(model)))
+            summary["tensors"] += report.tensors_loaded
+            summary["bytes"] += sum(v.get_value().nbytes for _, v in flat)
+            summary["skipped_non_text"] = report.skipped_non_text
+            layer = [(p[2:], v.get_value()) for p, v in flat if p[0] == "layers"]
+            ckpt.save(_layer_dir(tmp, layer_id), _to_tree(layer))
+            if layer_id == 0:
+                ckpt.save(tmp / "embed", _to_tree([(p, v.get_value()) for p, v in flat if p[0] == "embed_tokens"]))
+            if layer_id == n - 1:
+                ckpt.save(tmp / "head", _to_tree([(p, v.get_value()) for p, v in flat if p[0] in ("norm", "lm_head")]))
+            del model, flat, layer
+            if progress is not None:
+                _progress(layer_id + 1, n, summary["bytes"], t0, progress)
+            if layer_id + 1 == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if progress is not None:
+            progress.write("\n")
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+        seconds = time.perf_counter() - t0
+        summary.update(seconds=round(seconds, 3), gb_per_s=round(summary["bytes"] / 1e9 / seconds, 3),
+                       peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                       dtype=str(dtype), layers=cfg.num_hidden_layers, source=str(hf_dir), output=str(out_dir))
+        (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, **summary}, indent=1))
+        if out_dir.exists():  # --overwrite: move the old one aside only once the new one is complete
+            old = out_dir.parent / f"{out_dir.name}.old-{os.getpid()}"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def read_marker(directory: Path) -> dict:
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: not a jax_dwdp Orbax checkpoint (no {MARKER})") from None
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{directory / MARKER}: not valid JSON") from None
+    if marker.get("format") != FORMAT or marker.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory / MARKER}: format {marker.get('format')!r} version "
+                              f"{marker.get('version')!r}; expected {FORMAT!r} version {FORMAT_VERSION}")
+    return marker
+
+
+def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_layer: int = 0,
+                          end_layer: int | None = None, placement=None):
+    """Restores layers [start_layer, end_layer) (and the embedding / head if the range has them).
+
+    placement(path, shape, dtype) -> Sharding decides where each array lands (default: the first device); with a
+    sharded placement, each device reads only its slice. Returns (model, LoadReport).
+    """
+    from jax_dwdp.weights.hf_loader import LoadReport
+
+    import orbax.checkpoint as ocp
+
+    t0 = time.perf_counter()
+    directory = Path(directory)
+    read_marker(directory)
+    cfg = ModelConfig.from_json_file(directory / "config.json")
+    end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
+    dtype = jnp.dtype(dtype)
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer))
+    expected = list(nnx.to_flat_state(abstract))
+    if placement is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        placement = lambda *_: sharding  # noqa: E731
+    ckpt = _checkpointer()
+
+    def restore(item: Path, entries: list[tuple[tuple, tuple, object]]) -> dict:
+        """entries: (path in the item, model path, var)."""
+        if not item.is_dir():
+            raise CheckpointError(f"{item}: missing from the checkpoint")
+        target = _to_tree([(p, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=placement(mp, tuple(v.shape), v.dtype)))
+                           for p, mp, v in entries])
+        args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype),
+                            target)
+        try:
+            return ckpt.restore(item, item=target, restore_args=args)
+        except Exception as e:  # Orbax/tensorstore raise many types for damaged or mismatched data
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{item}: cannot restore ({first[:300]})") from None
+
+    def lookup(tree: dict, path: tuple):
+        for key in path:
+            tree = tree[str(key)]
+        return tree
+
+    values = {}
+    groups: dict[Path, list] = {}
+    for path, var in expected:
+        if path[0] == "layers":
+            item, inner = _layer_dir(directory, int(path[1]) + start_layer), path[2:]
+        elif path[0] == "embed_tokens":
+            item, inner = directory / "embed", path
+        else:
+            item, inner = directory / "head", path
+        groups.setdefault(item, []).append((inner, path, var))
+    for item, entries in groups.items():
+        restored = restore(item, entries)
+        for inner, path, _ in entries:
+            values[path] = lookup(restored, inner)
+    state = nnx.from_flat_state([(path, type(var)(values[path])) for path, var in expected])
+    report = LoadReport(tensors_loaded=len(expected), bytes_read=int(sum(v.nbytes for v in values.values())),
+                        seconds=time.perf_counter() - t0)
+    return nnx.merge(graphdef, state), report

@@ -1,0 +1,141 @@
+"""Orbax checkpoints: HF -> Orbax conversion, restore per stage and per DWDP rank, atomicity, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_dwdp.cli import main
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.prefill import jit_prefill
+from jax_dwdp.weights.hf_loader import load_hf_checkpoint
+from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, is_orbax_checkpoint, load_orbax_checkpoint
+from jax_dwdp.weights.safetensors_reader import CheckpointError
+from tests.hf_reference import random_hf_model, rel_err, save_hf
+
+CFG = ModelConfig.preset("tiny").replace(num_hidden_layers=5, vocab_size=70)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return save_hf(random_hf_model(CFG, seed=17), tmp_path_factory.mktemp("hf") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def orbax_dir(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("orbax") / "ckpt"
+    convert_hf_to_orbax(hf_dir, out, dtype=jnp.float32, progress=None)
+    return out
+
+
+def flat(model) -> dict:
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def test_orbax_restore_equals_hf_load(hf_dir, orbax_dir, rng):
+    a, _ = load_hf_checkpoint(hf_dir, dtype=jnp.float32)
+    b, report = load_orbax_checkpoint(orbax_dir, dtype=jnp.float32)
+    fa, fb = flat(a), flat(b)
+    assert fa.keys() == fb.keys()
+    for path in fa:
+        np.testing.assert_array_equal(fa[path], fb[path], err_msg=str(path))
+    tokens = rng.integers(0, CFG.vocab_size, (2, 40)).astype(np.int32)
+    assert rel_err(jit_prefill(b)(tokens)[0], jit_prefill(a)(tokens)[0]) == 0.0
+    marker = json.loads((orbax_dir / "jax_dwdp.json").read_text())
+    assert marker["tensors"] == report.tensors_loaded and marker["layers"] == 5
+
+
+def test_stage_restore_reads_no_other_layer(hf_dir, orbax_dir, tmp_path):
+    """Delete every folder the stage [1, 3) must not read; it still restores, equal to the HF weights."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(orbax_dir, damaged)
+    for name in ("embed", "head", "layers/000", "layers/003", "layers/004"):
+        shutil.rmtree(damaged / name)
+    stage, report = load_orbax_checkpoint(damaged, dtype=jnp.float32, start_layer=1, end_layer=3)
+    ref, _ = load_hf_checkpoint(hf_dir, dtype=jnp.float32, start_layer=1, end_layer=3)
+    fa, fb = flat(ref), flat(stage)
+    assert fa.keys() == fb.keys() and all(np.array_equal(fa[p], fb[p]) for p in fa)
+    with pytest.raises(CheckpointError, match="layers/003: missing"):
+        load_orbax_checkpoint(damaged, dtype=jnp.float32, start_layer=2, end_layer=4)
+
+
+def test_dwdp_rank_restores_its_expert_slice(hf_dir, orbax_dir):
+    devices = jax.devices()[:2]
+    mesh = Mesh(np.array(devices), ("dwdp",))
+
+    def placement(path, shape, dtype):
+        split = path[-3:-1] == ("mlp", "experts")
+        return NamedSharding(mesh, P("dwdp") if split else P())
+
+    model, _ = load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=2, end_layer=3, placement=placement)
+    ref, _ = load_hf_checkpoint(hf_dir, dtype=jnp.float32, start_layer=2, end_layer=3)
+    gate_up = model.layers[0].mlp.experts.gate_up_proj[...]
+    full = np.asarray(ref.layers[0].mlp.experts.gate_up_proj[...])
+    half = CFG.num_experts // 2
+    for shard in gate_up.addressable_shards:
+        rank = devices.index(shard.device)
+        assert shard.data.shape[0] == half
+        np.testing.assert_array_equal(np.asarray(shard.data), full[rank * half:(rank + 1) * half])
+
+
+def test_existing_output_is_not_overwritten_without_flag(hf_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="already exists; pass --overwrite"):
+        convert_hf_to_orbax(hf_dir, out, progress=None)
+    assert (out / "keep.txt").read_text() == "mine"
+    convert_hf_to_orbax(hf_dir, out, dtype=jnp.float32, progress=None, overwrite=True)
+    assert is_orbax_checkpoint(out) and not (out / "keep.txt").exists()
+    assert not list(tmp_path.glob("out.*"))  # no partial or old folders left behind
+
+
+def test_killed_conversion_leaves_nothing_and_rerun_succeeds(hf_dir, tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, JAX_DWDP_TEST_KILL_AFTER_LAYERS="2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "jax_dwdp.cli", "convert", str(hf_dir), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr  # SIGKILL after two layers
+    assert not out.exists() and list(tmp_path.glob("out.partial-*"))
+    env.pop("JAX_DWDP_TEST_KILL_AFTER_LAYERS")
+    proc = subprocess.run([sys.executable, "-m", "jax_dwdp.cli", "convert", str(hf_dir), str(out), "--json"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert is_orbax_checkpoint(out) and not list(tmp_path.glob("out.partial-*"))
+    summary = json.loads(proc.stdout)
+    assert summary["tensors"] > 0 and summary["peak_rss_bytes"] > 0
+
+
+def test_bad_source_leaves_nothing(hf_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) - 1000])  # truncated
+    code = main(["convert", str(bad), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "truncated" in err and "model.safetensors" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))
+
+
+def test_prefill_cli_accepts_orbax_folder(orbax_dir, hf_dir, tmp_path, capsys, rng):
+    tokens = rng.integers(0, CFG.vocab_size, (2, 12)).astype(np.int32)
+    np.save(tmp_path / "t.npy", tokens)
+    outs = {}
+    for name, d in (("orbax", orbax_dir), ("hf", hf_dir)):
+        code = main(["prefill", "--checkpoint", str(d), "--tokens", str(tmp_path / "t.npy"), "--dtype", "float32",
+                     "--iters", "1", "--logits-out", str(tmp_path / f"{name}.npy"), "--json"])
+        assert code == 0, capsys.readouterr().err
+        outs[name] = np.load(tmp_path / f"{name}.npy")
+    np.testing.assert_array_equal(outs["orbax"], outs["hf"])
