@@ -46,7 +46,8 @@ def is_orbax_checkpoint(directory: str | Path) -> bool:
 def _checkpointer():
     import orbax.checkpoint as ocp  # imported here: orbax pulls in a lot at import time
 
-    return ocp.PyTreeCheckpointer()
+    # No compression: weights are high-entropy, and zstd over them costs far more time than it saves bytes.
+    return ocp.PyTreeCheckpointer(use_compression=False)
 
 
 def _layer_dir(root: Path, layer_id: int) -> Path:
