@@ -139,3 +139,43 @@ def test_prefill_cli_accepts_orbax_folder(orbax_dir, hf_dir, tmp_path, capsys, r
         assert code == 0, capsys.readouterr().err
         outs[name] = np.load(tmp_path / f"{name}.npy")
     np.testing.assert_array_equal(outs["orbax"], outs["hf"])
+
+
+def _truncate_header_offsets(directory: Path) -> None:
+    """Rewrites the header so that one tensor's offsets run past the end of the file (a header that lies)."""
+    f = directory / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = sorted(k for k in header if k != "__metadata__")[0]
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin + 10**9, end + 10**9]
+    raw = json.dumps(header).encode()
+    raw += b" " * (n - len(raw)) if len(raw) <= n else b""
+    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+
+def _index_names_missing_shard(directory: Path) -> None:
+    weight_map = {"lm_head.weight": "model-00002-of-00002.safetensors"}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _config_mismatch(directory: Path) -> None:
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["hidden_size"] = 48
+    (directory / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_truncate_header_offsets, "model.safetensors"),
+    (_index_names_missing_shard, "model-00002-of-00002.safetensors"),
+    (_config_mismatch, "expected"),
+])
+def test_bad_sources_fail_cleanly(hf_dir, tmp_path, capsys, damage, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    damage(bad)
+    code = main(["convert", str(bad), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))
