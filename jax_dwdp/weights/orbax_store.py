@@ -64,6 +64,16 @@ def _to_tree(flat: list[tuple[tuple, object]]) -> dict:
     return tree
 
 
+def _save_args(path: tuple, value):
+    """Expert tensors are chunked one expert per chunk, so that a DWDP rank restoring its block of experts reads
+    only those experts' chunks; other arrays keep Orbax's default chunking."""
+    import orbax.checkpoint as ocp
+
+    if path[-3:-1] == ("mlp", "experts"):
+        return ocp.SaveArgs(chunk_byte_size=value.nbytes // value.shape[0], shard_axes=(0,))
+    return ocp.SaveArgs()
+
+
 def _host_cpu_placement():
     cpu = jax.devices("cpu")[0]
     sharding = jax.sharding.SingleDeviceSharding(cpu)
@@ -111,7 +121,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
             summary["bytes"] += sum(v.get_value().nbytes for _, v in flat)
             summary["skipped_non_text"] = report.skipped_non_text
             layer = [(p[2:], v.get_value()) for p, v in flat if p[0] == "layers"]
-            ckpt.save(_layer_dir(tmp, layer_id), _to_tree(layer))
+            ckpt.save(_layer_dir(tmp, layer_id), _to_tree(layer), save_args=_to_tree(
+                [(p, _save_args(p, v)) for p, v in layer]))
             if layer_id == 0:
                 ckpt.save(tmp / "embed", _to_tree([(p, v.get_value()) for p, v in flat if p[0] == "embed_tokens"]))
             if layer_id == n - 1:
