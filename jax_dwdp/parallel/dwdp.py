@@ -130,13 +130,6 @@ class DwdpProgram:
     def compile(self, x, lengths) -> None:
         self._run.lower(self.state, self.place(x), self.place(lengths)).compile()
 
-    def resident_bytes_per_rank(self) -> int:
-        """Bytes one rank holds: replicated weights plus its expert slots."""
-        total = 0
-        for x in jax.tree.leaves(self.state):
-            total += x.addressable_shards[0].data.nbytes
-        return total
-
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _layer_with_experts(graphdef, state, h, positions, lengths, gate_up_blocks, down_blocks):

@@ -193,9 +193,6 @@ class Pipeline:
         out = None if logits == "none" else jnp.concatenate(outs, axis=0)
         return out, [Cache.concat_batch(c) for c in caches]
 
-    def weight_bytes(self) -> list[int]:
-        return [sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(m))) for m in self.models]
-
 
 def stage_weight_bytes(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
     """Bytes of a stage's weights, from shapes alone (nothing is allocated)."""
