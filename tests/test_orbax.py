@@ -88,6 +88,14 @@ def test_dwdp_rank_restores_its_expert_slice(hf_dir, orbax_dir):
         rank = devices.index(shard.device)
         assert shard.data.shape[0] == half
         np.testing.assert_array_equal(np.asarray(shard.data), full[rank * half:(rank + 1) * half])
+    # Stored one expert per chunk: reading a rank's block touches only its own experts' chunks.
+    import orbax.checkpoint as ocp
+
+    meta = ocp.PyTreeCheckpointer().metadata(orbax_dir / "layers" / "002").item_metadata
+    for name in ("gate_up_proj", "down_proj"):
+        array = meta["mlp"]["experts"][name]
+        assert array.storage.chunk_shape == (1, *array.shape[1:]), array.storage
+    assert meta["mlp"]["gate"]["weight"].storage.chunk_shape[0] == CFG.num_experts  # others: default chunking
 
 
 def test_existing_output_is_not_overwritten_without_flag(hf_dir, tmp_path):
