@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.expert_layout import ExpertLayout
+from jax_dwdp.parallel.mesh import cpu_barrier
 from jax_dwdp.prefill import _precision
 
 AXIS = "dwdp"
@@ -151,6 +152,7 @@ class IndependentRanks:
         if not (model.is_first and model.is_last):
             raise ValueError("independent DWDP ranks run whole models (use a Pipeline for stages)")
         self.model, self.devices = model, list(devices)
+        self._wait = cpu_barrier(self.devices[0].platform)
         self.layout = ExpertLayout(model.cfg.num_experts, len(devices))
         slots = self.layout.slots_per_rank
         self.graphdef = nnx.graphdef(model)
@@ -183,11 +185,6 @@ class IndependentRanks:
         blocks = [peer["blocks"][layer_id] if p == rank else jax.device_put(peer["blocks"][layer_id], device)
                   for p, peer in enumerate(self.ranks)]
         return self._wait((tuple(b[0] for b in blocks), tuple(b[1] for b in blocks)))
-
-    def _wait(self, x):
-        # XLA's CPU client runs all host devices on one small thread pool, where work enqueued ahead of its
-        # cross-device inputs can deadlock (see Pipeline.prefill); on the CPU, wait. GPUs overlap freely.
-        return jax.block_until_ready(x) if self.devices[0].platform == "cpu" else x
 
     def prefill(self, rank: int, tokens, lengths=None, *, logits: LogitsMode = "all", cache_len: int | None = None):
         """Rank `rank` prefills its own batch; returns (logits, cache) on its device. Dispatch is asynchronous, so

@@ -25,3 +25,13 @@ def make_mesh(pipeline: int = 1, dwdp: int = 1, devices: list[jax.Device] | None
             f"{devices[0].platform if devices else ''} device(s) are available"
         )
     return Mesh(np.array(devices[:need]).reshape(pipeline, dwdp), AXES)
+
+
+def cpu_barrier(platform: str):
+    """The identity on accelerators; on the CPU, a wait for the value to be computed.
+
+    XLA's CPU client runs all host "devices" on one small thread pool: a program enqueued before its input (another
+    device's output) is ready can hold the thread that input needs, and both wait forever (seen with jax 0.10.2 on
+    2 cores). So multi-device drivers wait between cross-device steps on the CPU; GPUs overlap freely.
+    """
+    return jax.block_until_ready if platform == "cpu" else (lambda x: x)

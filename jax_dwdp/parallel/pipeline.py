@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
 from jax_dwdp.model.qwen35_moe import LogitsMode
-from jax_dwdp.parallel.mesh import make_mesh
+from jax_dwdp.parallel.mesh import cpu_barrier, make_mesh
 from jax_dwdp.prefill import InputError, StageProgram, check_tokens
 
 
@@ -177,10 +177,7 @@ class Pipeline:
                              f"{self.ranks} DWDP ranks")
         size = batch // microbatches
         programs = self.programs(logits, cache_len, layerwise)
-        # XLA's CPU client runs host "devices" on one small thread pool: a program enqueued before its input
-        # (another device's output) is ready can hold the thread that input needs, and both wait forever. So on
-        # the CPU each stage's output is awaited before the next stage is enqueued; GPUs overlap freely.
-        wait = jax.block_until_ready if self.devices[0].platform == "cpu" else (lambda x: x)
+        wait = cpu_barrier(self.devices[0].platform)
         outs, caches = [], [[] for _ in self.stages]
         for m in range(microbatches):
             rows = slice(m * size, (m + 1) * size)
