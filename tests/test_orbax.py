@@ -57,6 +57,39 @@ def test_orbax_restore_equals_hf_load(hf_dir, orbax_dir, rng):
     assert marker["tensors"] == report.tensors_loaded and marker["layers"] == 5
 
 
+def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monkeypatch):
+    """Conversion keeps one open checkpoint across its per-layer loads: each of the 3 shard headers is parsed once
+    (not once per layer), and the result restores bit for bit equal to the HF load."""
+    from safetensors.numpy import load_file, save_file
+
+    from jax_dwdp.weights import safetensors_reader
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(hf_dir / "config.json", sharded / "config.json")
+    tensors = load_file(hf_dir / "model.safetensors")
+    names, weight_map = sorted(tensors), {}
+    for s in range(3):
+        fname = f"model-{s + 1:05d}-of-00003.safetensors"
+        save_file({k: tensors[k] for k in names[s::3]}, sharded / fname)
+        weight_map.update({k: fname for k in names[s::3]})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    parsed = []
+    real = safetensors_reader._read_header
+    monkeypatch.setattr(safetensors_reader, "_read_header", lambda path: parsed.append(path.name) or real(path))
+    out = tmp_path / "out"
+    summary = convert_hf_to_orbax(sharded, out, dtype=jnp.float32, progress=None)
+    assert sorted(parsed) == sorted(set(weight_map.values())), parsed  # 3 parses, not 3 per layer
+    assert summary["tensors"] == json.loads((orbax_dir / "jax_dwdp.json").read_text())["tensors"]
+    monkeypatch.undo()
+    ref, _ = load_hf_checkpoint(hf_dir, dtype=jnp.float32)
+    got, _ = load_orbax_checkpoint(out, dtype=jnp.float32)
+    fa, fb = flat(ref), flat(got)
+    assert fa.keys() == fb.keys()
+    for path in fa:
+        np.testing.assert_array_equal(fa[path], fb[path], err_msg=str(path))
+
+
 def test_stage_restore_reads_no_other_layer(hf_dir, orbax_dir, tmp_path):
     """Delete every folder the stage [1, 3) must not read; it still restores, equal to the HF weights."""
     damaged = tmp_path / "damaged"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,8 +96,41 @@ class _ExpertAssembler:
         return None
 
 
+class _NameIndex:
+    """A checkpoint's tensor names grouped by layer, built once per open checkpoint, so that loading a layer range
+    from a checkpoint kept open across many ranges (conversion) visits only that range's names."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint):
+        self.by_layer: dict[int, list[str]] = {}
+        self.rest: list[str] = []  # embedding, norm, head, vision/MTP and unknown names
+        for name in ckpt.names():
+            target = hf_names.classify(name, 0, 0)  # an empty range: every layer tensor is "other_layer"
+            if target is not None and target.kind == "other_layer":
+                self.by_layer.setdefault(target.layer, []).append(name)
+            else:
+                self.rest.append(name)
+
+    def select(self, start_layer: int, end_layer: int) -> tuple[list[str], list[str]]:
+        """(names to visit, sorted; names of layers outside the range)."""
+        inside = list(self.rest)
+        outside = []
+        for layer, names in self.by_layer.items():
+            (inside if start_layer <= layer < end_layer else outside).extend(names)
+        return sorted(inside), sorted(outside)
+
+
+_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _name_index(ckpt: SafetensorsCheckpoint) -> _NameIndex:
+    index = _INDEXES.get(ckpt)
+    if index is None:
+        index = _INDEXES[ckpt] = _NameIndex(ckpt)
+    return index
+
+
 def load_hf_checkpoint(
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | Path | SafetensorsCheckpoint,
     *,
     cfg: ModelConfig | None = None,
     dtype=jnp.bfloat16,
@@ -106,11 +140,16 @@ def load_hf_checkpoint(
 ) -> tuple[Qwen35MoeForCausalLM, LoadReport]:
     """Loads layers [start_layer, end_layer) (and the embedding / head when the range has them).
 
+    `checkpoint_dir` is a folder, or an already open SafetensorsCheckpoint (headers parsed once) that a caller
+    loading many ranges keeps open; it is left open, with its mappings dropped so that mapped pages do not pile up.
     Raises CheckpointError naming the file, the tensor and the expected shape for a missing, unexpected or
     mis-shaped tensor.
     """
     t0 = time.perf_counter()
-    checkpoint_dir = Path(checkpoint_dir)
+    if isinstance(checkpoint_dir, SafetensorsCheckpoint):
+        opened, checkpoint_dir = checkpoint_dir, checkpoint_dir.directory
+    else:
+        opened, checkpoint_dir = None, Path(checkpoint_dir)
     cfg = cfg or load_config(checkpoint_dir)
     end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
     dtype = jnp.dtype(dtype)
@@ -136,21 +175,25 @@ def load_hf_checkpoint(
         loaded[path] = jax.device_put(host, placement(path, tuple(var.shape), var.dtype))
         report.tensors_loaded += 1
 
-    with SafetensorsCheckpoint(checkpoint_dir) as ckpt:
-        for name in ckpt.names():
+    ckpt = opened if opened is not None else SafetensorsCheckpoint(checkpoint_dir)
+    bytes_before = ckpt.bytes_read
+    try:
+        inside, outside = _name_index(ckpt).select(start_layer, end_layer)
+        for name in outside:
+            layer = hf_names.classify(name, 0, 0).layer
+            if layer >= cfg.num_hidden_layers:
+                raise CheckpointError(
+                    f"{ckpt.info(name).file}: tensor {name} belongs to layer {layer}, but the config has "
+                    f"{cfg.num_hidden_layers} layers"
+                )
+        report.skipped_other_layers += len(outside)
+        for name in inside:
             info = ckpt.info(name)
             target = hf_names.classify(name, start_layer, end_layer)
             if target is None:
                 raise CheckpointError(f"{info.file}: unexpected tensor {name} (not part of the Qwen3.5-MoE text model)")
             if target.kind == "non_text":
                 report.skipped_non_text += 1
-            elif target.kind == "other_layer":
-                if target.layer >= cfg.num_hidden_layers:
-                    raise CheckpointError(
-                        f"{info.file}: tensor {name} belongs to layer {target.layer}, but the config has "
-                        f"{cfg.num_hidden_layers} layers"
-                    )
-                report.skipped_other_layers += 1
             elif target.kind == "expert_piece":
                 var = expected.get(target.path)
                 if var is None:
@@ -171,10 +214,15 @@ def load_hf_checkpoint(
                         f"layer type {cfg.layer_types[target.layer] if target.layer is not None else 'model'})"
                     )
                 place(path, ckpt.read(name), name, info.file)
-        report.bytes_read = ckpt.bytes_read
+        report.bytes_read = ckpt.bytes_read - bytes_before
         missing_piece = assembler.missing(start_layer)
         if missing_piece is not None:
             raise CheckpointError(f"{checkpoint_dir}: missing tensor {missing_piece}")
+    finally:
+        if opened is None:
+            ckpt.close()
+        else:
+            ckpt.unmap()
     for path, var in expected.items():
         if path not in loaded:
             raise CheckpointError(

@@ -96,6 +96,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     Reads and writes one layer at a time (host memory: about one layer plus a fixed buffer).
     """
     from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
+    from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     if out_dir.exists() and not overwrite:
@@ -109,12 +110,14 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     t0 = time.perf_counter()
     summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0}
     kill_after = int(os.environ.get(_KILL_AFTER_LAYERS, "-1"))
+    source = None
     try:
+        source = SafetensorsCheckpoint(hf_dir)  # every shard header parsed once, kept across the layers
         ckpt = _checkpointer()
         placement = _host_cpu_placement()
         n = cfg.num_hidden_layers
         for layer_id in range(n):
-            model, report = load_hf_checkpoint(hf_dir, cfg=cfg, dtype=dtype, start_layer=layer_id,
+            model, report = load_hf_checkpoint(source, cfg=cfg, dtype=dtype, start_layer=layer_id,
                                                end_layer=layer_id + 1, placement=placement)
             flat = list(nnx.to_flat_state(nnx.state(model)))
             summary["tensors"] += report.tensors_loaded
@@ -150,6 +153,9 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if source is not None:
+            source.close()
     return summary
 
 

@@ -271,6 +271,18 @@ class SafetensorsFile:
             )
         return self._mmap
 
+    def unmap(self) -> None:
+        """Drops the mapping (and so its resident pages) but keeps the parsed header; the next read maps again.
+
+        A reader kept open across many reads (a conversion, layer by layer) calls this between layers so that host
+        memory holds about one layer of mapped pages, not every page read so far."""
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # arrays from read() still export it; it unmaps when the last of them is collected
+            self._mmap = None
+
     def close(self) -> None:
         self._closed = True
         if self._mmap is not None:
@@ -327,6 +339,7 @@ class SafetensorsCheckpoint:
         # surfaces a bad shard before any conversion work starts.
         self._files: dict[Path, SafetensorsFile] = {}
         self._owner: dict[str, SafetensorsFile] = {}
+        self._names: list[str] | None = None
         index_path = self.directory / INDEX_FILENAME
         if index_path.exists():
             self._open_indexed(index_path)
@@ -382,7 +395,9 @@ class SafetensorsCheckpoint:
         return sum(f.bytes_read for f in self._files.values())
 
     def names(self) -> list[str]:
-        return sorted(self._owner)
+        if self._names is None:
+            self._names = sorted(self._owner)
+        return list(self._names)
 
     def __contains__(self, name: object) -> bool:
         return name in self._owner
@@ -400,6 +415,11 @@ class SafetensorsCheckpoint:
 
     def read(self, name: str) -> np.ndarray:
         return self._file_for(name).read(name)
+
+    def unmap(self) -> None:
+        """See SafetensorsFile.unmap: frees mapped pages between layers; headers stay parsed."""
+        for file in self._files.values():
+            file.unmap()
 
     def close(self) -> None:
         for file in self._files.values():
