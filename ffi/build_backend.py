@@ -1,0 +1,37 @@
+"""jax_dwdp's PEP 517 build backend: setuptools, plus the FFI libraries' build needs when they can be built.
+
+The XLA FFI headers come from jaxlib and the CUTLASS headers from the `nvidia-cutlass` wheel; both are needed only
+to compile `ffi/`, which needs a CUDA toolkit. So they are asked for only when `cuda.h` is found (or
+JAX_DWDP_BUILD_FFI=1), and a CPU-only install stays light. setup.py runs the CMake build itself.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import build_meta as _setuptools
+from setuptools.build_meta import *  # noqa: F401,F403  (the PEP 517 hooks this module does not override)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_paths import cuda_home  # noqa: E402
+
+_FFI_REQUIRES = [
+    "cmake>=3.24",
+    "jaxlib==0.10.2; python_version < '3.12'",
+    "jaxlib==0.11.2; python_version >= '3.12'",
+    "nvidia-cutlass==4.2.0.0",
+]
+
+
+def _ffi_requires() -> list[str]:
+    if os.environ.get("JAX_DWDP_BUILD_FFI") == "0":
+        return []
+    return _FFI_REQUIRES if (cuda_home() or os.environ.get("JAX_DWDP_BUILD_FFI") == "1") else []
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return _setuptools.get_requires_for_build_wheel(config_settings) + _ffi_requires()
+
+
+def get_requires_for_build_editable(config_settings=None):
+    return _setuptools.get_requires_for_build_editable(config_settings) + _ffi_requires()

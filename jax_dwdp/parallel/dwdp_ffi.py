@@ -1,0 +1,239 @@
+"""The CUDA side of DWDP: an expert store in CUDA VMM memory and the two XLA FFI custom calls that read it.
+
+Nothing here is imported by `import jax_dwdp`; the library (ffi/dwdp_store.cc, built into jax_dwdp/_lib/) and the
+NVIDIA driver are loaded only when an `ExpertStore` is made.
+
+- `ExpertStore(devices, layers, ...)`: rank r's block of every (layer, weight) lives in a cuMemCreate allocation
+  on devices[r]; one composite virtual address per (layer, weight) shows all ranks' blocks, contiguous when a
+  block is a multiple of the 2 MiB allocation granularity, to every device of the store (peer reads over NVLink).
+- `store.prefetch(dep, layer)` (inside shard_map): returns the layer's full (gate_up [E, 2I, H], down [E, H, I])
+  in fresh XLA buffers, filled by a copy stream that starts after everything XLA enqueued before the call.
+- `store.wait(experts, after)`: the same buffers, after XLA's stream has waited for that copy; `after` (the MoE's
+  input) keeps XLA from scheduling it early.
+- `close()` (also on context exit and at interpreter exit) releases every allocation, mapping, VA range, stream
+  and event; `live_objects()` counts them, for tests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import os
+import weakref
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LIBRARY = "libjax_dwdp_ffi.so"
+PREFETCH_TARGET = "jax_dwdp_dwdp_prefetch"
+WAIT_TARGET = "jax_dwdp_dwdp_wait"
+_LIVE_FIELDS = ("allocations", "mappings", "va_ranges", "streams", "events", "stores")
+
+
+class FfiUnavailable(RuntimeError):
+    """The FFI path cannot run here (no GPU, no driver, or the library is not built); the message says which."""
+
+
+class StoreError(RuntimeError):
+    """A CUDA call of the expert store failed; the message names the call and the CUresult."""
+
+
+def library_path() -> Path:
+    env = os.environ.get("JAX_DWDP_FFI_LIB")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "_lib" / LIBRARY
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """Loads the driver (RTLD_GLOBAL: the library resolves cu* against it) and the library; registers the calls."""
+    path = library_path()
+    if not path.is_file():
+        raise FfiUnavailable(
+            f"the DWDP FFI library is not built ({path} does not exist). Build it on a machine with the CUDA toolkit: "
+            "`pip install -e .` (JAX_DWDP_BUILD_FFI=1 to make a failed build an error), or "
+            "`cmake -S ffi -B build/ffi -DJAX_DWDP_LIB_DIR=$PWD/jax_dwdp/_lib && cmake --build build/ffi`")
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise FfiUnavailable(f"the DWDP FFI path needs the NVIDIA driver (libcuda.so.1): {e}") from None
+    lib = ctypes.CDLL(str(path))
+    i64, c_int, u64 = ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
+    lib.dwdp_last_error.restype = ctypes.c_char_p
+    lib.dwdp_store_create.argtypes = [c_int, ctypes.POINTER(c_int), c_int, c_int, ctypes.POINTER(u64), c_int, c_int,
+                                      c_int, ctypes.POINTER(i64)]
+    lib.dwdp_store_fill.argtypes = [i64, c_int, c_int, c_int, u64, u64]
+    lib.dwdp_store_close.argtypes = [i64]
+    lib.dwdp_store_copy_ms.argtypes = [i64, c_int, c_int, ctypes.POINTER(ctypes.c_float)]
+    lib.dwdp_store_inject_error.argtypes = [i64, c_int]
+    lib.dwdp_store_info.argtypes = [i64, ctypes.POINTER(c_int), ctypes.POINTER(u64)]
+    lib.dwdp_live_objects.argtypes = [ctypes.POINTER(i64)]
+    lib.dwdp_live_objects.restype = None
+    for fn in ("dwdp_store_create", "dwdp_store_fill", "dwdp_store_close", "dwdp_store_copy_ms",
+               "dwdp_store_inject_error", "dwdp_store_info"):
+        getattr(lib, fn).restype = c_int
+    jax.ffi.register_ffi_target(PREFETCH_TARGET, jax.ffi.pycapsule(lib.JaxDwdpPrefetch), platform="CUDA")
+    jax.ffi.register_ffi_target(WAIT_TARGET, jax.ffi.pycapsule(lib.JaxDwdpWait), platform="CUDA")
+    return lib
+
+
+def _check(lib, status: int) -> None:
+    if status != 0:
+        raise StoreError(lib.dwdp_last_error().decode(errors="replace"))
+
+
+def live_objects() -> dict[str, int]:
+    """CUDA objects held by all open stores of this process (all zero when every store is closed)."""
+    lib = load_library()
+    out = (ctypes.c_int64 * len(_LIVE_FIELDS))()
+    lib.dwdp_live_objects(out)
+    return dict(zip(_LIVE_FIELDS, (int(v) for v in out)))
+
+
+def require_gpus(devices) -> None:
+    platforms = {d.platform for d in devices}
+    if platforms != {"gpu"}:
+        raise FfiUnavailable(f"the DWDP FFI path needs CUDA GPUs; these devices are {sorted(platforms)} "
+                             "(use the XLA path: --dwdp-backend xla)")
+
+
+_OPEN: "weakref.WeakSet[ExpertStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for store in list(_OPEN):
+        try:
+            store.close()
+        except Exception:  # interpreter exit: nothing left to report to
+            pass
+
+
+class ExpertStore:
+    """Every MoE layer's experts, rank r's block on devices[r], readable by every device. See the module doc."""
+
+    def __init__(self, devices, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool = False):
+        """`shapes` = per-expert shapes of the weights, ((2I, H), (H, I)); blocks are ceil(E/N) experts, the last
+        rank's padded with zeros when N does not divide E (its padding is never copied)."""
+        from jax_dwdp.parallel.expert_layout import ExpertLayout
+
+        self.devices = list(devices)
+        require_gpus(self.devices)
+        self.lib = load_library()
+        self.layout = ExpertLayout(num_experts, len(self.devices))
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.shapes, self.dtype = tuple(tuple(s) for s in shapes), jnp.dtype(dtype)
+        self.timing = timing
+        expert_bytes = [int(np.prod(s)) * self.dtype.itemsize for s in self.shapes]
+        ordinals = (ctypes.c_int * len(self.devices))(*[d.local_hardware_id for d in self.devices])
+        sizes = (ctypes.c_uint64 * len(expert_bytes))(*expert_bytes)
+        sid = ctypes.c_int64()
+        _check(self.lib, self.lib.dwdp_store_create(len(self.devices), ordinals, num_layers, len(self.shapes), sizes,
+                                                    self.layout.slots_per_rank, num_experts, int(timing),
+                                                    ctypes.byref(sid)))
+        self.id = sid.value
+        self.closed = False
+        _OPEN.add(self)
+        self._calls: dict = {}
+
+    # ---- filling ---------------------------------------------------------------------------------------------
+    def fill(self, layer: int, weight: int, rank: int, block: jax.Array) -> None:
+        """Copies rank `rank`'s block ([ceil(E/N), *shape], on devices[rank]) into the store."""
+        want = (self.layout.slots_per_rank, *self.shapes[weight])
+        if block.shape != want or block.dtype != self.dtype:
+            raise ValueError(f"expert block for layer {layer} weight {weight} rank {rank}: got {block.shape} "
+                             f"{block.dtype}, expected {want} {self.dtype}")
+        shard = block.addressable_shards[0]
+        if len(block.addressable_shards) != 1 or shard.device != self.devices[rank]:
+            raise ValueError(f"expert block for rank {rank} must live on {self.devices[rank]} alone")
+        data = shard.data.block_until_ready()
+        _check(self.lib, self.lib.dwdp_store_fill(self.id, layer, weight, rank, data.unsafe_buffer_pointer(),
+                                                  data.nbytes))
+
+    @classmethod
+    def from_sharded(cls, layers: list[tuple[jax.Array, jax.Array]], num_experts: int, *, timing: bool = False,
+                     delete: bool = True) -> "ExpertStore":
+        """From each layer's (gate_up, down) sharded P('dwdp') over the store's devices ([N * ceil(E/N), ...]).
+
+        delete=True deletes those arrays once copied, so a rank's experts are not stored twice.
+        """
+        first = layers[0][0]
+        devices = [s.device for s in sorted(first.addressable_shards, key=lambda s: s.index[0].start or 0)]
+        shapes = tuple(w.shape[1:] for w in layers[0])
+        store = cls(devices, len(layers), num_experts, shapes, first.dtype, timing=timing)
+        try:
+            for l, weights in enumerate(layers):
+                for w, array in enumerate(weights):
+                    for shard in array.addressable_shards:
+                        store.fill(l, w, devices.index(shard.device), shard.data)
+                    if delete:
+                        array.delete()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    # ---- the custom calls (inside shard_map: per-device shapes) ----------------------------------------------
+    def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
+        self._check_open()
+        out = tuple(jax.ShapeDtypeStruct((self.num_experts, *s), self.dtype) for s in self.shapes)
+        call = jax.ffi.ffi_call(PREFETCH_TARGET, out, has_side_effect=True)
+        return call(dep, store=np.int64(self.id), layer=np.int64(layer))
+
+    def wait(self, experts: tuple[jax.Array, jax.Array], after: jax.Array) -> tuple[jax.Array, jax.Array]:
+        self._check_open()
+        out = tuple(jax.ShapeDtypeStruct(e.shape, e.dtype) for e in experts)
+        call = jax.ffi.ffi_call(WAIT_TARGET, out, input_output_aliases={0: 0, 1: 1}, has_side_effect=True)
+        return call(*experts, after, store=np.int64(self.id))
+
+    # ---- facts, tests ----------------------------------------------------------------------------------------
+    def copy_ms(self) -> np.ndarray:
+        """[ranks, layers] duration of each layer's last prefetch copy in ms (NaN when not timed)."""
+        self._check_open()
+        out = np.full((len(self.devices), self.num_layers), np.nan)
+        ms = ctypes.c_float()
+        for r in range(len(self.devices)):
+            for l in range(self.num_layers):
+                _check(self.lib, self.lib.dwdp_store_copy_ms(self.id, r, l, ctypes.byref(ms)))
+                if ms.value >= 0:
+                    out[r, l] = ms.value
+        return out
+
+    def info(self) -> dict:
+        self._check_open()
+        fabric, gran = ctypes.c_int(), ctypes.c_uint64()
+        _check(self.lib, self.lib.dwdp_store_info(self.id, ctypes.byref(fabric), ctypes.byref(gran)))
+        return {"handle_type": "fabric" if fabric.value else "posix_fd", "granularity": gran.value,
+                "ranks": len(self.devices), "layers": self.num_layers, "slots_per_rank": self.layout.slots_per_rank}
+
+    def inject_error(self, code: int) -> None:
+        """Makes the next prefetch fail as if a CUDA call had returned `code` (for tests)."""
+        self._check_open()
+        _check(self.lib, self.lib.dwdp_store_inject_error(self.id, code))
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreError(f"expert store {self.id} is closed")
+
+    # ---- lifetime --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Waits for the store's devices, then releases everything. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN.discard(self)
+        _check(self.lib, self.lib.dwdp_store_close(self.id))
+
+    def __enter__(self) -> "ExpertStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

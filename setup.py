@@ -1,0 +1,72 @@
+"""Builds the FFI libraries of `ffi/` with CMake into jax_dwdp/_lib/ when a CUDA toolkit is present.
+
+JAX_DWDP_BUILD_FFI=1 makes a failed or impossible build an error (CI sets it), =0 skips it; unset, the build runs
+when cuda.h is found and is skipped with a notice otherwise (the XLA paths need no FFI library).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "ffi"))
+from cuda_paths import cuda_home, cutlass_include_dir  # noqa: E402
+
+
+class CMakeFfiBuild(build_ext):
+    def build_extension(self, ext):
+        mode = os.environ.get("JAX_DWDP_BUILD_FFI")
+        if mode == "0":
+            print("jax_dwdp: JAX_DWDP_BUILD_FFI=0, FFI libraries not built")
+            return
+        home = cuda_home()
+        cmake = shutil.which("cmake")
+        if home is None or cmake is None:
+            why = "no CUDA toolkit (cuda.h) found" if home is None else "no cmake found"
+            if mode == "1":
+                raise RuntimeError(f"jax_dwdp: cannot build the FFI libraries: {why}")
+            print(f"jax_dwdp: {why}; FFI libraries not built (the XLA paths do not need them)")
+            return
+        import jaxlib  # the XLA FFI headers ship with jaxlib (jax.ffi.include_dir() points there)
+
+        if getattr(self, "editable_mode", False) or self.inplace:
+            lib_dir = ROOT / "jax_dwdp" / "_lib"  # an editable install imports jax_dwdp from the source tree
+        else:
+            lib_dir = Path(self.get_ext_fullpath(ext.name)).parent  # the wheel's build tree
+        lib_dir.mkdir(parents=True, exist_ok=True)
+        build_dir = Path(self.build_temp) / "ffi"
+        args = [
+            f"-DXLA_FFI_INCLUDE_DIR={Path(jaxlib.__file__).parent / 'include'}",
+            f"-DJAX_DWDP_LIB_DIR={lib_dir.resolve()}",
+            f"-DCUDAToolkit_ROOT={home}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+        nvcc = Path(home) / "bin" / "nvcc"
+        if nvcc.is_file():
+            args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        cutlass = cutlass_include_dir()
+        if cutlass and os.environ.get("JAX_DWDP_BUILD_GMM") != "0":
+            args.append(f"-DCUTLASS_INCLUDE_DIR={cutlass}")
+        else:
+            print("jax_dwdp: CUTLASS headers not found; the grouped GEMM library is not built")
+        jobs = str(os.cpu_count() or 2)
+        subprocess.run([cmake, "-S", str(ROOT / "ffi"), "-B", str(build_dir), *args], check=True)
+        subprocess.run([cmake, "--build", str(build_dir), "-j", jobs], check=True)
+
+    def copy_extensions_to_source(self):
+        pass  # editable builds already wrote the libraries into the source tree
+
+    def get_outputs(self):
+        return []  # the libraries are data files of jax_dwdp/_lib, not importable extension modules
+
+
+setup(
+    # One placeholder extension: CMake builds every library of ffi/ into jax_dwdp/_lib/ next to it.
+    ext_modules=[Extension("jax_dwdp._lib._placeholder", sources=["ffi/dwdp_store.cc"])],
+    cmdclass={"build_ext": CMakeFfiBuild},
+)
