@@ -207,16 +207,58 @@ def _config_mismatch(directory: Path) -> None:
     (directory / "config.json").write_text(json.dumps(cfg))
 
 
+def _edit_tensors(directory: Path, edit) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def _missing_tensor(directory: Path) -> None:  # layer 3: found only after layers 0-2 were written
+    _edit_tensors(directory, lambda t: t.pop("model.layers.3.mlp.shared_expert.up_proj.weight"))
+
+
+def _extra_tensor(directory: Path) -> None:
+    rng = np.random.default_rng()
+    _edit_tensors(directory, lambda t: t.update({"model.layers.2.mlp.extra.weight": rng.standard_normal((3, 64),
+                                                                                                        np.float32)}))
+
+
+def _wrong_shape_tensor(directory: Path) -> None:
+    rng = np.random.default_rng()
+    _edit_tensors(directory, lambda t: t.update({"model.layers.4.mlp.gate.weight": rng.standard_normal((9, 64),
+                                                                                                       np.float32)}))
+
+
+def _wrong_shape_expert_piece(directory: Path) -> None:
+    rng = np.random.default_rng()
+    _edit_tensors(directory, lambda t: t.update({"model.layers.1.mlp.experts.5.down_proj.weight":
+                                                 rng.standard_normal((64, 31), np.float32)}))
+
+
 @pytest.mark.parametrize("damage,message", [
     (_truncate_header_offsets, "model.safetensors"),
     (_index_names_missing_shard, "model-00002-of-00002.safetensors"),
     (_config_mismatch, "expected"),
+    (_missing_tensor, "model.safetensors: missing tensor model.layers.3.mlp.shared_expert.up_proj.weight "
+                      "(expected shape (32, 64))"),
+    (_extra_tensor, "model.safetensors: unexpected tensor model.layers.2.mlp.extra.weight"),
+    (_wrong_shape_tensor, "model.safetensors: tensor model.layers.4.mlp.gate.weight has shape (9, 64); "
+                          "expected (8, 64)"),
+    (_wrong_shape_expert_piece, "model.safetensors: tensor model.layers.1.mlp.experts.5.down_proj.weight has "
+                                "shape (64, 31); expected (64, 32)"),
 ])
 def test_bad_sources_fail_cleanly(hf_dir, tmp_path, capsys, damage, message):
+    """Through `jax-dwdp convert` itself: exit 2, one line naming the file and the tensor, no traceback, and no
+    OUT_DIR or partial folder left, even when the bad tensor is found after some layers were written."""
     bad = tmp_path / "bad"
     shutil.copytree(hf_dir, bad)
     damage(bad)
     code = main(["convert", str(bad), str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.replace("\r", "\n").splitlines() if line.strip()]
+    bars = [line for line in lines if line.startswith("[") and "layers" in line]  # the progress bar's frames
+    assert code == 2 and "Traceback" not in captured.err + captured.out, captured.err
+    assert len(lines) == len(bars) + 1 and lines[-1].startswith("error: ") and message in lines[-1], captured.err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))

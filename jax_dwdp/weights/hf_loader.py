@@ -85,14 +85,14 @@ class _ExpertAssembler:
             return self.buffers.pop(target.path)
         return None
 
-    def missing(self, start_layer: int) -> str | None:
+    def missing(self, start_layer: int, prefix: str) -> str | None:
         for path, seen in self.seen.items():
             parts = ("down_proj",) if path[-1] == "down_proj" else ("gate_proj", "up_proj")
             for e in range(self.cfg.num_experts):
                 for p in parts:
                     if (e, p) not in seen:
                         layer = int(path[1]) + start_layer
-                        return f"model.language_model.layers.{layer}.mlp.experts.{e}.{p}.weight"
+                        return f"{prefix}layers.{layer}.mlp.experts.{e}.{p}.weight"
         return None
 
 
@@ -103,6 +103,9 @@ class _NameIndex:
     def __init__(self, ckpt: SafetensorsCheckpoint):
         self.by_layer: dict[int, list[str]] = {}
         self.rest: list[str] = []  # embedding, norm, head, vision/MTP and unknown names
+        # The text-model prefix this checkpoint uses, so that a missing tensor is named as the checkpoint names it.
+        self.prefix = next((p for p in hf_names.TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in ckpt.names())),
+                           hf_names.TEXT_PREFIXES[0])
         for name in ckpt.names():
             target = hf_names.classify(name, 0, 0)  # an empty range: every layer tensor is "other_layer"
             if target is not None and target.kind == "other_layer":
@@ -178,7 +181,10 @@ def load_hf_checkpoint(
     ckpt = opened if opened is not None else SafetensorsCheckpoint(checkpoint_dir)
     bytes_before = ckpt.bytes_read
     try:
-        inside, outside = _name_index(ckpt).select(start_layer, end_layer)
+        index = _name_index(ckpt)
+        inside, outside = index.select(start_layer, end_layer)
+        # A missing tensor is reported against the file when there is one, else against the folder.
+        where = ckpt.files[0] if len(ckpt.files) == 1 else checkpoint_dir
         for name in outside:
             layer = hf_names.classify(name, 0, 0).layer
             if layer >= cfg.num_hidden_layers:
@@ -215,9 +221,9 @@ def load_hf_checkpoint(
                     )
                 place(path, ckpt.read(name), name, info.file)
         report.bytes_read = ckpt.bytes_read - bytes_before
-        missing_piece = assembler.missing(start_layer)
+        missing_piece = assembler.missing(start_layer, index.prefix)
         if missing_piece is not None:
-            raise CheckpointError(f"{checkpoint_dir}: missing tensor {missing_piece}")
+            raise CheckpointError(f"{where}: missing tensor {missing_piece}")
     finally:
         if opened is None:
             ckpt.close()
@@ -226,7 +232,7 @@ def load_hf_checkpoint(
     for path, var in expected.items():
         if path not in loaded:
             raise CheckpointError(
-                f"{checkpoint_dir}: missing tensor {hf_names.hf_name(path, start_layer)} "
+                f"{where}: missing tensor {hf_names.hf_name(path, start_layer, index.prefix)} "
                 f"(expected shape {tuple(var.shape)})"
             )
     state = nnx.from_flat_state([(path, type(var)(loaded[path])) for path, var in expected.items()])

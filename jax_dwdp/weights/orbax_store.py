@@ -90,8 +90,10 @@ def _progress(done: int, total: int, nbytes: int, t0: float, stream) -> None:
 
 
 def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, overwrite: bool = False,
-                        progress=sys.stderr) -> dict:
+                        progress="stderr") -> dict:
     """Converts an HF checkpoint folder to a jax_dwdp Orbax checkpoint; returns a summary dict.
+
+    progress: a stream for the progress bar, "stderr" (the default: sys.stderr at call time) or None.
 
     Reads and writes one layer at a time (host memory: about one layer plus a fixed buffer).
     """
@@ -99,6 +101,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
+    progress = sys.stderr if progress == "stderr" else progress
+    bar_open = False  # a progress line without its newline yet
     if out_dir.exists() and not overwrite:
         raise CheckpointError(f"{out_dir}: already exists; pass --overwrite to replace it")
     cfg = load_config(hf_dir)
@@ -133,10 +137,12 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
             del model, flat, layer
             if progress is not None:
                 _progress(layer_id + 1, n, summary["bytes"], t0, progress)
+                bar_open = True
             if layer_id + 1 == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
-        if progress is not None:
+        if bar_open:
             progress.write("\n")
+            bar_open = False
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
         seconds = time.perf_counter() - t0
         summary.update(seconds=round(seconds, 3), gb_per_s=round(summary["bytes"] / 1e9 / seconds, 3),
@@ -152,6 +158,9 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
             os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if bar_open:  # end the bar's line, so that the caller's error message gets a line of its own
+            progress.write("\n")
+            progress.flush()
         raise
     finally:
         if source is not None:
