@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -129,6 +130,101 @@ def test_dwdp_rank_restores_its_expert_slice(hf_dir, orbax_dir):
         array = meta["mlp"]["experts"][name]
         assert array.storage.chunk_shape == (1, *array.shape[1:]), array.storage
     assert meta["mlp"]["gate"]["weight"].storage.chunk_shape[0] == CFG.num_experts  # others: default chunking
+
+
+_RANK_WORKER = r"""
+import hashlib, json, os, sys
+rank, ranks, port, ckpt, layer = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=ranks, process_id=rank)
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax_dwdp.weights.orbax_store import load_orbax_checkpoint
+
+mesh = Mesh(np.array(jax.devices()), ("dwdp",))  # one device per process: process r is DWDP rank r
+placement = lambda path, shape, dtype: NamedSharding(mesh, P("dwdp") if path[-3:-1] == ("mlp", "experts") else P())
+io = lambda: int(next(l for l in open("/proc/self/io") if l.startswith("rchar:")).split()[1])
+load_orbax_checkpoint(ckpt, dtype="float32", start_layer=layer + 1, end_layer=layer + 2, placement=placement)  # warm-up
+before = io()
+model, _ = load_orbax_checkpoint(ckpt, dtype="float32", start_layer=layer, end_layer=layer + 1, placement=placement)
+read = io() - before
+experts = model.layers[0].mlp.experts
+digest = {name: [(int(s.index[0].start or 0), hashlib.sha256(np.asarray(s.data).tobytes()).hexdigest())
+                 for s in getattr(experts, name)[...].addressable_shards] for name in ("gate_up_proj", "down_proj")}
+print(json.dumps({"rank": rank, "rchar": read, "digest": digest}))
+"""
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read()/pread() so far, all threads (tensorstore's too), page cache
+    hits included (unlike read_bytes): the bytes a restore asks the files for."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def _layer_bytes(orbax_dir: Path, layer: int) -> tuple[int, int]:
+    """(expert bytes, other bytes) of one layer, from a full restore."""
+    model, _ = load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=layer, end_layer=layer + 1)
+    sizes = [(p[-3:-1] == ("mlp", "experts"), v.get_value().nbytes) for p, v in nnx.to_flat_state(nnx.state(model))]
+    return sum(n for e, n in sizes if e), sum(n for e, n in sizes if not e)
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_restore_reads_only_own_bytes(hf_dir, orbax_dir):
+    """Counts the bytes read (/proc/self/io rchar: every read syscall of the process, tensorstore's threads
+    included). A pipeline stage reads its own layers' bytes and no more; each of 4 DWDP ranks (4 processes joined by
+    jax.distributed, one CPU device each) reads 1/4 of a layer's expert bytes plus the replicated non-expert
+    tensors, far from a full restore, and gets exactly its own experts."""
+    import socket
+
+    layer, ranks = 2, 4
+    expert, other = _layer_bytes(orbax_dir, layer)
+    # Per Orbax item opened: its metadata files (_METADATA, manifests), about 9.4 KB measured here.
+    slack = 16 * 1024
+    assert expert * (ranks - 1) // ranks > 8 * slack  # reading all experts could not hide in the slack
+
+    # Full restore of one layer: rchar sees it all (so it is a valid counter of tensorstore's reads).
+    before = _rchar()
+    load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=layer, end_layer=layer + 1)
+    full = _rchar() - before
+    assert expert + other <= full <= expert + other + slack, (full, expert, other)
+    # A stage [1, 3) reads layers 1 and 2 and nothing of the others (nor of embed/head).
+    sizes = [sum(_layer_bytes(orbax_dir, i)) for i in (1, 2)]
+    before = _rchar()
+    load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=1, end_layer=3)
+    stage = _rchar() - before
+    assert sum(sizes) <= stage <= sum(sizes) + 2 * slack, (stage, sizes)  # 2 items; one more layer: +290 KB
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_WORKER, str(r), str(ranks), str(port), str(orbax_dir),
+                               str(layer)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(ranks)]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:  # a failed rank leaves the others waiting in jax.distributed
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    ref, _ = load_hf_checkpoint(hf_dir, dtype=jnp.float32, start_layer=layer, end_layer=layer + 1)
+    block = CFG.num_experts // ranks
+    for res in results:
+        r = res["rank"]
+        # Its expert slice and the replicated rest; reading all experts would add 3/4 of `expert`, far over.
+        assert expert // ranks + other <= res["rchar"] <= expert // ranks + other + slack, (res, expert, other)
+        for name in ("gate_up_proj", "down_proj"):
+            full_array = np.asarray(getattr(ref.layers[0].mlp.experts, name)[...])
+            want = hashlib.sha256(full_array[r * block:(r + 1) * block].tobytes()).hexdigest()
+            assert res["digest"][name] == [[r * block, want]], (r, name)
 
 
 def test_existing_output_is_not_overwritten_without_flag(hf_dir, tmp_path):
