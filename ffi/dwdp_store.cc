@@ -110,6 +110,7 @@ struct Store {
   int64_t id = 0;
   int ranks = 0, layers = 0, weights = 0, slots = 0, experts = 0;
   bool timing = false;
+  bool poison = false;  // fill each prefetch destination with 0xFF bytes (NaN in bf16/fp32) before the copy
   size_t granularity = 0;
   CUmemAllocationHandleType handle_type = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   std::vector<size_t> expert_bytes;  // per weight
@@ -356,6 +357,10 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   DWDP_FFI_CU(where, cuEventRecord(d.ready, stream));
   DWDP_FFI_CU(where, cuStreamWaitEvent(d.copy, d.ready, 0));
   if (s->timing) DWDP_FFI_CU(where, cuEventRecord(d.timing_start[layer], d.copy));
+  if (s->poison)
+    for (int w = 0; w < 2; ++w)
+      DWDP_FFI_CU(where, cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(outs[w]->untyped_data()), 0xFF,
+                                         outs[w]->size_bytes(), d.copy));
   for (int w = 0; w < 2; ++w) {
     Region& reg = s->region(static_cast<int>(layer), w);
     const size_t total = outs[w]->size_bytes();
@@ -469,7 +474,7 @@ static int SetError(const std::string& message) {
 }
 
 int dwdp_store_create(int ranks, const int* ordinals, int layers, int weights, const uint64_t* expert_bytes,
-                      int slots, int experts, int timing, int64_t* out_id) {
+                      int slots, int experts, int flags, int64_t* out_id) {
   if (ranks < 1 || layers < 1 || weights < 1 || slots < 1 || experts < 1 || experts > ranks * slots)
     return SetError("dwdp_store_create: bad sizes (ranks " + std::to_string(ranks) + ", layers " +
                     std::to_string(layers) + ", weights " + std::to_string(weights) + ", slots " +
@@ -483,7 +488,8 @@ int dwdp_store_create(int ranks, const int* ordinals, int layers, int weights, c
     s->weights = weights;
     s->slots = slots;
     s->experts = experts;
-    s->timing = timing != 0;
+    s->timing = (flags & 1) != 0;
+    s->poison = (flags & 2) != 0;
     s->expert_bytes.assign(expert_bytes, expert_bytes + weights);
     Status st = Build(*s, ordinals);
     if (!st.ok()) {
@@ -569,6 +575,27 @@ int dwdp_store_info(int64_t id, int* fabric, uint64_t* granularity) {
   if (!s) return SetError("dwdp_store_info: no open expert store " + std::to_string(id));
   *fabric = s->handle_type == CU_MEM_HANDLE_TYPE_FABRIC ? 1 : 0;
   *granularity = s->granularity;
+  return 0;
+}
+
+// Free and total memory of a device, as the driver sees it (tests: memory comes back after close).
+int dwdp_device_memory(int ordinal, uint64_t* free_bytes, uint64_t* total_bytes) {
+  CUdevice dev;
+  CUcontext ctx;
+  CUresult r = cuInit(0);
+  if (r == CUDA_SUCCESS) r = cuDeviceGet(&dev, ordinal);
+  if (r != CUDA_SUCCESS) return SetError(Describe("dwdp_device_memory", "cuDeviceGet", r));
+  r = cuDevicePrimaryCtxRetain(&ctx, dev);
+  if (r != CUDA_SUCCESS) return SetError(Describe("dwdp_device_memory", "cuDevicePrimaryCtxRetain", r));
+  size_t f = 0, t = 0;
+  {
+    ScopedContext scope(ctx);
+    r = cuMemGetInfo(&f, &t);
+  }
+  cuDevicePrimaryCtxRelease(dev);
+  if (r != CUDA_SUCCESS) return SetError(Describe("dwdp_device_memory", "cuMemGetInfo", r));
+  *free_bytes = f;
+  *total_bytes = t;
   return 0;
 }
 

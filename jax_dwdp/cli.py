@@ -127,8 +127,17 @@ def _build_runner(args, cfg, dtype, mode):
     if args.dwdp_backend not in ("xla", "ffi"):
         raise UsageError(f"--dwdp-backend {args.dwdp_backend!r}: choose xla or ffi")
     if args.dwdp_backend == "ffi":
-        raise UsageError("--dwdp-backend ffi: the CUDA VMM custom call is not built in this version "
-                         "(see ffi/README.md); use --dwdp-backend xla")
+        if args.dwdp < 2:
+            raise UsageError("--dwdp-backend ffi needs --dwdp N with N >= 2 ranks")
+        import jax
+
+        from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable, load_library, require_gpus
+
+        try:  # before any weights are made: no GPU, no driver or no library is a one-line error
+            require_gpus(jax.devices())
+            load_library()
+        except FfiUnavailable as e:
+            raise UsageError(f"--dwdp-backend ffi: {e}") from None
     if args.pipeline > 1 or args.microbatches > 1 or args.dwdp > 1:
         from jax_dwdp.parallel import Pipeline
 
@@ -144,7 +153,8 @@ def _build_runner(args, cfg, dtype, mode):
             raise UsageError(str(e)) from None
 
         def run(tokens, lengths):
-            return pipe.prefill(tokens, lengths, microbatches=args.microbatches, logits=mode, layerwise=args.layerwise)
+            return pipe.prefill(tokens, lengths, microbatches=args.microbatches, logits=mode, layerwise=args.layerwise,
+                                dwdp_backend=args.dwdp_backend)
 
         stages = ", ".join(f"[{s.start_layer},{s.end_layer})" for s in pipe.stages)
         return run, run, (f"pipeline {args.pipeline} stages {stages}, dwdp {args.dwdp} ranks per stage, "

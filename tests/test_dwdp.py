@@ -106,3 +106,31 @@ def test_independent_ranks_run_their_own_batches_and_lengths(setup):
     for r, rank in enumerate(ranks.ranks):
         for layer_id, (gate_up, down) in rank["blocks"].items():
             assert gate_up.shape[0] == down.shape[0] == 3 and gate_up.devices() == {jax.devices()[r]}
+
+
+@pytest.mark.parametrize("pipeline,dwdp", [(1, 2), (1, 4), (2, 2)])
+def test_layerwise_dwdp_equals_whole_program(setup, pipeline, dwdp):
+    """LayerwiseDwdp (XLA backend: one program per layer type, next layer's gather inside each) against the
+    whole-program DwdpProgram and against one device on the same per-rank batches (the FFI path's structure)."""
+    model, tokens, lengths, *_ = setup
+    pipe = Pipeline.from_model(model, pipeline, dwdp=dwdp)
+    whole, whole_caches = pipe.prefill(tokens, lengths, cache_len=70)
+    layerwise, layer_caches = pipe.prefill(tokens, lengths, cache_len=70, layerwise=True)
+    one, one_caches = Pipeline.from_model(model, 1).prefill(tokens, lengths, cache_len=70, microbatches=dwdp)
+    got = Cache.concat_layers(layer_caches, jax.devices()[0])
+    for name, a, b, c in [("logits", layerwise, whole, one),
+                          *[(f, getattr(got, f), getattr(Cache.concat_layers(whole_caches, jax.devices()[0]), f),
+                             getattr(one_caches[0], f)) for f in ("key", "value", "conv", "recurrent", "lengths")]]:
+        e1, e2 = rel_err(a, b), rel_err(a, c)
+        print(f"P={pipeline} N={dwdp} {name}: layer-wise vs whole {e1:.1e}, vs one device {e2:.1e}")
+        assert e1 <= 1e-5 and e2 <= 1e-5, name
+
+
+def test_ffi_backend_without_gpu_is_a_clear_error(setup):
+    from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable
+
+    model, tokens, lengths, *_ = setup
+    with pytest.raises(FfiUnavailable, match="needs CUDA GPUs; these devices are \\['cpu'\\]"):
+        Pipeline.from_model(model, 1, dwdp=2).prefill(tokens, lengths, dwdp_backend="ffi")
+    with pytest.raises(ValueError, match="needs DWDP ranks > 1"):
+        Pipeline.from_model(model, 1).prefill(tokens, lengths, dwdp_backend="ffi")

@@ -96,9 +96,12 @@ class SparseMoe(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
 
     def __call__(self, x: jax.Array, experts: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-        """x [..., H]. `experts` = (gate_up_proj, down_proj) overrides this module's own expert weights."""
+        """x [..., H]. `experts` = (gate_up_proj, down_proj) overrides this module's own expert weights; it may also
+        be a function of x returning them (DWDP's FFI path waits for the layer's expert copy there)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
+        if callable(experts):
+            experts = experts(flat)
         gate_up, down = experts if experts is not None else (self.experts.gate_up_proj[...], self.experts.down_proj[...])
         ids, weights = route(flat, self.gate.weight[...], self.top_k)
         routed = routed_experts(flat, ids, weights, gate_up, down)

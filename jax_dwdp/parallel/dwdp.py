@@ -221,3 +221,153 @@ class _TopState:
         for i, layer_id in enumerate(sorted(dense_layers)):
             flat += [(("layers", i, *path), var) for path, var in nnx.to_flat_state(dense_layers[layer_id])]
         self.state = nnx.from_flat_state(flat)
+
+
+class LayerwiseDwdp:
+    """DWDP over a 1-D 'dwdp' mesh with one compiled program per layer type, the layers driven from Python.
+
+    Same numbers and call as DwdpProgram ((x, lengths), batch split evenly over the ranks), but the compile time
+    does not grow with depth, and the expert fetch has two backends:
+
+    - "xla": layer l's program also all-gathers layer l+1's experts, issued after an optimization barrier on
+      layer l's input so that XLA overlaps the gather with layer l's compute.
+    - "ffi": the CUDA VMM expert store (jax_dwdp.parallel.dwdp_ffi). A one-call program per layer starts the copy
+      of layer l+1's experts on the store's copy stream just before layer l is enqueued; layer l+1's MoE waits for
+      it. The ranks' expert blocks move into the store (the XLA copies are deleted), so they are stored once.
+      `timing=True` records each layer's copy time (`self.store.copy_ms()`); `poison=True` (tests) fills each
+      copy's destination with NaN first, so a byte the copy misses shows up.
+    """
+
+    def __init__(self, model: Qwen35MoeForCausalLM, mesh: Mesh, *, backend: str = "xla", logits: LogitsMode = "all",
+                 cache_len: int | None = None, sharded=None, store=None, timing: bool = False,
+                 poison: bool = False):
+        if backend not in ("xla", "ffi"):
+            raise ValueError(f"DWDP backend {backend!r}: choose 'xla' or 'ffi'")
+        self.model, self.mesh, self.backend = model, mesh, backend
+        self.logits, self.cache_len = logits, cache_len
+        graphdef, state, self.layout = sharded or shard_model(model, mesh)
+        self.ranks = mesh.shape[AXIS]
+        self.batch_sharding = NamedSharding(mesh, P(AXIS))
+        replicated = NamedSharding(mesh, P())
+        # The model's state with every expert weight replaced by a replicated scalar placeholder: what the embed,
+        # head and layer programs take (the experts reach the layers as separate arguments).
+        local, flat = {}, []
+        for path, var in nnx.to_flat_state(state):
+            if is_expert_weight(path):
+                local.setdefault(path[1], {})[path[4]] = var.get_value()
+                var = type(var)(jax.device_put(jnp.zeros((), var.get_value().dtype), replicated))
+            flat.append((path, var))
+        self.graphdef, self.dense_state = graphdef, nnx.from_flat_state(flat)
+        dense_model = nnx.merge(graphdef, self.dense_state)
+        self.layer_ids = [layer.layer_id for layer in dense_model.layers]
+        self.layer_types = [layer.layer_type for layer in dense_model.layers]
+        self.layer_states = [nnx.state(layer) for layer in dense_model.layers]
+        self.canonical = {}
+        for layer in dense_model.layers:
+            self.canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
+        blocks = [(local[i]["gate_up_proj"], local[i]["down_proj"]) for i in range(len(self.layer_ids))]
+        self.store = None
+        if backend == "ffi":
+            from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+
+            self.store = store or ExpertStore.from_sharded(blocks, model.cfg.num_experts, timing=timing,
+                                                                   poison=poison)
+            self.local = None
+        else:
+            self.local = blocks
+        self._programs: dict = {}
+
+    # ---- programs --------------------------------------------------------------------------------------------
+    def _program(self, key):
+        if key not in self._programs:
+            self._programs[key] = self._build(*key)
+        return self._programs[key]
+
+    def _build(self, kind, *arg):
+        mesh, b = self.mesh, P(AXIS)
+        pair = (b, b)
+        smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+        dtype = self.model.dtype
+        if kind == "embed":
+            def embed(state, x):
+                return nnx.merge(self.graphdef, state).embed(x)
+            return jax.jit(smap(embed, in_specs=(P(), b), out_specs=b))
+        if kind == "head":
+            def head(state, h, lengths):
+                with _precision(dtype):
+                    return nnx.merge(self.graphdef, state).head(h, lengths, self.logits)
+            return jax.jit(smap(head, in_specs=(P(), b, b), out_specs=b))
+        if kind == "gather":  # layer 0's experts (XLA backend)
+            return jax.jit(smap(gather_experts, in_specs=(pair,), out_specs=pair))
+        if kind == "prefetch":  # (FFI backend) the copy of one layer's experts
+            (index,) = arg
+            return jax.jit(smap(lambda h: self.store.prefetch(h, index), in_specs=(b,), out_specs=pair))
+        layer_type, has_next = arg
+        graphdef = self.canonical[layer_type]
+
+        if self.backend == "ffi":
+            def run(state, h, positions, lengths, experts):
+                with _precision(dtype):
+                    return nnx.merge(graphdef, state)(h, positions, lengths, lambda x: self.store.wait(experts, x))
+            return jax.jit(smap(run, in_specs=(P(), b, b, b, pair), out_specs=(b, b)))
+
+        def run(state, h, positions, lengths, experts, next_local):
+            nxt = None
+            if has_next:
+                h, next_local = jax.lax.optimization_barrier((h, next_local))
+                nxt = gather_experts(next_local)
+            with _precision(dtype):
+                out = nnx.merge(graphdef, state)(h, positions, lengths, experts)
+            return out, nxt
+        return jax.jit(smap(run, in_specs=(P(), b, b, b, pair, pair if has_next else None),
+                            out_specs=((b, b), pair if has_next else None)))
+
+    # ---- running ---------------------------------------------------------------------------------------------
+    def place(self, x):
+        return jax.device_put(x, self.batch_sharding)
+
+    def __call__(self, x, lengths):
+        if x.shape[0] % self.ranks:
+            raise ValueError(f"batch {x.shape[0]} cannot be split evenly over {self.ranks} DWDP ranks")
+        model, n = self.model, len(self.layer_ids)
+        x, lengths = self.place(x), self.place(lengths)
+        h = self._program(("embed",))(self.dense_state, x) if model.is_first else x
+        ffi = self.backend == "ffi"
+        pending = [self._program(("prefetch", 0))(h) if ffi else self._program(("gather",))(self.local[0])]
+
+        def run_layer(layer, h, positions, lens, _):
+            i = self.layer_ids.index(layer.layer_id)
+            has_next = i + 1 < n
+            positions = self.place(positions)
+            if ffi:
+                # Enqueued before layer i: the copy of layer i+1 starts once layer i-1 is done and overlaps layer i.
+                nxt = self._program(("prefetch", i + 1))(h) if has_next else None
+                out = self._program(("layer", layer.layer_type, False))(self.layer_states[i], h, positions, lens,
+                                                                        pending[0])
+            else:
+                out, nxt = self._program(("layer", layer.layer_type, has_next))(
+                    self.layer_states[i], h, positions, lens, pending[0], self.local[i + 1] if has_next else None)
+            pending[0] = nxt
+            return out
+
+        h, cache = nnx.merge(self.graphdef, self.dense_state).forward_layers(h, lengths, cache_len=self.cache_len,
+                                                                             run_layer=run_layer)
+        if not model.is_last:
+            return h, cache
+        out = None if self.logits == "none" else self._program(("head",))(self.dense_state, h, lengths)
+        return out, cache
+
+    def compile(self, x, lengths) -> None:
+        """Compiles every program for these shapes (by one run)."""
+        jax.block_until_ready(self(x, lengths))
+
+    def close(self) -> None:
+        """Releases the FFI store (nothing to do for the XLA backend)."""
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

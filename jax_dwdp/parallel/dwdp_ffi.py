@@ -69,6 +69,8 @@ def load_library() -> ctypes.CDLL:
     lib.dwdp_store_copy_ms.argtypes = [i64, c_int, c_int, ctypes.POINTER(ctypes.c_float)]
     lib.dwdp_store_inject_error.argtypes = [i64, c_int]
     lib.dwdp_store_info.argtypes = [i64, ctypes.POINTER(c_int), ctypes.POINTER(u64)]
+    lib.dwdp_device_memory.argtypes = [c_int, ctypes.POINTER(u64), ctypes.POINTER(u64)]
+    lib.dwdp_device_memory.restype = c_int
     lib.dwdp_live_objects.argtypes = [ctypes.POINTER(i64)]
     lib.dwdp_live_objects.restype = None
     for fn in ("dwdp_store_create", "dwdp_store_fill", "dwdp_store_close", "dwdp_store_copy_ms",
@@ -90,6 +92,14 @@ def live_objects() -> dict[str, int]:
     out = (ctypes.c_int64 * len(_LIVE_FIELDS))()
     lib.dwdp_live_objects(out)
     return dict(zip(_LIVE_FIELDS, (int(v) for v in out)))
+
+
+def device_memory(device) -> tuple[int, int]:
+    """(free, total) bytes of a GPU as the driver sees them (XLA's pool counts as used)."""
+    lib = load_library()
+    free, total = ctypes.c_uint64(), ctypes.c_uint64()
+    _check(lib, lib.dwdp_device_memory(device.local_hardware_id, ctypes.byref(free), ctypes.byref(total)))
+    return free.value, total.value
 
 
 def require_gpus(devices) -> None:
@@ -114,9 +124,11 @@ def _close_all() -> None:
 class ExpertStore:
     """Every MoE layer's experts, rank r's block on devices[r], readable by every device. See the module doc."""
 
-    def __init__(self, devices, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool = False):
+    def __init__(self, devices, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool = False,
+                 poison: bool = False):
         """`shapes` = per-expert shapes of the weights, ((2I, H), (H, I)); blocks are ceil(E/N) experts, the last
-        rank's padded with zeros when N does not divide E (its padding is never copied)."""
+        rank's padded with zeros when N does not divide E (its padding is never copied). `timing` records each
+        layer's copy time; `poison` (tests) fills every prefetch destination with NaN before the copy."""
         from jax_dwdp.parallel.expert_layout import ExpertLayout
 
         self.devices = list(devices)
@@ -131,7 +143,8 @@ class ExpertStore:
         sizes = (ctypes.c_uint64 * len(expert_bytes))(*expert_bytes)
         sid = ctypes.c_int64()
         _check(self.lib, self.lib.dwdp_store_create(len(self.devices), ordinals, num_layers, len(self.shapes), sizes,
-                                                    self.layout.slots_per_rank, num_experts, int(timing),
+                                                    self.layout.slots_per_rank, num_experts,
+                                                    int(timing) | (2 if poison else 0),
                                                     ctypes.byref(sid)))
         self.id = sid.value
         self.closed = False
@@ -154,7 +167,7 @@ class ExpertStore:
 
     @classmethod
     def from_sharded(cls, layers: list[tuple[jax.Array, jax.Array]], num_experts: int, *, timing: bool = False,
-                     delete: bool = True) -> "ExpertStore":
+                     poison: bool = False, delete: bool = True) -> "ExpertStore":
         """From each layer's (gate_up, down) sharded P('dwdp') over the store's devices ([N * ceil(E/N), ...]).
 
         delete=True deletes those arrays once copied, so a rank's experts are not stored twice.
@@ -162,7 +175,7 @@ class ExpertStore:
         first = layers[0][0]
         devices = [s.device for s in sorted(first.addressable_shards, key=lambda s: s.index[0].start or 0)]
         shapes = tuple(w.shape[1:] for w in layers[0])
-        store = cls(devices, len(layers), num_experts, shapes, first.dtype, timing=timing)
+        store = cls(devices, len(layers), num_experts, shapes, first.dtype, timing=timing, poison=poison)
         try:
             for l, weights in enumerate(layers):
                 for w, array in enumerate(weights):

@@ -105,6 +105,7 @@ class Pipeline:
             self.sharded, self.models = None, models
             self.input_shardings = [SingleDeviceSharding(d) for d in self.devices]
         self._programs: dict = {}
+        self._stores = None  # the FFI expert stores, one per stage, once dwdp_backend='ffi' is used
         self.load_reports: list = []  # one line per stage when loaded from a checkpoint
 
     # ---- construction ---------------------------------------------------------------------
@@ -149,25 +150,63 @@ class Pipeline:
         return pipe
 
     # ---- prefill ------------------------------------------------------------------------------
-    def programs(self, logits: LogitsMode, cache_len: int | None, layerwise: bool) -> list:
-        key = (logits, cache_len, layerwise)
+    def programs(self, logits: LogitsMode, cache_len: int | None, layerwise: bool, dwdp_backend: str = "xla") -> list:
+        if dwdp_backend not in ("xla", "ffi"):
+            raise ValueError(f"DWDP backend {dwdp_backend!r}: choose 'xla' or 'ffi'")
+        if dwdp_backend == "ffi" and self.ranks == 1:
+            raise ValueError("the FFI DWDP backend needs DWDP ranks > 1")
+        key = (logits, cache_len, layerwise, dwdp_backend)
         if key not in self._programs:
             if self.ranks > 1:
-                from jax_dwdp.parallel.dwdp import DwdpProgram
+                from jax_dwdp.parallel.dwdp import DwdpProgram, LayerwiseDwdp
 
-                if layerwise:
-                    raise ValueError("layer-wise compilation is not available with DWDP ranks > 1")
-                self._programs[key] = [
-                    DwdpProgram(m, row, logits=logits, cache_len=cache_len, sharded=sh)
-                    for m, row, sh in zip(self.models, self.row_meshes, self.sharded)]
+                if dwdp_backend == "ffi":
+                    # The stage's expert blocks move into one CUDA VMM store per stage (made on first use and
+                    # shared by every program); the XLA copies are deleted, so the XLA backend is gone after this.
+                    if self._stores is None:
+                        programs = [LayerwiseDwdp(m, row, backend="ffi", logits=logits, cache_len=cache_len,
+                                                  sharded=sh)
+                                    for m, row, sh in zip(self.models, self.row_meshes, self.sharded)]
+                        self._stores = [p.store for p in programs]
+                    else:
+                        programs = [LayerwiseDwdp(m, row, backend="ffi", logits=logits, cache_len=cache_len,
+                                                  sharded=sh, store=store)
+                                    for m, row, sh, store in zip(self.models, self.row_meshes, self.sharded,
+                                                                 self._stores)]
+                    self._programs[key] = programs
+                elif self._stores is not None:
+                    raise ValueError("this pipeline's experts live in the FFI store now; keep dwdp_backend='ffi'")
+                elif layerwise:
+                    self._programs[key] = [
+                        LayerwiseDwdp(m, row, backend="xla", logits=logits, cache_len=cache_len, sharded=sh)
+                        for m, row, sh in zip(self.models, self.row_meshes, self.sharded)]
+                else:
+                    self._programs[key] = [
+                        DwdpProgram(m, row, logits=logits, cache_len=cache_len, sharded=sh)
+                        for m, row, sh in zip(self.models, self.row_meshes, self.sharded)]
             else:
                 self._programs[key] = [StageProgram(m, logits=logits, cache_len=cache_len, layerwise=layerwise)
                                        for m in self.models]
         return self._programs[key]
 
+    def close(self) -> None:
+        """Releases the FFI expert stores, if any (the XLA paths hold nothing outside XLA)."""
+        for store in self._stores or []:
+            store.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
-                cache_len: int | None = None, layerwise: bool = False) -> tuple[jax.Array | None, list[Cache]]:
-        """Returns (logits on the last stage's device, one Cache per stage on that stage's device)."""
+                cache_len: int | None = None, layerwise: bool = False,
+                dwdp_backend: str = "xla") -> tuple[jax.Array | None, list[Cache]]:
+        """Returns (logits on the last stage's device, one Cache per stage on that stage's device).
+
+        With DWDP ranks, dwdp_backend "xla" all-gathers experts, "ffi" reads them through the CUDA VMM store (GPUs
+        only; always layer-wise)."""
         tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
         batch = tokens.shape[0]
         if microbatches < 1 or batch % microbatches:
@@ -176,7 +215,7 @@ class Pipeline:
             raise InputError(f"a microbatch of {batch // microbatches} sequences cannot be split evenly over "
                              f"{self.ranks} DWDP ranks")
         size = batch // microbatches
-        programs = self.programs(logits, cache_len, layerwise)
+        programs = self.programs(logits, cache_len, layerwise, dwdp_backend)
         wait = cpu_barrier(self.devices[0].platform)
         outs, caches = [], [[] for _ in self.stages]
         for m in range(microbatches):

@@ -1,0 +1,40 @@
+"""The FFI libraries are built by `pip install` wherever a CUDA toolkit is present (CI has one), and loading them
+is only ever attempted on the FFI path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "ffi"))
+from cuda_paths import cuda_home  # noqa: E402
+
+LIB = ROOT / "jax_dwdp" / "_lib" / "libjax_dwdp_ffi.so"
+
+
+@pytest.mark.skipif(cuda_home() is None, reason="no CUDA toolkit here: pip install builds no FFI library")
+def test_dwdp_library_is_built_and_exports_its_entry_points():
+    from jax_dwdp.parallel.dwdp_ffi import library_path
+
+    path = library_path()
+    assert path.is_file(), f"{path} missing: `pip install -e .` should have built it (cuda.h is at {cuda_home()})"
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF"
+    for symbol in (b"JaxDwdpPrefetch", b"JaxDwdpWait", b"dwdp_store_create", b"dwdp_store_close",
+                   b"dwdp_live_objects"):
+        assert symbol in data, symbol
+
+
+def test_missing_library_is_a_clear_error(tmp_path, monkeypatch):
+    from jax_dwdp.parallel import dwdp_ffi
+
+    monkeypatch.setenv("JAX_DWDP_FFI_LIB", str(tmp_path / "nothing.so"))
+    dwdp_ffi.load_library.cache_clear()
+    try:
+        with pytest.raises(dwdp_ffi.FfiUnavailable, match="not built .*nothing.so does not exist"):
+            dwdp_ffi.load_library()
+    finally:
+        dwdp_ffi.load_library.cache_clear()
