@@ -11,8 +11,10 @@
 //   for it (so the copy never overwrites memory that earlier XLA work still reads: the write-after-read guard),
 //   copies every rank's block into the XLA-allocated outputs, and records a "done" event keyed by the output
 //   address.
-// - dwdp_wait(gate_up, down, after) -> (gate_up, down) (aliased): makes XLA's stream wait for that done event.
-//   `after` is the consuming layer's MoE input, so XLA cannot schedule the wait (and the copy's consumer) early.
+// - dwdp_wait(gate_up, down, after) -> token: makes XLA's stream wait for that done event. `after` is the
+//   consuming layer's MoE input, so XLA cannot schedule the wait early; Python ties the experts' uses to the
+//   token with an optimization barrier. (Outputs aliased to the expert operands would make XLA copy a program
+//   parameter before the wait: a read racing the copy.)
 // - Every CUDA failure returns an ffi::Error naming the call and the CUresult; the C API returns -1 and leaves
 //   the message in dwdp_last_error().
 // - dwdp_store_close releases every mapping, VA range, allocation handle, stream and event; live-object counters
@@ -406,9 +408,11 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   return ffi::Error::Success();
 }
 
-ffi::Error WaitImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
-                    ffi::AnyBuffer /*after*/, int64_t store_id, ffi::Result<ffi::AnyBuffer> gate_up_out,
-                    ffi::Result<ffi::AnyBuffer> down_out) {
+ffi::Error WaitImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer /*down*/,
+                    ffi::AnyBuffer /*after*/, int64_t store_id, ffi::Result<ffi::AnyBuffer> /*token*/) {
+  // The expert buffers are read-only operands (no output aliases them, so XLA never copies them first: the
+  // address below is the one dwdp_prefetch wrote). Python ties their uses to the token with an optimization
+  // barrier, so nothing reads them before this wait.
   const std::string where = "dwdp_wait(store " + std::to_string(store_id) + ")";
   std::shared_ptr<Store> s = Find(store_id);
   if (!s) return Fail(where + ": no open expert store with this id (was it closed?)");
@@ -427,15 +431,6 @@ ffi::Error WaitImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ff
   DWDP_FFI_CU(where, cuStreamWaitEvent(stream, it->second, 0));
   d.pool.push_back(it->second);
   d.pending.erase(it);
-  // The outputs alias the inputs; should XLA ever give them their own buffers, copy in stream order.
-  const ffi::AnyBuffer* ins[2] = {&gate_up, &down};
-  ffi::AnyBuffer* outs[2] = {&(*gate_up_out), &(*down_out)};
-  for (int w = 0; w < 2; ++w) {
-    if (outs[w]->untyped_data() != ins[w]->untyped_data())
-      DWDP_FFI_CU(where, cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(outs[w]->untyped_data()),
-                                           reinterpret_cast<CUdeviceptr>(ins[w]->untyped_data()),
-                                           ins[w]->size_bytes(), stream));
-  }
   return ffi::Error::Success();
 }
 
@@ -455,12 +450,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpWait, WaitImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // gate_up (aliased to output 0)
-                                  .Arg<ffi::AnyBuffer>()  // down (aliased to output 1)
+                                  .Arg<ffi::AnyBuffer>()  // gate_up
+                                  .Arg<ffi::AnyBuffer>()  // down
                                   .Arg<ffi::AnyBuffer>()  // after: the consuming MoE's input
                                   .Attr<int64_t>("store")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>());  // token (never written)
 
 // ---- the C API (called through ctypes) ---------------------------------------------------------------------
 

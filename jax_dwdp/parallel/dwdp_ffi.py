@@ -9,7 +9,7 @@ NVIDIA driver are loaded only when an `ExpertStore` is made.
 - `store.prefetch(dep, layer)` (inside shard_map): returns the layer's full (gate_up [E, 2I, H], down [E, H, I])
   in fresh XLA buffers, filled by a copy stream that starts after everything XLA enqueued before the call.
 - `store.wait(experts, after)`: the same buffers, after XLA's stream has waited for that copy; `after` (the MoE's
-  input) keeps XLA from scheduling it early.
+  input) keeps XLA from scheduling it early, and an optimization barrier on its token orders every use after it.
 - `close()` (also on context exit and at interpreter exit) releases every allocation, mapping, VA range, stream
   and event; `live_objects()` counts them, for tests.
 """
@@ -196,10 +196,14 @@ class ExpertStore:
         return call(dep, store=np.int64(self.id), layer=np.int64(layer))
 
     def wait(self, experts: tuple[jax.Array, jax.Array], after: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The experts, usable once XLA's stream has waited for their copy. The custom call returns a token (its
+        operands are not aliased: XLA would copy an aliased program parameter first, racing the copy); an
+        optimization barrier makes every use of the experts come after it."""
         self._check_open()
-        out = tuple(jax.ShapeDtypeStruct(e.shape, e.dtype) for e in experts)
-        call = jax.ffi.ffi_call(WAIT_TARGET, out, input_output_aliases={0: 0, 1: 1}, has_side_effect=True)
-        return call(*experts, after, store=np.int64(self.id))
+        call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
+        token = call(*experts, after, store=np.int64(self.id))
+        gate_up, down, _ = jax.lax.optimization_barrier((*experts, token))
+        return gate_up, down
 
     # ---- facts, tests ----------------------------------------------------------------------------------------
     def copy_ms(self) -> np.ndarray:
