@@ -37,6 +37,8 @@ FORMAT_VERSION = 1
 MARKER = "jax_dwdp.json"
 # Test hook: SIGKILL the converter after this many layers, to prove that a killed conversion leaves nothing.
 _KILL_AFTER_LAYERS = "JAX_DWDP_TEST_KILL_AFTER_LAYERS"
+# Benchmark knob: "0" writes each layer before reading the next (no overlap; one layer in host memory).
+_OVERLAP = "JAX_DWDP_CONVERT_OVERLAP"
 
 
 def is_orbax_checkpoint(directory: str | Path) -> bool:
@@ -48,6 +50,14 @@ def _checkpointer():
 
     # No compression: weights are high-entropy, and zstd over them costs far more time than it saves bytes.
     return ocp.PyTreeCheckpointer(use_compression=False)
+
+
+def _async_checkpointer():
+    """For conversion: save() returns once the arrays are handed over and writes in a background thread, so that
+    reading and converting layer l+1 overlaps writing layer l (host memory: two layers instead of one)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
 def _layer_dir(root: Path, layer_id: int) -> Path:
@@ -95,7 +105,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
 
     progress: a stream for the progress bar, "stderr" (the default: sys.stderr at call time) or None.
 
-    Reads and writes one layer at a time (host memory: about one layer plus a fixed buffer).
+    Reads and writes one layer at a time, writing layer l in a background thread while layer l+1 is read and
+    converted (host memory: about two layers plus a fixed buffer).
     """
     from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
     from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
@@ -114,10 +125,10 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     t0 = time.perf_counter()
     summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0}
     kill_after = int(os.environ.get(_KILL_AFTER_LAYERS, "-1"))
-    source = None
+    source = ckpt = None
     try:
         source = SafetensorsCheckpoint(hf_dir)  # every shard header parsed once, kept across the layers
-        ckpt = _checkpointer()
+        ckpt = _async_checkpointer() if os.environ.get(_OVERLAP, "1") == "1" else _checkpointer()
         placement = _host_cpu_placement()
         n = cfg.num_hidden_layers
         for layer_id in range(n):
@@ -140,6 +151,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
                 bar_open = True
             if layer_id + 1 == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
+        if hasattr(ckpt, "wait_until_finished"):
+            ckpt.wait_until_finished()  # every layer written before the marker and the rename
         if bar_open:
             progress.write("\n")
             bar_open = False
@@ -157,12 +170,19 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
         else:
             os.rename(tmp, out_dir)
     except BaseException:
+        if ckpt is not None and hasattr(ckpt, "wait_until_finished"):
+            try:
+                ckpt.wait_until_finished()  # no background write may land in tmp after it is removed
+            except Exception:
+                pass
         shutil.rmtree(tmp, ignore_errors=True)
         if bar_open:  # end the bar's line, so that the caller's error message gets a line of its own
             progress.write("\n")
             progress.flush()
         raise
     finally:
+        if ckpt is not None:
+            ckpt.close()
         if source is not None:
             source.close()
     return summary
