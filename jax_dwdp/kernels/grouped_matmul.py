@@ -9,11 +9,18 @@ Implementations:
   that allocates [M, G, N]-sized buffers and fails at prefill sizes (gpu_facts.md), so it is never the GPU
   default.
 - "mosaic": jax's Pallas Mosaic GPU kernel `ragged_dot_mgpu` (Hopper wgmma; 216-237 TF/s on 35B-A3B gate_up,
-  about 0.4x of torch._grouped_mm). The best GPU option available from JAX today, hence the GPU default until the
-  project's own kernel (issue 6) lands.
+  about 0.4x of torch._grouped_mm).
+- "cutlass": the project's CUTLASS sm90 grouped GEMM (ffi/grouped_gemm, issue 6) behind an XLA FFI custom call,
+  the kind of kernel behind torch._grouped_mm. bf16 only; rows past sum(group_sizes) are zeros. Its library
+  (jax_dwdp/_lib/libjax_dwdp_gmm.so) is loaded on first use, never at import.
+
+GPU default: "cutlass" for bf16 when its library is built, else "mosaic"; $JAX_DWDP_GROUPED_MATMUL
+(cutlass|mosaic|xla) overrides the GPU choice. The CPU always takes "xla".
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +69,32 @@ def _mosaic(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return out[:m] if pad else out
 
 
-IMPLEMENTATIONS = {"xla": _xla, "mosaic": _mosaic}
+def _cutlass(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    from jax_dwdp.kernels import _cutlass as cutlass  # ctypes loading happens on first call, not at import
+
+    return cutlass.grouped_matmul(x, w, group_sizes)
+
+
+IMPLEMENTATIONS = {"xla": _xla, "mosaic": _mosaic, "cutlass": _cutlass}
+ENV_IMPLEMENTATION = "JAX_DWDP_GROUPED_MATMUL"
 
 
 def default_implementation(dtype) -> str:
-    return "mosaic" if on_gpu() and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    """The CPU takes "xla". On the GPU: $JAX_DWDP_GROUPED_MATMUL if set; else "cutlass" for bf16 when its library
+    is built, "mosaic" for other half types, "xla" otherwise."""
+    if not on_gpu():
+        return "xla"
+    env = os.environ.get(ENV_IMPLEMENTATION)
+    if env:
+        if env not in IMPLEMENTATIONS:
+            raise ValueError(f"{ENV_IMPLEMENTATION}={env!r} is none of {sorted(IMPLEMENTATIONS)}")
+        return env
+    if dtype == jnp.bfloat16:
+        from jax_dwdp.kernels import _cutlass as cutlass
+
+        if cutlass.available():
+            return "cutlass"
+    return "mosaic" if dtype in (jnp.bfloat16, jnp.float16) else "xla"
 
 
 def grouped_matmul(
@@ -74,7 +102,7 @@ def grouped_matmul(
 ) -> jax.Array:
     """x: [M, K] rows sorted by group; w: [G, N, K]; group_sizes: [G] int32 summing to <= M. Returns [M, N].
 
-    Rows past sum(group_sizes) are unspecified (zero for "xla").
+    Rows past sum(group_sizes) are unspecified (zero for "xla" and "cutlass").
     """
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or group_sizes.shape != (w.shape[0],):
         raise ValueError(

@@ -1,0 +1,286 @@
+// XLA FFI custom call "JaxDwdpGroupedGemm": the MoE expert matmul on Hopper through a CUTLASS sm90 grouped GEMM.
+//
+//   out[rows of group g] = x[rows of group g] @ w[g]^T     (x [M, K] bf16, w [G, N, K] bf16, out [M, N] bf16)
+//
+// Rows of x are sorted by group; group_sizes [G] int32 stays on the device. Each call, on XLA's stream:
+//   1. a one-block setup kernel prefix-sums group_sizes and writes, per group, the problem shape (rows_g, N, K),
+//      the A/B/D pointers and the strides into the workspace (an extra output buffer of the custom call);
+//   2. a kernel zeroes the rows of out past sum(group_sizes) (nothing to do when the groups cover every row);
+//   3. the CUTLASS grouped GEMM reads those arrays on the device (host problem shapes = nullptr).
+// No host work depends on the data, so the handler is safe to record into a CUDA graph (command buffer).
+// Group sizes are sanitised on the device: negative sizes count as 0 and groups are clipped to the M rows, so
+// bad routing data cannot make the kernel write out of bounds.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "cute/layout.hpp"
+#include "grouped_gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_dwdp_gmm {
+namespace {
+
+using ProblemShapeT = cute::Shape<int, int, int>;
+using StrideT = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+static_assert(sizeof(ProblemShapeT) == 12 && sizeof(StrideT) == 8, "layout assumed by the workspace");
+
+constexpr size_t kAlign = 128;          // every workspace section starts 128-byte aligned (TMA descriptors need 64)
+constexpr int kMaxSmCount = 1024;       // upper bound used when Python sizes the workspace without a device
+constexpr int kSetupThreads = 1024;
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Workspace layout; identical on the host (sizing) and in the handler (carving).
+struct Layout {
+  size_t ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, shapes, total, cutlass, bytes;
+  static Layout make(int groups, size_t cutlass_bytes) {
+    Layout l{};
+    size_t off = 0;
+    auto take = [&](size_t n) {
+      size_t at = off;
+      off = round_up(off + n, kAlign);
+      return at;
+    };
+    const size_t g = static_cast<size_t>(std::max(groups, 1));
+    l.ptr_a = take(g * sizeof(void*));
+    l.ptr_b = take(g * sizeof(void*));
+    l.ptr_d = take(g * sizeof(void*));
+    l.stride_a = take(g * sizeof(StrideT));
+    l.stride_b = take(g * sizeof(StrideT));
+    l.stride_d = take(g * sizeof(StrideT));
+    l.shapes = take(g * sizeof(ProblemShapeT));
+    l.total = take(sizeof(long long));
+    l.cutlass = take(cutlass_bytes);
+    l.bytes = off + kAlign;  // slack to align the base pointer XLA hands us
+    return l;
+  }
+};
+
+const GemmConfig* const kConfigs[] = {&kCoop128x256x64C2, &kPingpong64x128x128C2, &kPingpong128x128x64C2};
+constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
+
+size_t cutlass_bytes_all_configs(int groups, int sm_count) {
+  size_t b = 0;
+  for (const GemmConfig* c : kConfigs) b = std::max(b, c->workspace_bytes(groups, sm_count));
+  return b;
+}
+
+// Inclusive block-wide scan of one value per thread (blockDim.x == kSetupThreads).
+__device__ long long block_inclusive_scan(long long v, long long* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int d = 1; d < 32; d <<= 1) {
+    long long u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    long long s = lane < (kSetupThreads / 32) ? warp_sums[lane] : 0;
+    for (int d = 1; d < 32; d <<= 1) {
+      long long u = __shfl_up_sync(0xffffffffu, s, d);
+      if (lane >= d) s += u;
+    }
+    warp_sums[lane] = s;  // inclusive prefix of warp totals
+  }
+  __syncthreads();
+  if (warp > 0) v += warp_sums[warp - 1];
+  __syncthreads();  // warp_sums is reused by the next chunk
+  return v;
+}
+
+__global__ void __launch_bounds__(kSetupThreads)
+    setup_groups_kernel(const int32_t* __restrict__ group_sizes, int groups, long long m, int n, int k,
+                        const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* out, const void** ptr_a,
+                        const void** ptr_b, void** ptr_d, StrideT* stride_a, StrideT* stride_b, StrideT* stride_d,
+                        ProblemShapeT* shapes, long long* total_rows) {
+  __shared__ long long warp_sums[32];
+  __shared__ long long carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int base = 0; base < groups; base += kSetupThreads) {
+    const int g = base + threadIdx.x;
+    const long long size = g < groups ? max(group_sizes[g], 0) : 0;
+    const long long incl = block_inclusive_scan(size, warp_sums);
+    const long long c = carry;
+    if (g < groups) {
+      const long long start = min(c + incl - size, m);
+      const long long rows = min(c + incl, m) - start;
+      shapes[g] = ProblemShapeT(static_cast<int>(rows), n, k);
+      ptr_a[g] = x + start * k;
+      ptr_b[g] = w + static_cast<long long>(g) * n * k;
+      ptr_d[g] = out + start * n;
+      stride_a[g] = StrideT(k, cute::Int<1>{}, cute::Int<0>{});
+      stride_b[g] = StrideT(k, cute::Int<1>{}, cute::Int<0>{});
+      stride_d[g] = StrideT(n, cute::Int<1>{}, cute::Int<0>{});
+    }
+    __syncthreads();
+    if (threadIdx.x == kSetupThreads - 1) carry = c + incl;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *total_rows = min(carry, m);
+}
+
+// Zeroes out[total_rows:, :] with 16-byte stores (N % 8 == 0 keeps rows 16-byte aligned).
+__global__ void zero_tail_rows_kernel(const long long* total_rows, long long m, int n, __nv_bfloat16* out) {
+  const long long begin = *total_rows * n / 8, end = m * n / 8;
+  uint4* o = reinterpret_cast<uint4*>(out);
+  for (long long i = begin + blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < end;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    o[i] = make_uint4(0, 0, 0, 0);
+}
+
+int sm_count_of(int device) {
+  static std::array<std::atomic<int>, 64> cache{};
+  if (device >= 0 && device < static_cast<int>(cache.size())) {
+    int c = cache[device].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
+  int c = 0;
+  if (cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+  if (device >= 0 && device < static_cast<int>(cache.size())) cache[device].store(c, std::memory_order_relaxed);
+  return c;
+}
+
+ffi::Error cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("JaxDwdpGroupedGemm: ") + what + ": " + cudaGetErrorName(e) + " (" +
+                              cudaGetErrorString(e) + ")");
+}
+
+ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::BF16> out,
+                             ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
+  auto xd = x.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || gd.size() != 1 || od.size() != 2)
+    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: expects x [M, K], w [G, N, K], group_sizes [G], out [M, N]");
+  const long long m = xd[0], k = xd[1], groups = wd[0], n = wd[1];
+  if (wd[2] != k || gd[0] != groups || od[0] != m || od[1] != n)
+    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: shapes do not fit x [M, K], w [G, N, K], group_sizes [G], out [M, N]");
+  if (k % 8 || n % 8 || k <= 0 || n <= 0)
+    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: K and N must be positive multiples of 8 (16-byte TMA rows), got K=" +
+                                       std::to_string(k) + " N=" + std::to_string(n));
+  if (k > INT32_MAX || n > INT32_MAX || m > INT32_MAX || groups > INT32_MAX)
+    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: dimensions exceed int32");
+  if (config < 0 || config >= kNumConfigs)
+    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: unknown config " + std::to_string(config));
+  if (m == 0) return ffi::Error::Success();
+  auto* out_ptr = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
+  if (groups == 0) {  // no group: every row is past the (empty) groups
+    cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n * 2, stream);
+    return e == cudaSuccess ? ffi::Error::Success() : cuda_error("cudaMemsetAsync", e);
+  }
+  for (const void* p : {static_cast<const void*>(x.untyped_data()), static_cast<const void*>(w.untyped_data()),
+                        static_cast<const void*>(out_ptr)})
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+      return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: x, w and out must be 16-byte aligned");
+
+  // The stream's device, and make it current (kernels and cudaFuncSetAttribute act on the current device).
+  int device = 0, current = 0;
+  cudaError_t e = cudaStreamGetDevice(stream, &device);
+  if (e != cudaSuccess) return cuda_error("cudaStreamGetDevice", e);
+  if ((e = cudaGetDevice(&current)) != cudaSuccess) return cuda_error("cudaGetDevice", e);
+  if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error("cudaSetDevice", e);
+  const int sm_count = sm_count_of(device);
+  if (sm_count <= 0) return ffi::Error::Internal("JaxDwdpGroupedGemm: cannot query the SM count");
+
+  const GemmConfig& cfg = *kConfigs[config];
+  const size_t cutlass_bytes = cfg.workspace_bytes(static_cast<int>(groups), sm_count);
+  const Layout lay = Layout::make(static_cast<int>(groups), cutlass_bytes);
+  const size_t ws_bytes = workspace->size_bytes();
+  if (ws_bytes < lay.bytes)
+    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: workspace of " + std::to_string(ws_bytes) +
+                                       " bytes, needs " + std::to_string(lay.bytes));
+  auto* ws = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uintptr_t>(workspace->untyped_data()), kAlign));
+
+  GroupedArgs a;
+  a.groups = static_cast<int>(groups);
+  a.n = static_cast<int>(n);
+  a.k = static_cast<int>(k);
+  a.problem_shapes = ws + lay.shapes;
+  a.ptr_a = reinterpret_cast<const void**>(ws + lay.ptr_a);
+  a.ptr_b = reinterpret_cast<const void**>(ws + lay.ptr_b);
+  a.ptr_d = reinterpret_cast<void**>(ws + lay.ptr_d);
+  a.stride_a = ws + lay.stride_a;
+  a.stride_b = ws + lay.stride_b;
+  a.stride_d = ws + lay.stride_d;
+  a.cutlass_workspace = ws + lay.cutlass;
+  a.cutlass_workspace_bytes = cutlass_bytes;
+  a.device = device;
+  a.sm_count = sm_count;
+  a.stream = stream;
+  auto* total_rows = reinterpret_cast<long long*>(ws + lay.total);
+
+  setup_groups_kernel<<<1, kSetupThreads, 0, stream>>>(
+      group_sizes.typed_data(), a.groups, m, a.n, a.k, reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(w.untyped_data()), out_ptr, a.ptr_a, a.ptr_b, a.ptr_d,
+      static_cast<StrideT*>(a.stride_a), static_cast<StrideT*>(a.stride_b), static_cast<StrideT*>(a.stride_d),
+      static_cast<ProblemShapeT*>(a.problem_shapes), total_rows);
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error("setup kernel launch", e);
+
+  const long long vecs = m * n / 8;
+  const int zero_blocks = static_cast<int>(std::min<long long>((vecs + 255) / 256, 2LL * sm_count));
+  zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, a.n, out_ptr);
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error("zero-tail kernel launch", e);
+
+  if (const char* msg = cfg.run(a)) {
+    cudaError_t last = cudaGetLastError();
+    return ffi::Error::Internal(std::string("JaxDwdpGroupedGemm (") + cfg.name + "): " + msg +
+                                (last != cudaSuccess ? std::string("; CUDA: ") + cudaGetErrorString(last) : ""));
+  }
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(cfg.name, e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_dwdp_gmm
+
+// Exported with default visibility (the library is built with hidden visibility so that its CUTLASS template
+// instances never bind to another library's, e.g. PyTorch's, in the same process).
+#define JAX_DWDP_GMM_EXPORT extern "C" __attribute__((visibility("default")))
+JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemm(XLA_FFI_CallFrame* call_frame);
+JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmNoGraph(XLA_FFI_CallFrame* call_frame);
+JAX_DWDP_GMM_EXPORT size_t JaxDwdpGroupedGemmWorkspaceBytes(int32_t groups, int32_t sm_count);
+JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGroupedGemmNumConfigs();
+JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmConfigName(int32_t i);
+
+#define JAX_DWDP_GMM_BINDING                                 \
+  ffi::Ffi::Bind()                                           \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()              \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* x [M, K] */          \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [G, N, K] */       \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [G] */   \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* out [M, N] */        \
+      .Ret<ffi::Buffer<ffi::U8>>()   /* workspace */         \
+      .Attr<int32_t>("config")
+
+// Recordable into XLA command buffers (CUDA graphs): only stream work, nothing on the host reads the data.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemm, jax_dwdp_gmm::grouped_gemm_impl, JAX_DWDP_GMM_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+// The same handler without the trait: XLA then runs it outside command buffers (a fallback switch).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmNoGraph, jax_dwdp_gmm::grouped_gemm_impl, JAX_DWDP_GMM_BINDING);
+
+extern "C" {
+
+// Bytes of the workspace output for `groups` groups on a device with at most `sm_count` SMs (any config).
+// sm_count <= 0 uses a generous upper bound. Host-only: no CUDA call.
+size_t JaxDwdpGroupedGemmWorkspaceBytes(int32_t groups, int32_t sm_count) {
+  using namespace jax_dwdp_gmm;
+  const int sms = sm_count > 0 ? sm_count : kMaxSmCount;
+  return Layout::make(groups, cutlass_bytes_all_configs(groups, sms)).bytes;
+}
+
+int32_t JaxDwdpGroupedGemmNumConfigs() { return jax_dwdp_gmm::kNumConfigs; }
+
+const char* JaxDwdpGroupedGemmConfigName(int32_t i) {
+  return i >= 0 && i < jax_dwdp_gmm::kNumConfigs ? jax_dwdp_gmm::kConfigs[i]->name : nullptr;
+}
+
+}  // extern "C"

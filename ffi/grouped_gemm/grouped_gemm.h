@@ -1,0 +1,43 @@
+// Shared declarations of the grouped GEMM FFI library (jax_dwdp_gmm): the per-group argument arrays the
+// device-side setup kernel fills, and one runner per compiled CUTLASS configuration.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jax_dwdp_gmm {
+
+// Per-call device arrays (inside the workspace the caller hands in). All pointers are device pointers.
+struct GroupedArgs {
+  int groups = 0;
+  int n = 0;
+  int k = 0;
+  void* problem_shapes = nullptr;  // cute::Shape<int, int, int>[groups]: (rows_g, N, K)
+  const void** ptr_a = nullptr;    // x + start_g * K
+  const void** ptr_b = nullptr;    // w + g * N * K
+  void** ptr_d = nullptr;          // out + start_g * N
+  void* stride_a = nullptr;        // cute::Stride<int64_t, _1, _0>[groups]: (K, 1, 0)
+  void* stride_b = nullptr;        // (K, 1, 0)
+  void* stride_d = nullptr;        // (N, 1, 0)
+  void* cutlass_workspace = nullptr;
+  size_t cutlass_workspace_bytes = 0;
+  int device = 0;
+  int sm_count = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// One compiled CUTLASS kernel. `run` returns nullptr on success, else a static message naming the failed step.
+struct GemmConfig {
+  const char* name;
+  size_t (*workspace_bytes)(int groups, int sm_count);
+  const char* (*run)(const GroupedArgs& args);
+};
+
+// Defined in the gemm_cfg_*.cu files (one template instantiation each, compiled in parallel).
+extern const GemmConfig kCoop128x256x64C2;
+extern const GemmConfig kPingpong64x128x128C2;
+extern const GemmConfig kPingpong128x128x64C2;
+
+}  // namespace jax_dwdp_gmm

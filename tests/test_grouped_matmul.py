@@ -1,0 +1,249 @@
+"""Grouped matmul: the portable path's semantics on the CPU, the CUTLASS FFI kernel on the GPU.
+
+GPU tests run only with JAX_DWDP_TEST_GPU=1 on a machine with a CUDA GPU (and the library built for "cutlass").
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+gm = importlib.import_module("jax_dwdp.kernels.grouped_matmul")  # the module (the package re-exports the function)
+
+BF16_BOUND = 1e-2
+
+
+def reference(x, w, sizes, fill=0.0):
+    """float64 numpy: rows of group g times w[g]^T; rows past sum(sizes) get `fill`."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.full((x.shape[0], w.shape[1]), fill)
+    start = 0
+    for g, n in enumerate(sizes):
+        out[start : start + n] = x[start : start + n] @ w[g].T
+        start += n
+    return out
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_case(rng, m, g, n, k, *, empty=(), skew=0.3, slack=0):
+    """Uneven (Dirichlet) group sizes summing to m - slack, some forced empty; bf16-rounded inputs."""
+    p = rng.dirichlet(np.full(g, skew))
+    p[list(empty)] = 0
+    sizes = rng.multinomial(m - slack, p / p.sum())
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, n, k)) * k**-0.5, jnp.bfloat16)
+    return x, w, sizes
+
+
+# --- CPU: the portable path's semantics (what the GPU kernels must reproduce) -------------------------------------
+
+
+@pytest.mark.parametrize("m,g,n,k,empty,slack", [
+    (300, 5, 48, 64, (1,), 0),         # uneven groups, one empty
+    (700, 4, 40, 32, (0, 3), 37),      # empty first and last group, rows past the sum
+    (520, 3, 16, 24, (), 0),           # one group larger than a 128-row tile
+])
+def test_xla_path_matches_fp64(rng, m, g, n, k, empty, slack):
+    x, w, sizes = make_case(rng, m, g, n, k, empty=empty, slack=slack)
+    assert sizes.max() > 128 or m < 600
+    out = gm.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), implementation="xla")
+    ref = reference(x, w, sizes)
+    err = rel_err(out, ref)
+    print(f"xla grouped matmul m={m} g={g} n={n} k={k} sizes={sizes.tolist()}: bf16 rel err {err:.2e} "
+          f"(bound {BF16_BOUND})")
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert err <= BF16_BOUND
+    assert np.all(np.asarray(out[sizes.sum():], np.float32) == 0)  # rows past the sum are zeros
+
+
+def test_xla_path_jit_and_all_groups_empty(rng):
+    x, w, _ = make_case(rng, 64, 4, 16, 32)
+    sizes = jnp.zeros((4,), jnp.int32)
+    out = jax.jit(lambda a, b, s: gm.grouped_matmul(a, b, s, implementation="xla"))(x, w, sizes)
+    assert out.shape == (64, 16) and np.all(np.asarray(out, np.float32) == 0)
+
+
+def _in_shard_map(impl, devices, x, w, gs):
+    """Experts sharded over a 1-device mesh axis, rows replicated: the layout the MoE layer uses per rank."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(devices), ("e",))
+    f = jax.shard_map(lambda a, b, s: gm.grouped_matmul(a, b, s, implementation=impl),
+                      mesh=mesh, in_specs=(P(), P("e"), P("e")), out_specs=P(), check_vma=False)
+    return jax.jit(f)(x, w, gs)
+
+
+def test_xla_path_inside_shard_map(rng):
+    x, w, sizes = make_case(rng, 200, 4, 16, 32, empty=(2,), slack=5)
+    out = _in_shard_map("xla", jax.devices()[:1], x, w, jnp.asarray(sizes, jnp.int32))
+    err = rel_err(out, reference(x, w, sizes))
+    print(f"xla grouped matmul inside shard_map: {err:.2e}")
+    assert err <= BF16_BOUND
+
+
+def test_cpu_default_is_xla_and_env_switch_is_gpu_only(monkeypatch):
+    monkeypatch.setenv(gm.ENV_IMPLEMENTATION, "cutlass")
+    if jax.default_backend() == "cpu":
+        assert gm.default_implementation(jnp.bfloat16) == "xla"
+
+
+def test_bad_implementation_and_shapes(rng):
+    x, w, sizes = make_case(rng, 32, 2, 16, 16)
+    with pytest.raises(ValueError, match="unknown grouped matmul implementation"):
+        gm.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), implementation="nope")
+    with pytest.raises(ValueError, match="do not fit"):
+        gm.grouped_matmul(x, w[:, :, :8], jnp.asarray(sizes, jnp.int32), implementation="xla")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error without a GPU")
+def test_cutlass_without_gpu_fails_clearly(rng, tmp_path, monkeypatch):
+    from jax_dwdp.kernels import _cutlass
+
+    x, w, sizes = make_case(rng, 32, 2, 16, 16)
+    monkeypatch.setenv("JAX_DWDP_GMM_LIB", str(tmp_path / "missing.so"))
+    _cutlass._lib.cache_clear()
+    try:
+        assert not _cutlass.available()
+        with pytest.raises(_cutlass.CutlassUnavailable, match="not built|needs a CUDA GPU"):
+            gm.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), implementation="cutlass")
+    finally:
+        _cutlass._lib.cache_clear()
+
+
+def test_import_does_not_load_the_library():
+    import subprocess
+    import sys
+
+    code = ("import sys, jax_dwdp, jax_dwdp.kernels, jax_dwdp.model; "
+            "assert 'jax_dwdp.kernels._cutlass' not in sys.modules; "
+            "assert 'libjax_dwdp_gmm' not in open('/proc/self/maps').read()")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+# --- GPU: the CUTLASS kernel ---------------------------------------------------------------------------------------
+
+
+def _gpu_only():
+    if os.environ.get("JAX_DWDP_TEST_GPU") != "1" or jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)")
+
+
+def _require_library():
+    from jax_dwdp.kernels import _cutlass
+
+    if not _cutlass.available():
+        pytest.fail(f"libjax_dwdp_gmm.so not built at {_cutlass.library_path()}")
+    return _cutlass
+
+
+def _check(out, x, w, sizes, label):
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    total = int(sizes.sum())
+    ref = reference(x, w, sizes)
+    err = rel_err(out[:total], ref[:total]) if total else 0.0
+    tail_ok = bool(np.all(out[total:] == 0))
+    finite = bool(np.isfinite(out).all())
+    print(f"cutlass {label}: sizes[:8]={sizes[:8].tolist()} total={total}/{out.shape[0]}: bf16 rel err {err:.2e} "
+          f"(bound {BF16_BOUND}), tail zeros {tail_ok}, finite {finite}")
+    assert finite and tail_ok and err <= BF16_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, 0, 1, 2])
+@pytest.mark.parametrize("n,k", [(1024, 2048), (2048, 512), (264, 136)])
+def test_cutlass_matches_fp64(rng, n, k, config):
+    _gpu_only()
+    cutlass = _require_library()
+    g = 16
+    # Uneven groups, empty groups (first, middle, last), groups larger than one 256-row tile, rows past the sum.
+    x, w, sizes = make_case(rng, 3000, g, n, k, empty=(0, 7, g - 1), slack=61)
+    assert sizes.max() > 256
+    names = cutlass.config_names()
+    out = cutlass.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), config=config)
+    _check(out, x, w, sizes, f"n={n} k={k} config={names[config] if config is not None else 'auto'}")
+
+
+@pytest.mark.gpu
+def test_cutlass_poisoned_output_and_edge_sizes(rng):
+    """Output buffers reused from a NaN-filled array: rows past the sum must come back as zeros, not garbage."""
+    _gpu_only()
+    cutlass = _require_library()
+    g, n, k, m = 8, 256, 128, 1000
+    x, w, _ = make_case(rng, m, g, n, k)
+    cases = {
+        "all empty": np.zeros(g, np.int64),
+        "one group": np.eye(g, dtype=np.int64)[3] * 999,
+        "single rows": np.ones(g, np.int64),
+        "full": np.array([0, 129, 1, 0, 500, 127, 243, 0]),
+        "oversubscribed (sum > M) is clipped": np.array([600, 600, 0, 0, 0, 0, 0, 0]),
+    }
+    f = jax.jit(lambda a, b, s: cutlass.grouped_matmul(a, b, s))
+    for label, sizes in cases.items():
+        # Fill the allocator with NaN buffers of the output's size and free them, so the output likely reuses one.
+        poison = [jnp.full((m, n), jnp.nan, jnp.bfloat16) for _ in range(4)]
+        jax.block_until_ready(poison)
+        del poison
+        out = f(x, w, jnp.asarray(sizes, jnp.int32))
+        if "clipped" in label:
+            clipped = np.minimum(np.cumsum(sizes), m) - np.minimum(np.cumsum(sizes) - sizes, m)
+            _check(out, x, w, clipped, label)
+        else:
+            _check(out, x, w, sizes, label)
+
+
+@pytest.mark.gpu
+def test_cutlass_default_and_inside_jit_and_shard_map(rng):
+    _gpu_only()
+    _require_library()
+    g, n, k, m = 32, 512, 256, 2048
+    x, w, sizes = make_case(rng, m, g, n, k, empty=(5,), slack=9)
+    gs = jnp.asarray(sizes, jnp.int32)
+    assert gm.default_implementation(jnp.bfloat16) in ("cutlass", os.environ.get(gm.ENV_IMPLEMENTATION))
+    out = jax.jit(lambda a, b, s: gm.grouped_matmul(a, b, s, implementation="cutlass"))(x, w, gs)
+    _check(out, x, w, sizes, "inside jit")
+
+    out = _in_shard_map("cutlass", jax.devices("gpu")[:1], x, w, gs)
+    _check(out, x, w, sizes, "inside shard_map (1 device)")
+
+    # Against the GPU's own fp32 path on a small case (xla lowering is dense but fine at this size).
+    ref = gm.grouped_matmul(x.astype(jnp.float32), w.astype(jnp.float32), gs, implementation="xla")
+    total = int(sizes.sum())
+    err = rel_err(np.asarray(out[:total], np.float32), np.asarray(ref[:total]))
+    print(f"cutlass vs GPU fp32 xla path: {err:.2e}")
+    assert err <= BF16_BOUND
+
+
+@pytest.mark.gpu
+def test_cutlass_in_a_graph_of_many_ops_repeated(rng):
+    """Inside a jit with enough ops for XLA command buffers (CUDA graphs), called repeatedly with new sizes."""
+    _gpu_only()
+    cutlass = _require_library()
+    g, n, k, m = 16, 256, 256, 1024
+    x, w, _ = make_case(rng, m, g, n, k)
+
+    @jax.jit
+    def f(a, b, s):
+        h = jnp.tanh(a.astype(jnp.float32)).astype(jnp.bfloat16) * 2
+        y = cutlass.grouped_matmul(h, b, s)  # n == k: the output feeds the next grouped matmul
+        y = y * 0.5 + 1.0
+        return cutlass.grouped_matmul(y, b, s), h
+
+    for trial in range(3):
+        sizes = rng.multinomial(m - 3 * trial, rng.dirichlet(np.full(g, 0.3)))
+        out, h = f(x, w, jnp.asarray(sizes, jnp.int32))
+        y = jnp.asarray(reference(h, w, sizes), jnp.bfloat16).astype(jnp.float32)  # bf16 output of the first matmul
+        y = jnp.asarray(y * 0.5 + 1.0, jnp.bfloat16)
+        ref = reference(y, w, sizes)
+        total = int(sizes.sum())
+        err = rel_err(np.asarray(out[:total], np.float32), ref[:total])
+        print(f"cutlass twice in one jit, trial {trial}: rel err {err:.2e}")
+        assert err <= 2 * BF16_BOUND and np.all(np.asarray(out[total:], np.float32) == 0)
