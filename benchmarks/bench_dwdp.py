@@ -7,7 +7,8 @@ Every rank prefills its own sequence of T tokens (batch 1 per rank; the ranks sh
   experts are copied from the peers over NVLink on a side stream while layer l computes.
 - (b) LayerwiseDwdp(backend="xla"): the same program structure, layer l+1's experts all-gathered inside layer l's
   program.
-- (c) replicated: every GPU holds the whole model and runs its own sequence (no communication: the bound).
+- (c) replicated: LayerwiseDwdp(backend="replicated"): every GPU holds all experts and runs its own sequence in
+  the same SPMD program structure (no communication: the bound).
 All three use one compiled program per layer type. Per layer it reports the FFI copy time (CUDA events on the copy
 stream), the MoE compute time (the MoE block alone, same tokens), and the fraction of copy time hidden:
 1 - max(0, t_ffi - t_replicated) / total copy time. The XLA allocator must not preallocate (the store allocates
@@ -29,7 +30,6 @@ from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
 from jax_dwdp.parallel.dwdp import LayerwiseDwdp, shard_model
 from jax_dwdp.parallel.mesh import make_mesh
-from jax_dwdp.prefill import StageProgram
 from jax_dwdp.timing import median_seconds
 
 
@@ -64,29 +64,18 @@ def bench(cfg, ranks, seqs, iters, variants):
 
     for variant in variants:
         t0 = time.perf_counter()
-        if variant == "replicated":
-            programs = [StageProgram(init_model(cfg, dtype=jnp.bfloat16, seed=1, device=d), logits="last",
-                                     layerwise=True) for d in devices]
+        model = init_model(cfg, dtype=jnp.bfloat16, seed=1, device=devices[0])
+        sharded = shard_model(model, mesh)
+        del model
+        gc.collect()
+        program = LayerwiseDwdp(nnx_model(sharded), mesh, backend=variant, logits="last", sharded=sharded,
+                                timing=True)
+        del sharded
 
-            def make_run(seq):
-                tokens, lengths = _tokens(cfg, ranks, seq)
-                args = [(jax.device_put(tokens[r:r + 1], d), jax.device_put(lengths[r:r + 1], d))
-                        for r, d in enumerate(devices)]
-                return lambda: [p(*a) for p, a in zip(programs, args)]
-            close = lambda: None  # noqa: E731
-        else:
-            model = init_model(cfg, dtype=jnp.bfloat16, seed=1, device=devices[0])
-            sharded = shard_model(model, mesh)
-            del model
-            gc.collect()
-            program = LayerwiseDwdp(nnx_model(sharded), mesh, backend=variant, logits="last", sharded=sharded,
-                                    timing=True)
-            del sharded
-
-            def make_run(seq):
-                tokens, lengths = _tokens(cfg, ranks, seq)
-                return lambda: program(jnp.asarray(tokens), jnp.asarray(lengths))
-            close = program.close
+        def make_run(seq):
+            tokens, lengths = _tokens(cfg, ranks, seq)
+            return lambda: program(jnp.asarray(tokens), jnp.asarray(lengths))
+        close = program.close
         setup_s = time.perf_counter() - t0
         for seq in seqs:
             run = make_run(seq)
@@ -103,10 +92,16 @@ def bench(cfg, ranks, seqs, iters, variants):
                 row["ffi_copy_ms_per_layer"] = round(float(np.nanmean(copy)), 3)
                 row["ffi_copy_ms_total"] = round(float(np.nanmean(copy.sum(axis=1))), 2)
                 row["store"] = program.store.info()
+                program.copy_only(_tokens(cfg, ranks, seq)[0])
+                idle = program.store.copy_ms()
+                row["ffi_copy_ms_per_layer_idle"] = round(float(np.nanmean(idle)), 3)
+                peer_gib = (ranks - 1) / ranks * sum(
+                    np.prod(s) * 2 for s in program.store.shapes) * cfg.num_experts / 2**30
+                row["ffi_peer_gib_per_layer"] = round(float(peer_gib), 3)
             print(f"{variant:>10} T={seq:>6}: {ms:9.2f} ms (first call {first_s:.1f} s)", flush=True)
         close()
         del make_run
-        programs = program = None  # noqa: F841
+        program = None
         gc.collect()
 
     for seq in seqs:
@@ -149,14 +144,14 @@ def main() -> None:
     rows = bench(cfg, args.ranks, args.seq_lens, args.iters, args.variants)
     print(f"\n{args.preset}, {args.num_layers} layers, {args.ranks} x {jax.devices()[0].device_kind}, one sequence "
           "per rank (ms per prefill; ratios vs replicated weights)")
-    print("| tokens/rank | (a) FFI | (b) XLA | (c) replicated | a/c | b/c | a/b | copy ms/layer | MoE ms/layer "
-          "| layer ms (c) | copy hidden |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| tokens/rank | (a) FFI | (b) XLA | (c) replicated | a/c | b/c | a/b | copy ms/layer (under compute) "
+          "| copy ms/layer (idle GPU) | MoE ms/layer | layer ms (c) | copy hidden |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         g = r.get
         print(f"| {r['seq_len_per_rank']} | {g('ffi_ms')} | {g('xla_ms')} | {g('replicated_ms')} | "
               f"{g('ffi_vs_replicated')} | {g('xla_vs_replicated')} | {g('ffi_vs_xla')} | {g('ffi_copy_ms_per_layer')} "
-              f"| {g('moe_ms_per_layer')} | {g('layer_ms_replicated')} | {g('ffi_copy_hidden_fraction')} |")
+              f"| {g('ffi_copy_ms_per_layer_idle')} | {g('moe_ms_per_layer')} | {g('layer_ms_replicated')} | {g('ffi_copy_hidden_fraction')} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)

@@ -368,16 +368,15 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
     const size_t total = outs[w]->size_bytes();
     const size_t block = s->block_bytes(w);
     CUdeviceptr dst = reinterpret_cast<CUdeviceptr>(outs[w]->untyped_data());
-    if (reg.stride == block) {
-      // Rank blocks are adjacent in the composite VA: one copy; the driver splits it between local HBM and NVLink.
-      DWDP_FFI_CU(where, cuMemcpyDtoDAsync(dst, reg.va, total, d.copy));
-    } else {
-      for (int r = 0; r < s->ranks; ++r) {
-        const size_t offset = static_cast<size_t>(r) * block;
-        if (offset >= total) break;
-        const size_t n = std::min(block, total - offset);
-        DWDP_FFI_CU(where, cuMemcpyDtoDAsync(dst + offset, reg.va + r * reg.stride, n, d.copy));
-      }
+    // One copy per rank block: the local block HBM -> HBM, each peer's over NVLink. (One copy spanning local
+    // and peer mappings of the composite VA ran at about 80 GiB/s on two H200s, 2026-11-30; per-block copies
+    // let the driver pick the peer path for each.) The local block is copied last, the peers' first.
+    for (int step = 1; step <= s->ranks; ++step) {
+      const int r = (rank + step) % s->ranks;
+      const size_t offset = static_cast<size_t>(r) * block;
+      if (offset >= total) continue;
+      const size_t n = std::min(block, total - offset);
+      DWDP_FFI_CU(where, cuMemcpyDtoDAsync(dst + offset, reg.va + r * reg.stride, n, d.copy));
     }
   }
   if (s->timing) {

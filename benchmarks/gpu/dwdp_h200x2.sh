@@ -2,7 +2,7 @@
 # Two H200s: build the DWDP FFI library, run the DWDP GPU tests, then FFI vs XLA DWDP vs replicated weights.
 #   SEQS="16384 32768" LAYERS=16 TESTS=1 bash benchmarks/gpu/dwdp_h200x2.sh      (logs under $OUT)
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 JAX_DWDP_TEST_GPU=1 JAX_DWDP_GROUPED_MATMUL=${JAX_DWDP_GROUPED_MATMUL:-mosaic}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 JAX_DWDP_TEST_GPU=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 filter() { grep -v "^\s*@\|^E11\|^\*\*\*\|slow_op\|Very slow\|^$"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

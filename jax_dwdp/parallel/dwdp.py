@@ -231,6 +231,7 @@ class LayerwiseDwdp:
 
     - "xla": layer l's program also all-gathers layer l+1's experts, issued after an optimization barrier on
       layer l's input so that XLA overlaps the gather with layer l's compute.
+    - "replicated" (benchmarks): every rank holds all experts, nothing moves; the bound the others approach.
     - "ffi": the CUDA VMM expert store (jax_dwdp.parallel.dwdp_ffi). A one-call program per layer starts the copy
       of layer l+1's experts on the store's copy stream just before layer l is enqueued; layer l+1's MoE waits for
       it. The ranks' expert blocks move into the store (the XLA copies are deleted), so they are stored once.
@@ -241,7 +242,7 @@ class LayerwiseDwdp:
     def __init__(self, model: Qwen35MoeForCausalLM, mesh: Mesh, *, backend: str = "xla", logits: LogitsMode = "all",
                  cache_len: int | None = None, sharded=None, store=None, timing: bool = False,
                  poison: bool = False):
-        if backend not in ("xla", "ffi"):
+        if backend not in ("xla", "ffi", "replicated"):
             raise ValueError(f"DWDP backend {backend!r}: choose 'xla' or 'ffi'")
         self.model, self.mesh, self.backend = model, mesh, backend
         self.logits, self.cache_len = logits, cache_len
@@ -273,6 +274,8 @@ class LayerwiseDwdp:
             self.store = store or ExpertStore.from_sharded(blocks, model.cfg.num_experts, timing=timing,
                                                                    poison=poison)
             self.local = None
+        elif backend == "replicated":  # the no-communication bound: every rank holds every expert
+            self.local = [tuple(jax.device_put(w, replicated) for w in pair) for pair in blocks]
         else:
             self.local = blocks
         self._programs: dict = {}
@@ -305,6 +308,12 @@ class LayerwiseDwdp:
         layer_type, has_next = arg
         graphdef = self.canonical[layer_type]
 
+        if self.backend == "replicated":
+            def run(state, h, positions, lengths, experts):
+                with _precision(dtype):
+                    return nnx.merge(graphdef, state)(h, positions, lengths, experts)
+            return jax.jit(smap(run, in_specs=(P(), b, b, b, (P(), P())), out_specs=(b, b)))
+
         if self.backend == "ffi":
             def run(state, h, positions, lengths, experts):
                 with _precision(dtype):
@@ -333,13 +342,20 @@ class LayerwiseDwdp:
         x, lengths = self.place(x), self.place(lengths)
         h = self._program(("embed",))(self.dense_state, x) if model.is_first else x
         ffi = self.backend == "ffi"
-        pending = [self._program(("prefetch", 0))(h) if ffi else self._program(("gather",))(self.local[0])]
+        if ffi:
+            pending = [self._program(("prefetch", 0))(h)]
+        else:
+            pending = [None if self.backend == "replicated" else self._program(("gather",))(self.local[0])]
 
         def run_layer(layer, h, positions, lens, _):
             i = self.layer_ids.index(layer.layer_id)
             has_next = i + 1 < n
             positions = self.place(positions)
-            if ffi:
+            if self.backend == "replicated":
+                nxt = None
+                out = self._program(("layer", layer.layer_type, False))(self.layer_states[i], h, positions, lens,
+                                                                        self.local[i])
+            elif ffi:
                 # Enqueued before layer i: the copy of layer i+1 starts once layer i-1 is done and overlaps layer i.
                 nxt = self._program(("prefetch", i + 1))(h) if has_next else None
                 out = self._program(("layer", layer.layer_type, False))(self.layer_states[i], h, positions, lens,
@@ -360,6 +376,13 @@ class LayerwiseDwdp:
     def compile(self, x, lengths) -> None:
         """Compiles every program for these shapes (by one run)."""
         jax.block_until_ready(self(x, lengths))
+
+    def copy_only(self, x) -> None:
+        """(FFI backend, benchmarks) Every layer's prefetch with no compute around it; store.copy_ms() then holds
+        the copy times of an idle GPU."""
+        h = self._program(("embed",))(self.dense_state, self.place(x))
+        for i in range(len(self.layer_ids)):
+            jax.block_until_ready(self._program(("prefetch", i))(h))
 
     def close(self) -> None:
         """Releases the FFI store (nothing to do for the XLA backend)."""
