@@ -2,10 +2,13 @@
 
     python benchmarks/bench_convert.py --workdir /tmp/convert_bench [--gb 1.2]
 
-Writes a random bf16 Qwen3.5-MoE checkpoint (two safetensors shards with an index), reads it once with
+Writes a random bf16 Qwen3.5-MoE checkpoint (two safetensors shards with an index), reads it twice with
 `cat FILES > /dev/null` (raw read rate; the second read is the page-cache rate the converter also sees), writes the
-same number of bytes with `dd ... conv=fsync` (raw durable write rate: a conversion writes as much as it reads),
-then runs `jax-dwdp convert` in a subprocess and reports its GB/s, the ratios to both raw rates, and its peak RSS.
+same number of bytes twice with `dd ... conv=fsync` (raw durable write rate: a conversion writes as much as it
+reads; the first write lands in memory the VM has to back afresh, the second reuses the first's pages), then runs
+`jax-dwdp convert` in a subprocess four times, alternating the one-layer-at-a-time order (default) and the overlapped
+writer (JAX_DWDP_CONVERT_OVERLAP=1), each followed by `sync` (counted) and by deleting its output, and reports the
+best GB/s of each, the ratios to the raw rates, and peak RSS.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -87,21 +91,42 @@ def main() -> None:
         t0 = time.perf_counter()
         subprocess.run(f"cat {' '.join(files)} > /dev/null", shell=True, check=True)
         reads.append(nbytes / 1e9 / (time.perf_counter() - t0))
+    # Raw durable write, twice: this VM backs guest memory lazily, so the first write into pages the guest has not
+    # used lately runs at the host's page-allocation rate; the second reuses the pages the first one freed.
     scratch = args.workdir / "dd.bin"
-    t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={scratch}", "bs=16M", f"count={math.ceil(nbytes / 2**24)}",
-                    "conv=fsync"], check=True, capture_output=True)
-    write_rate = nbytes / 1e9 / (time.perf_counter() - t0)
-    scratch.unlink()
-    proc = subprocess.run([sys.executable, "-m", "jax_dwdp.cli", "convert", str(hf), str(args.workdir / "orbax"),
-                           "--json"], capture_output=True, text=True, check=True)
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    writes = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={scratch}", "bs=16M", f"count={math.ceil(nbytes / 2**24)}",
+                        "conv=fsync"], check=True, capture_output=True)
+        writes.append(nbytes / 1e9 / (time.perf_counter() - t0))
+        scratch.unlink()
+    converts = {}
+    for overlap in ("0", "1", "0", "1"):  # interleaved: the machine's load changes between runs
+        out = args.workdir / "orbax"
+        env = dict(os.environ, JAX_DWDP_CONVERT_OVERLAP=overlap)
+        proc = subprocess.run([sys.executable, "-m", "jax_dwdp.cli", "convert", str(hf), str(out), "--json"],
+                              capture_output=True, text=True, check=True, env=env)
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        t0 = time.perf_counter()
+        os.sync()  # count what the converter left unflushed
+        summary["gb_per_s_synced"] = summary["bytes"] / 1e9 / (summary["seconds"] + time.perf_counter() - t0)
+        converts.setdefault(overlap, []).append(summary)
+        shutil.rmtree(out)  # the next run reuses these pages, as dd's second run does
+    best = {k: max(v, key=lambda s: s["gb_per_s_synced"]) for k, v in converts.items()}
+    summary = best["0"]
     result = {"checkpoint_gb": round(nbytes / 1e9, 3), "raw_read_gb_per_s_first": round(reads[0], 3),
-              "raw_read_gb_per_s_second": round(reads[1], 3), "convert_gb_per_s": summary["gb_per_s"],
-              "convert_vs_raw_second": round(summary["gb_per_s"] / reads[1], 3),
-              "raw_write_fsync_gb_per_s": round(write_rate, 3),
-              "convert_vs_raw_write": round(summary["gb_per_s"] / write_rate, 3),
+              "raw_read_gb_per_s_second": round(reads[1], 3),
+              "raw_write_fsync_gb_per_s_first": round(writes[0], 3),
+              "raw_write_fsync_gb_per_s_second": round(writes[1], 3),
+              "convert_gb_per_s": round(summary["gb_per_s_synced"], 3),
+              "convert_gb_per_s_runs": [round(s["gb_per_s_synced"], 3) for s in converts["0"]],
+              "convert_overlap_gb_per_s": round(best["1"]["gb_per_s_synced"], 3),
+              "convert_overlap_gb_per_s_runs": [round(s["gb_per_s_synced"], 3) for s in converts["1"]],
+              "convert_vs_raw_read_second": round(summary["gb_per_s_synced"] / reads[1], 3),
+              "convert_vs_raw_write_second": round(summary["gb_per_s_synced"] / writes[1], 3),
               "convert_seconds": summary["seconds"], "peak_rss_mib": round(summary["peak_rss_bytes"] / 2**20),
+              "peak_rss_overlap_mib": round(best["1"]["peak_rss_bytes"] / 2**20),
               "largest_tensor_mib": round(max(math.prod(s) * 2 for s in [(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size), (cfg.vocab_size, cfg.hidden_size)]) / 2**20)}
     print(json.dumps(result))
     if args.out:

@@ -60,7 +60,8 @@ def test_orbax_restore_equals_hf_load(hf_dir, orbax_dir, rng):
 
 def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monkeypatch):
     """Conversion keeps one open checkpoint across its per-layer loads: each of the 3 shard headers is parsed once
-    (not once per layer), and the result restores bit for bit equal to the HF load."""
+    (not once per layer), and the result restores bit for bit equal to the HF load (here with the overlapped
+    writer, JAX_DWDP_CONVERT_OVERLAP=1)."""
     from safetensors.numpy import load_file, save_file
 
     from jax_dwdp.weights import safetensors_reader
@@ -79,6 +80,7 @@ def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monk
     real = safetensors_reader._read_header
     monkeypatch.setattr(safetensors_reader, "_read_header", lambda path: parsed.append(path.name) or real(path))
     out = tmp_path / "out"
+    monkeypatch.setenv("JAX_DWDP_CONVERT_OVERLAP", "1")  # the overlapped writer (the default is tested above)
     summary = convert_hf_to_orbax(sharded, out, dtype=jnp.float32, progress=None)
     assert sorted(parsed) == sorted(set(weight_map.values())), parsed  # 3 parses, not 3 per layer
     assert summary["tensors"] == json.loads((orbax_dir / "jax_dwdp.json").read_text())["tensors"]

@@ -37,7 +37,8 @@ FORMAT_VERSION = 1
 MARKER = "jax_dwdp.json"
 # Test hook: SIGKILL the converter after this many layers, to prove that a killed conversion leaves nothing.
 _KILL_AFTER_LAYERS = "JAX_DWDP_TEST_KILL_AFTER_LAYERS"
-# Benchmark knob: "0" writes each layer before reading the next (no overlap; one layer in host memory).
+# "1": write layer l in Orbax's background thread while layer l+1 is read (two layers in host memory). Off by
+# default: on the CPU machine its gain was within run-to-run noise (benchmarks/RESULTS.md) and it costs a layer of RSS.
 _OVERLAP = "JAX_DWDP_CONVERT_OVERLAP"
 
 
@@ -105,8 +106,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
 
     progress: a stream for the progress bar, "stderr" (the default: sys.stderr at call time) or None.
 
-    Reads and writes one layer at a time, writing layer l in a background thread while layer l+1 is read and
-    converted (host memory: about two layers plus a fixed buffer).
+    Reads and writes one layer at a time (host memory: about one layer plus a fixed buffer; with
+    JAX_DWDP_CONVERT_OVERLAP=1, layer l is written in a background thread while layer l+1 is read: two layers).
     """
     from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
     from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
@@ -128,7 +129,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     source = ckpt = None
     try:
         source = SafetensorsCheckpoint(hf_dir)  # every shard header parsed once, kept across the layers
-        ckpt = _async_checkpointer() if os.environ.get(_OVERLAP, "1") == "1" else _checkpointer()
+        ckpt = _async_checkpointer() if os.environ.get(_OVERLAP, "0") == "1" else _checkpointer()
         placement = _host_cpu_placement()
         n = cfg.num_hidden_layers
         for layer_id in range(n):
