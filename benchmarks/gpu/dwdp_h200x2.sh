@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two H200s: build the DWDP FFI library, run the DWDP GPU tests, then FFI vs XLA DWDP vs replicated weights.
-#   SEQS="16384 32768" LAYERS=16 TESTS=1 bash benchmarks/gpu/dwdp_h200x2.sh      (logs under $OUT)
+#   SEQS="16384 32768" LAYERS=16 TESTS=1 [TEST_K=pytest-k-expr] bash benchmarks/gpu/dwdp_h200x2.sh      (logs under $OUT)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 JAX_DWDP_TEST_GPU=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,7 +16,7 @@ echo "built in $(( $(date +%s) - t0 )) s"; ls -la jax_dwdp/_lib
 
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests (DWDP FFI)"
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rA -x -s tests/test_gpu_dwdp.py 2>&1 | filter \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rA -x -s tests/test_gpu_dwdp.py ${TEST_K:+-k "$TEST_K"} 2>&1 | filter \
     | grep -v "^PASSED\|^tests/" | tail -60 | tee "$OUT/tests.log"
 fi
 

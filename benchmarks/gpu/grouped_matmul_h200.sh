@@ -3,19 +3,22 @@
 # run tests/test_grouped_matmul.py on the GPU, then benchmarks/bench_grouped_matmul.py. Logs under $OUT.
 # Each step runs even if an earlier one failed; look for the "=== step" and "=== result" markers.
 # Needs the nvidia-cutlass wheel (headers only) at .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl (or $CUTLASS_WHL).
-# Env: BENCH_TIMEOUT (s, default 330), BENCH_ARGS (extra benchmark flags), TEST_TIMEOUT (s, default 240).
+# Env: STEPS (default "0 1 2 3 4"), BENCH_TIMEOUT (s, default 330), BENCH_ARGS (extra benchmark flags), TEST_TIMEOUT (s, default 240).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo; echo "=== step $1 ($(( $(date +%s) - T0 )) s)"; }
 result() { echo "=== result $1: $2 ($(( $(date +%s) - T0 )) s)"; }
+want() { [[ " ${STEPS:-0 1 2 3 4} " == *" $1 "* ]]; }  # STEPS="2 3" runs only those steps
 
+if want 0; then
 step "0: machine"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvcc --version | tail -2; cmake --version | head -1
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
   python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" 2>&1 | tail -1; } 2>&1 | tee "$OUT/gpu.txt"
-
+fi
+if want 1; then
 step "1: build libjax_dwdp_gmm.so"
 WHL=${CUTLASS_WHL:-$PWD/.whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl}
 CUTLASS_ROOT=/tmp/nvidia_cutlass_whl
@@ -38,7 +41,8 @@ rm -f "$LIB_DIR/libjax_dwdp_gmm.so"
 ) > "$OUT/build.log" 2>&1
 rc=$?; tail -n 12 "$OUT/build.log"; result build "rc=$rc"
 if [ $rc -ne 0 ]; then grep -a -n -m 20 -A 4 "error" "$OUT/build.log"; fi
-
+fi
+if want 2; then
 step "2: smoke test (one small grouped matmul, eager, errors shown in full)"
 timeout 150 python3 - <<'EOF' 2>&1 | tee "$OUT/smoke.log" | grep -v "^\s*$" | tail -n 25
 import time, numpy as np, jax, jax.numpy as jnp
@@ -76,14 +80,17 @@ x = jnp.ones((300, 64), jnp.bfloat16); w = jnp.ones((3, 64, 64), jnp.bfloat16)
 print(np.asarray(_cutlass.grouped_matmul(x, w, jnp.asarray([100, 0, 150], jnp.int32), config=0)[::50, 0]))
 " 2>&1 | tee -a "$OUT/smoke.log" | tail -n 30
 fi
-
+fi
+if want 3; then
 step "3: GPU tests (tests/test_grouped_matmul.py)"
 JAX_DWDP_TEST_GPU=1 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/test_grouped_matmul.py \
   2>&1 | tee "$OUT/tests.log" | grep -E "cutlass|xla grouped|passed|failed|Error|error|FAILED" | tail -n 40
 result tests "rc=${PIPESTATUS[0]} (0: all passed; 5: nothing ran)"
-
+fi
+if want 4; then
 step "4: benchmark"
 timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_grouped_matmul.py --out "$OUT/bench_grouped_matmul.json" ${BENCH_ARGS:-} \
   2>&1 | grep -v "^\s*$\|slow_operation\|Very slow" | tee "$OUT/bench.log"
 result bench "rc=${PIPESTATUS[0]} (124: timed out; partial JSON is still written after every row)"
 echo "=== total $(( $(date +%s) - T0 )) s"
+fi
