@@ -6,7 +6,8 @@ first use only, never when jax_dwdp is imported, and its handler is registered o
 Switches (read at trace time):
 - $JAX_DWDP_GMM_CONFIG: a kernel configuration by name or index (see `config_names()`); default: chosen from the
   average rows per group, as PyTorch does for torch._grouped_mm.
-- $JAX_DWDP_GMM_CMD_BUFFER=0: register the handler without the command-buffer (CUDA graph) trait.
+- $JAX_DWDP_GMM_CMD_BUFFER=1: register the handler with the command-buffer (CUDA graph) trait (off by default:
+  inside XLA command buffers the launch failed with cudaErrorStreamCaptureUnsupported on an H200, 2026-11-30).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _register() -> None:
                 f"the CUTLASS grouped matmul needs a CUDA GPU (JAX's default backend is {jax.default_backend()!r})"
             )
         lib = _lib()
-        graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "1") != "0"
+        graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # capture failed on H200 (cudaErrorStreamCaptureUnsupported)
         fn = lib.JaxDwdpGroupedGemm if graphs else lib.JaxDwdpGroupedGemmNoGraph
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="CUDA")
         _registered[TARGET] = fn
