@@ -104,7 +104,9 @@ def pick_config(m: int, n: int, groups: int) -> int:
             return names.index(env)
         raise ValueError(f"JAX_DWDP_GMM_CONFIG={env!r} is none of {names}")
     rows_per_group = m / max(groups, 1)
-    small = rows_per_group <= 128 or n <= 128
+    # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30): at 128 rows per group the cooperative 128x256 tile
+    # beat the 64x128 ping-pong on all four shapes (by 4-22%); at 80 rows per group the ping-pong won (by 10-11%).
+    small = rows_per_group < 100 or n <= 128
     return names.index("pingpong_64x128x128_c2x1" if small else "coop_128x256x64_c2x1")
 
 
