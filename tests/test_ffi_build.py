@@ -28,6 +28,15 @@ def test_dwdp_library_is_built_and_exports_its_entry_points():
         assert symbol in data, symbol
 
 
+@pytest.mark.skipif(cuda_home() is None, reason="no CUDA toolkit here: pip install builds no FFI library")
+def test_grouped_gemm_library_is_built():
+    path = ROOT / "jax_dwdp" / "_lib" / "libjax_dwdp_gmm.so"
+    assert path.is_file(), f"{path} missing: `pip install -e .` builds it with the nvidia-cutlass headers"
+    data = path.read_bytes()
+    for symbol in (b"JaxDwdpGroupedGemm", b"JaxDwdpGroupedGemmNoGraph", b"JaxDwdpGroupedGemmWorkspaceBytes"):
+        assert symbol in data, symbol
+
+
 def test_missing_library_is_a_clear_error(tmp_path, monkeypatch):
     from jax_dwdp.parallel import dwdp_ffi
 
