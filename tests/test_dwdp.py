@@ -41,7 +41,12 @@ def test_expert_layout():
     with pytest.raises(ValueError, match="would own none"):
         ExpertLayout(3, 4)
     mem = rank_memory(ModelConfig.preset("35b-a3b"), ExpertLayout(256, 2), 0, 40, 2)
-    assert mem["prefetch_buffer_bytes"] == 2 * 128 * 3 * 2048 * 512 * 2  # two layers of the peer's 128 experts
+    per_expert = 3 * 2048 * 512 * 2  # gate_up + down of one 35B-A3B expert, bf16
+    assert mem["prefetch_buffer_bytes"] == 2 * 256 * per_expert  # two layers' full expert sets
+    assert mem["peer_bytes_per_layer"] == 128 * per_expert  # the peer's 128 experts cross NVLink
+    odd_mem = rank_memory(CFG, odd, 3, 6, 4)
+    assert odd_mem["resident_expert_bytes"] == 6 * 2 * 3 * CFG.hidden_size * CFG.moe_intermediate_size * 4
+    assert odd_mem["xla_gather_buffer_bytes"] > odd_mem["prefetch_buffer_bytes"]  # the gather moves padding too
 
 
 @pytest.mark.parametrize("pipeline,dwdp,microbatches", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (2, 4, 1)])

@@ -54,14 +54,18 @@ def expert_bytes_per_layer(cfg: ModelConfig, itemsize: int) -> int:
 
 
 def rank_memory(cfg: ModelConfig, layout: ExpertLayout, rank: int, num_moe_layers: int, itemsize: int) -> dict:
-    """Resident expert bytes of a rank (its slots of every layer) and its prefetch buffer (two layers of remote
-    experts, double-buffered)."""
+    """Resident expert bytes of a rank (its slots of every layer) and its prefetch buffers: two layers' full expert
+    sets (the one the MoE reads and the next being copied). The FFI path copies the E real experts (local block
+    included, so the grouped matmul sees one contiguous [E, ...] array); the XLA all-gather also gathers the padding
+    slots. Of those bytes, `peer_bytes_per_layer` cross NVLink per layer."""
     per_expert = expert_bytes_per_layer(cfg, itemsize)
-    remote_slots = layout.padded_experts - layout.slots_per_rank
+    peer_experts = cfg.num_experts - len(layout.owned(rank))
     return {
         "rank": rank,
         "experts_owned": [layout.owned(rank).start, layout.owned(rank).stop],
         "padding_slots": layout.padding_slots(rank),
         "resident_expert_bytes": num_moe_layers * layout.slots_per_rank * per_expert,
-        "prefetch_buffer_bytes": 2 * remote_slots * per_expert,
+        "prefetch_buffer_bytes": 2 * cfg.num_experts * per_expert,
+        "xla_gather_buffer_bytes": 2 * layout.padded_experts * per_expert,
+        "peer_bytes_per_layer": peer_experts * per_expert,
     }
