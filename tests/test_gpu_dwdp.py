@@ -174,3 +174,19 @@ def test_wait_on_a_buffer_no_prefetch_wrote_is_an_error():
                                     out_specs=P("dwdp"), check_vma=False))
         with pytest.raises(Exception, match="not written by dwdp_prefetch"):
             jax.block_until_ready(run(jnp.ones((8, 2, 2)), jnp.ones((8, 2, 1)), jnp.ones((2, 4))))
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs four GPUs")
+def test_ffi_on_four_ranks_and_pipeline_2_x_dwdp_2(rng):
+    """DWDP 4 (6 experts: 4 ranks do not divide them) and pipeline 2 x DWDP 2 through the FFI path, against the
+    XLA path and one GPU on the same per-rank batches (fp32 <= 1e-5)."""
+    model = init_model(SMALL, dtype=jnp.float32, seed=int(rng.integers(1 << 30)))
+    tokens, lengths = _tokens(rng, SMALL, 8, 64)
+    for pipeline, dwdp in ((1, 4), (2, 2)):
+        one, _ = Pipeline.from_model(model, 1).prefill(tokens, lengths, microbatches=dwdp)
+        xla, _ = Pipeline.from_model(model, pipeline, dwdp=dwdp).prefill(tokens, lengths)
+        with Pipeline.from_model(model, pipeline, dwdp=dwdp) as pipe:
+            ffi, _ = pipe.prefill(tokens, lengths, dwdp_backend="ffi")
+            e_xla, e_one = rel_err(ffi, xla), rel_err(ffi, one)
+        print(f"pipeline {pipeline} x dwdp {dwdp}: ffi vs xla {e_xla:.1e}, vs one GPU {e_one:.1e} (bound 1e-5)")
+        assert e_xla <= 1e-5 and e_one <= 1e-5
