@@ -139,3 +139,5 @@ def test_ffi_backend_without_gpu_is_a_clear_error(setup):
         Pipeline.from_model(model, 1, dwdp=2).prefill(tokens, lengths, dwdp_backend="ffi")
     with pytest.raises(ValueError, match="needs DWDP ranks > 1"):
         Pipeline.from_model(model, 1).prefill(tokens, lengths, dwdp_backend="ffi")
+    with pytest.raises(FfiUnavailable, match="needs CUDA GPUs"):
+        IndependentRanks(model, jax.devices()[:2], backend="ffi")

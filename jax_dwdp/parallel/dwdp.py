@@ -146,11 +146,22 @@ class IndependentRanks:
     peer's block of layer l: those are copied device-to-device (jax.device_put), the copies for layer l+1 issued
     before layer l is enqueued, so they overlap layer l's compute; at most two layers of remote experts are
     resident per rank. Layers run as one compiled program per layer type (see StageProgram's layer-wise mode).
+
+    backend="ffi" (GPUs): the blocks move into a CUDA VMM ExpertStore instead (jax_dwdp.parallel.dwdp_ffi); rank r's
+    copy of layer l+1's experts runs on its device's copy stream, enqueued just before layer l, and its MoE waits
+    for it. `close()` releases the store.
     """
 
-    def __init__(self, model: Qwen35MoeForCausalLM, devices: list[jax.Device]):
+    def __init__(self, model: Qwen35MoeForCausalLM, devices: list[jax.Device], *, backend: str = "xla"):
         if not (model.is_first and model.is_last):
             raise ValueError("independent DWDP ranks run whole models (use a Pipeline for stages)")
+        if backend not in ("xla", "ffi"):
+            raise ValueError(f"DWDP backend {backend!r}: choose 'xla' or 'ffi'")
+        self.backend, self.store = backend, None
+        if backend == "ffi":
+            from jax_dwdp.parallel.dwdp_ffi import require_gpus
+
+            require_gpus(devices)  # before any weights are placed
         self.model, self.devices = model, list(devices)
         self._wait = cpu_barrier(self.devices[0].platform)
         self.layout = ExpertLayout(model.cfg.num_experts, len(devices))
@@ -178,6 +189,57 @@ class IndependentRanks:
             top = jax.device_put(nnx.state(model, nnx.Not(nnx.PathContains("layers"))), device)
             self.ranks.append({"device": device, "dense": dense, "blocks": blocks,
                                "top": _TopState(self.graphdef, top, dense)})
+        self.layer_ids = [layer.layer_id for layer in model.layers]
+        self._programs: dict = {}
+        if backend == "ffi":
+            self._make_store()
+
+    def _make_store(self) -> None:
+        from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+
+        first = self.ranks[0]["blocks"][self.layer_ids[0]]
+        cfg = self.model.cfg
+        store = ExpertStore(self.devices, len(self.layer_ids), cfg.num_experts, tuple(w.shape[1:] for w in first),
+                            first[0].dtype)
+        try:
+            for i, layer_id in enumerate(self.layer_ids):
+                for r, rank in enumerate(self.ranks):
+                    for w, block in enumerate(rank["blocks"][layer_id]):
+                        store.fill(i, w, r, block)
+            for rank in self.ranks:  # the store holds the only copy of each rank's experts
+                for block in jax.tree.leaves(rank["blocks"]):
+                    block.delete()
+                rank["blocks"] = None
+        except BaseException:
+            store.close()
+            raise
+        self.store = store
+
+    def _ffi_program(self, kind, key):
+        """(FFI backend) the one-call prefetch program of layer index `key`, or the layer program of type `key`."""
+        if (kind, key) not in self._programs:
+            store = self.store
+            if kind == "prefetch":
+                self._programs[(kind, key)] = jax.jit(lambda h: store.prefetch(h, key))
+            else:
+                graphdef = self.canonical[key]
+
+                def run(state, h, positions, lengths, gate_up, down):
+                    with _precision(h.dtype):
+                        return nnx.merge(graphdef, state)(h, positions, lengths,
+                                                          lambda x: store.wait((gate_up, down), x))
+                self._programs[(kind, key)] = jax.jit(run)
+        return self._programs[(kind, key)]
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _fetch(self, rank: int, layer_id: int):
         """Every rank's block of one layer, on `rank`'s device (peer blocks copied, own block as is)."""
@@ -194,7 +256,11 @@ class IndependentRanks:
         model, r = self.model, self.ranks[rank]
         tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths)
         tokens, lengths = jax.device_put(tokens, r["device"]), jax.device_put(lengths, r["device"])
-        ids = [layer.layer_id for layer in model.layers]
+        ids = self.layer_ids
+        top = r["top"]
+        h = _embed(top.graphdef, top.state, tokens)
+        if self.backend == "ffi":
+            return self._prefill_ffi(r, h, lengths, logits, cache_len)
         pending = {ids[0]: self._fetch(rank, ids[0])}
 
         def run_layer(layer, h, positions, lens, _):
@@ -205,9 +271,26 @@ class IndependentRanks:
             return self._wait(_layer_with_experts(self.canonical[layer.layer_type], r["dense"][layer.layer_id], h,
                                                   positions, lens, *experts))
 
-        top = r["top"]
-        h = _embed(top.graphdef, top.state, tokens)
         h, cache = model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
+        return _head(top.graphdef, top.state, h, lengths, logits), cache
+
+    def _prefill_ffi(self, r, h, lengths, logits, cache_len):
+        from jax_dwdp.prefill import _head
+
+        ids, top = self.layer_ids, r["top"]
+        pending = [self._ffi_program("prefetch", 0)(h)]
+
+        def run_layer(layer, h, positions, lens, _):
+            i = ids.index(layer.layer_id)
+            # Layer i+1's copy is enqueued before layer i: it starts when layer i-1 is done and runs under layer i.
+            nxt = self._ffi_program("prefetch", i + 1)(h) if i + 1 < len(ids) else None
+            positions = jax.device_put(positions, r["device"])
+            out = self._ffi_program("layer", layer.layer_type)(r["dense"][layer.layer_id], h, positions, lens,
+                                                               *pending[0])
+            pending[0] = nxt
+            return out
+
+        h, cache = self.model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
         return _head(top.graphdef, top.state, h, lengths, logits), cache
 
 
