@@ -78,6 +78,12 @@ def bench_dwdp(cfg, args) -> list[dict]:
                   args.iters)
     row.update(independent_ms=round(t_ind * 1e3, 2))
     print(json.dumps(row), flush=True)
+    if args.ffi:  # the same independent ranks with peer experts read through the CUDA VMM store
+        with IndependentRanks(model, devices, backend="ffi") as ffi_ranks:
+            t_ffi = timed(lambda: [ffi_ranks.prefill(r, tokens[r:r + 1], lens[r:r + 1], logits="last")
+                                   for r in range(n)], args.iters)
+        row.update(independent_ffi_ms=round(t_ffi * 1e3, 2), independent_ffi_vs_replicated=round(t_ffi / t_rep, 3))
+        print(json.dumps(row), flush=True)
     dw = Pipeline.from_model(model, 1, dwdp=n, devices=devices)
     t_xla = timed(lambda: dw.prefill(tokens, lens, logits="last"), args.iters)
     row.update(xla_dwdp_ms=round(t_xla * 1e3, 2), xla_vs_replicated=round(t_xla / t_rep, 3),
@@ -96,6 +102,7 @@ def main() -> None:
     ap.add_argument("--dwdp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--ffi", action="store_true", help="dwdp: also time independent ranks on the FFI store")
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg = ModelConfig.preset(args.preset).replace(num_hidden_layers=args.num_layers)
