@@ -93,6 +93,37 @@ def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monk
         np.testing.assert_array_equal(fa[path], fb[path], err_msg=str(path))
 
 
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_convert_drops_each_finished_item_from_page_cache(hf_dir, orbax_dir, tmp_path, monkeypatch, overlap):
+    """Page reuse (the default): every item (embed, each layer, head) is made durable and dropped from the page
+    cache exactly once, only after it is complete (its Orbax metadata is there), with the synchronous and with the
+    overlapped writer; without page reuse nothing is dropped. Both
+    restore equal to the HF load."""
+    from jax_dwdp.weights import orbax_store
+
+    dropped = []
+    real = orbax_store._drop_written_pages
+
+    def spy(item):
+        assert (item / "_METADATA").is_file() or (item / "_CHECKPOINT_METADATA").is_file(), sorted(item.iterdir())
+        dropped.append(item.relative_to(item.parents[0 if item.name in ("embed", "head") else 1]).as_posix())
+        real(item)
+
+    monkeypatch.setattr(orbax_store, "_drop_written_pages", spy)
+    monkeypatch.setenv("JAX_DWDP_CONVERT_OVERLAP", overlap)
+    convert_hf_to_orbax(hf_dir, tmp_path / "reuse", dtype=jnp.float32, progress=None)
+    want = ["embed", "head"] + [f"layers/{i:03d}" for i in range(CFG.num_hidden_layers)]
+    assert sorted(dropped) == sorted(want), dropped
+    monkeypatch.setenv("JAX_DWDP_CONVERT_PAGE_REUSE", "0")
+    dropped.clear()
+    convert_hf_to_orbax(hf_dir, tmp_path / "plain", dtype=jnp.float32, progress=None)
+    assert dropped == []
+    ref = flat(load_hf_checkpoint(hf_dir, dtype=jnp.float32)[0])
+    for out in ("reuse", "plain"):
+        got = flat(load_orbax_checkpoint(tmp_path / out, dtype=jnp.float32)[0])
+        assert got.keys() == ref.keys() and all(np.array_equal(ref[p], got[p]) for p in ref), out
+
+
 def test_stage_restore_reads_no_other_layer(hf_dir, orbax_dir, tmp_path):
     """Delete every folder the stage [1, 3) must not read; it still restores, equal to the HF weights."""
     damaged = tmp_path / "damaged"

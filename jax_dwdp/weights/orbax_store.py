@@ -40,6 +40,52 @@ _KILL_AFTER_LAYERS = "JAX_DWDP_TEST_KILL_AFTER_LAYERS"
 # "1": write layer l in Orbax's background thread while layer l+1 is read (two layers in host memory). Off by
 # default: on the CPU machine its gain was within run-to-run noise (benchmarks/RESULTS.md) and it costs a layer of RSS.
 _OVERLAP = "JAX_DWDP_CONVERT_OVERLAP"
+# "0": turn off page reuse (below), for A/B measurements; the default is on.
+_PAGE_REUSE = "JAX_DWDP_CONVERT_PAGE_REUSE"
+
+
+def _drop_written_pages(item: Path) -> None:
+    """Makes an item's files durable and drops them from the page cache, so that the next layer's writes reuse
+    these page-cache pages instead of taking never-used ones. On the project's VM (Firecracker with free page
+    reporting) a page the guest has not used for a few seconds goes back to the host, and filling it again runs at
+    the host's page-allocation rate (0.3-0.9 GB/s) instead of memory speed: writing the whole checkpoint into fresh
+    page-cache pages was what held the converter at ~0.3-0.5 GB/s (benchmarks/RESULTS.md). Tensorstore already
+    fsyncs each file, so the fdatasync here is cheap; with it, DONTNEED drops every page, dirty ones included."""
+    for root, _, files in os.walk(item):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+class _KeepFreedMemory:
+    """While converting, glibc keeps freed memory in the process (no mmap for large blocks, no trimming), so each
+    layer's buffers reuse the previous layer's pages instead of unmapping them and faulting in fresh ones (which the
+    VM backs slowly, see _drop_written_pages). RSS stays about the peak of one layer. On exit: glibc's defaults
+    again and malloc_trim(0), so the memory goes back. Not glibc: does nothing."""
+
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+
+    def __enter__(self):
+        import ctypes
+
+        try:
+            self._libc = ctypes.CDLL("libc.so.6")
+            self._libc.mallopt(self.M_MMAP_MAX, 0)
+            self._libc.mallopt(self.M_TRIM_THRESHOLD, 1 << 30)
+        except (OSError, AttributeError):
+            self._libc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._libc is not None:
+            self._libc.mallopt(self.M_MMAP_MAX, 65536)  # glibc's defaults
+            self._libc.mallopt(self.M_TRIM_THRESHOLD, 128 * 1024)
+            self._libc.malloc_trim(0)
+        return False
 
 
 def is_orbax_checkpoint(directory: str | Path) -> bool:
@@ -108,6 +154,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
 
     Reads and writes one layer at a time (host memory: about one layer plus a fixed buffer; with
     JAX_DWDP_CONVERT_OVERLAP=1, layer l is written in a background thread while layer l+1 is read: two layers).
+    Each finished item is made durable and dropped from the page cache, and freed memory stays in the process
+    (page reuse; JAX_DWDP_CONVERT_PAGE_REUSE=0 turns it off): see _drop_written_pages and _KeepFreedMemory.
     """
     from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
     from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
@@ -127,7 +175,22 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0}
     kill_after = int(os.environ.get(_KILL_AFTER_LAYERS, "-1"))
     source = ckpt = None
+    reuse = os.environ.get(_PAGE_REUSE, "1") != "0"
+    keep = _KeepFreedMemory() if reuse else None
+    saved: list[Path] = []  # items whose pages are not dropped yet
+
+    def save(item: Path, tree: dict, **kw) -> None:
+        ckpt.save(item, tree, **kw)
+        saved.append(item)
+        if reuse:  # a synchronous save is complete now; an async one has finished every earlier item
+            done = saved if not hasattr(ckpt, "wait_until_finished") else saved[:-1]
+            for finished in done:
+                _drop_written_pages(finished)
+            del saved[:len(done)]
+
     try:
+        if keep is not None:
+            keep.__enter__()
         source = SafetensorsCheckpoint(hf_dir)  # every shard header parsed once, kept across the layers
         ckpt = _async_checkpointer() if os.environ.get(_OVERLAP, "0") == "1" else _checkpointer()
         placement = _host_cpu_placement()
@@ -140,12 +203,12 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
             summary["bytes"] += sum(v.get_value().nbytes for _, v in flat)
             summary["skipped_non_text"] = report.skipped_non_text
             layer = [(p[2:], v.get_value()) for p, v in flat if p[0] == "layers"]
-            ckpt.save(_layer_dir(tmp, layer_id), _to_tree(layer), save_args=_to_tree(
+            save(_layer_dir(tmp, layer_id), _to_tree(layer), save_args=_to_tree(
                 [(p, _save_args(p, v)) for p, v in layer]))
             if layer_id == 0:
-                ckpt.save(tmp / "embed", _to_tree([(p, v.get_value()) for p, v in flat if p[0] == "embed_tokens"]))
+                save(tmp / "embed", _to_tree([(p, v.get_value()) for p, v in flat if p[0] == "embed_tokens"]))
             if layer_id == n - 1:
-                ckpt.save(tmp / "head", _to_tree([(p, v.get_value()) for p, v in flat if p[0] in ("norm", "lm_head")]))
+                save(tmp / "head", _to_tree([(p, v.get_value()) for p, v in flat if p[0] in ("norm", "lm_head")]))
             del model, flat, layer
             if progress is not None:
                 _progress(layer_id + 1, n, summary["bytes"], t0, progress)
@@ -154,6 +217,9 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
                 os.kill(os.getpid(), signal.SIGKILL)
         if hasattr(ckpt, "wait_until_finished"):
             ckpt.wait_until_finished()  # every layer written before the marker and the rename
+        if reuse:
+            for finished in saved:
+                _drop_written_pages(finished)
         if bar_open:
             progress.write("\n")
             bar_open = False
@@ -186,6 +252,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
             ckpt.close()
         if source is not None:
             source.close()
+        if keep is not None:
+            keep.__exit__(None, None, None)
     return summary
 
 
