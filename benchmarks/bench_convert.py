@@ -6,8 +6,8 @@ Writes a random bf16 Qwen3.5-MoE checkpoint (two safetensors shards with an inde
 `cat FILES > /dev/null` (raw read rate; the second read is the page-cache rate the converter also sees), writes the
 same number of bytes twice with `dd ... conv=fsync` (raw durable write rate: a conversion writes as much as it
 reads; the first write lands in memory the VM has to back afresh, the second reuses the first's pages), then runs
-`jax-dwdp convert` in a subprocess --reps times per variant (default: the converter as shipped and the same without
-page reuse, JAX_DWDP_CONVERT_PAGE_REUSE=0), interleaved with the order reversed every other round, each after a
+`jax-dwdp convert` in a subprocess --reps times per variant (default: the converter as shipped, the same writing
+OCDBT, and the converter as it was before page reuse and plain zarr; see --variants), interleaved with the order reversed every other round, each after a
 --pause (freed pages go back to the VM's host) and followed by `sync` (counted) and by deleting its output, and
 reports the median GB/s of each with every run, the ratios to the raw rates, and peak RSS.
 """
@@ -79,8 +79,10 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/jax_dwdp_convert_bench"))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--variants", default="default,no_page_reuse",
-                    help="comma list of: default, no_page_reuse (JAX_DWDP_CONVERT_PAGE_REUSE=0), overlap")
+    ap.add_argument("--variants", default="default,ocdbt,previous",
+                    help="comma list of: default, no_page_reuse (JAX_DWDP_CONVERT_PAGE_REUSE=0), ocdbt "
+                         "(JAX_DWDP_CONVERT_OCDBT=1), previous (both: the converter before page reuse and plain "
+                         "zarr), overlap (JAX_DWDP_CONVERT_OVERLAP=1)")
     ap.add_argument("--reps", type=int, default=3, help="conversions per variant")
     ap.add_argument("--pause", type=float, default=4.0, help="seconds to wait before each conversion")
     args = ap.parse_args()
@@ -108,6 +110,8 @@ def main() -> None:
         writes.append(nbytes / 1e9 / (time.perf_counter() - t0))
         scratch.unlink()
     variants = {"default": {}, "no_page_reuse": {"JAX_DWDP_CONVERT_PAGE_REUSE": "0"},
+                "ocdbt": {"JAX_DWDP_CONVERT_OCDBT": "1"},
+                "previous": {"JAX_DWDP_CONVERT_OCDBT": "1", "JAX_DWDP_CONVERT_PAGE_REUSE": "0"},
                 "overlap": {"JAX_DWDP_CONVERT_OVERLAP": "1"}}
     chosen = args.variants.split(",")
     converts = {v: [] for v in chosen}

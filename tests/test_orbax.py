@@ -97,8 +97,8 @@ def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monk
 def test_convert_drops_each_finished_item_from_page_cache(hf_dir, orbax_dir, tmp_path, monkeypatch, overlap):
     """Page reuse (the default): every item (embed, each layer, head) is made durable and dropped from the page
     cache exactly once, only after it is complete (its Orbax metadata is there), with the synchronous and with the
-    overlapped writer; without page reuse nothing is dropped. Both
-    restore equal to the HF load."""
+    overlapped writer; without page reuse nothing is dropped. The default writes plain zarr, JAX_DWDP_CONVERT_OCDBT=1
+    OCDBT; both restore equal to the HF load."""
     from jax_dwdp.weights import orbax_store
 
     dropped = []
@@ -115,9 +115,11 @@ def test_convert_drops_each_finished_item_from_page_cache(hf_dir, orbax_dir, tmp
     want = ["embed", "head"] + [f"layers/{i:03d}" for i in range(CFG.num_hidden_layers)]
     assert sorted(dropped) == sorted(want), dropped
     monkeypatch.setenv("JAX_DWDP_CONVERT_PAGE_REUSE", "0")
+    monkeypatch.setenv("JAX_DWDP_CONVERT_OCDBT", "1")  # the format written before: still restores
     dropped.clear()
     convert_hf_to_orbax(hf_dir, tmp_path / "plain", dtype=jnp.float32, progress=None)
     assert dropped == []
+    assert not list((tmp_path / "reuse").rglob("manifest.ocdbt")) and list((tmp_path / "plain").rglob("manifest.ocdbt"))
     ref = flat(load_hf_checkpoint(hf_dir, dtype=jnp.float32)[0])
     for out in ("reuse", "plain"):
         got = flat(load_orbax_checkpoint(tmp_path / out, dtype=jnp.float32)[0])
