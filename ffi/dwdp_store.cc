@@ -92,6 +92,7 @@ struct Device {
   CUcontext ctx = nullptr;  // the primary context (the one XLA uses), retained
   CUstream copy = nullptr;  // the copy stream
   CUevent ready = nullptr;  // recorded on XLA's stream by each prefetch
+  bool closing = false;     // set (under mu) by close before anything is released; handlers then refuse
   std::mutex mu;
   std::vector<CUevent> pool;                        // idle "done" events
   std::unordered_map<uintptr_t, CUevent> pending;   // prefetch destination -> done event
@@ -150,9 +151,12 @@ std::string Release(Store& s) {
   auto note = [&](const std::string& where, const char* call, CUresult r) {
     if (r != CUDA_SUCCESS && first.empty()) first = Describe(where, call, r);
   };
-  // Nothing may still be reading or writing the memory: wait for every stream of every device (XLA's included).
+  // First make every handler refuse (under each device's lock, so none is half-way through enqueuing), then wait
+  // for every stream of every device (XLA's included): nothing may still read or write the memory.
   for (auto& d : s.devices) {
     if (d->ctx == nullptr) continue;
+    std::lock_guard<std::mutex> lock(d->mu);
+    d->closing = true;
     ScopedContext scope(d->ctx);
     note("dwdp_store_close", "cuCtxSynchronize", cuCtxSynchronize());
   }
@@ -198,6 +202,7 @@ std::string Release(Store& s) {
       }
     }
     note("dwdp_store_close", "cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease(d->dev));
+    std::lock_guard<std::mutex> lock(d->mu);
     d->ctx = nullptr;
   }
   return first;
@@ -349,12 +354,25 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   }
   Device& d = *s->devices[rank];
   std::lock_guard<std::mutex> lock(d.mu);
-  if (d.ctx == nullptr) return Fail(where + ": the store is closing");
+  if (d.ctx == nullptr || d.closing) return Fail(where + ": the store is closing");
   if (int injected = s->inject.exchange(0); injected != 0)
     return Fail(Describe(where, "cuMemcpyDtoDAsync (injected)", static_cast<CUresult>(injected)));
   ScopedContext scope(d.ctx);
   if (!scope.ok()) return Fail(where + ": cannot make device " + std::to_string(ordinal) + " current");
 
+  if (s->timing) d.timed[layer] = 0;
+  // On a failure once the copy stream has work, drain it before returning: XLA frees the outputs of a failed call,
+  // and no copy may still be writing them.
+  auto drain = [&](const std::string& message) {
+    cuStreamSynchronize(d.copy);
+    return Fail(message);
+  };
+#undef DWDP_FFI_CU
+#define DWDP_FFI_CU(where, call)                                        \
+  do {                                                                  \
+    CUresult _r = (call);                                               \
+    if (_r != CUDA_SUCCESS) return drain(Describe(where, #call, _r));   \
+  } while (0)
   // The copy starts after all work XLA enqueued before this call (write-after-read guard on the destination).
   DWDP_FFI_CU(where, cuEventRecord(d.ready, stream));
   DWDP_FFI_CU(where, cuStreamWaitEvent(d.copy, d.ready, 0));
@@ -394,7 +412,7 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   CUresult res = cuEventRecord(done, d.copy);
   if (res != CUDA_SUCCESS) {
     d.pool.push_back(done);
-    return Fail(Describe(where, "cuEventRecord", res));
+    return drain(Describe(where, "cuEventRecord", res));
   }
   const uintptr_t key = reinterpret_cast<uintptr_t>(outs[0]->untyped_data());
   auto it = d.pending.find(key);
@@ -406,6 +424,13 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   }
   return ffi::Error::Success();
 }
+
+#undef DWDP_FFI_CU
+#define DWDP_FFI_CU(where, call)                                        \
+  do {                                                                  \
+    CUresult _r = (call);                                               \
+    if (_r != CUDA_SUCCESS) return Fail(Describe(where, #call, _r));    \
+  } while (0)
 
 ffi::Error WaitImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer /*down*/,
                     ffi::AnyBuffer /*after*/, int64_t store_id, ffi::Result<ffi::AnyBuffer> /*token*/) {
@@ -419,7 +444,7 @@ ffi::Error WaitImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ff
   if (rank < 0) return Fail(where + ": device " + std::to_string(ordinal) + " is not one of the store's devices");
   Device& d = *s->devices[rank];
   std::lock_guard<std::mutex> lock(d.mu);
-  if (d.ctx == nullptr) return Fail(where + ": the store is closing");
+  if (d.ctx == nullptr || d.closing) return Fail(where + ": the store is closing");
   ScopedContext scope(d.ctx);
   if (!scope.ok()) return Fail(where + ": cannot make device " + std::to_string(ordinal) + " current");
   const uintptr_t key = reinterpret_cast<uintptr_t>(gate_up.untyped_data());
@@ -474,6 +499,10 @@ int dwdp_store_create(int ranks, const int* ordinals, int layers, int weights, c
                     std::to_string(slots) + ", experts " + std::to_string(experts) + ")");
   for (int w = 0; w < weights; ++w)
     if (expert_bytes[w] == 0) return SetError("dwdp_store_create: weight " + std::to_string(w) + " has 0 bytes");
+  for (int a = 0; a < ranks; ++a)
+    for (int b = a + 1; b < ranks; ++b)
+      if (ordinals[a] == ordinals[b])
+        return SetError("dwdp_store_create: device " + std::to_string(ordinals[a]) + " is given for two ranks");
   try {
     auto s = std::make_shared<Store>();
     s->ranks = ranks;
@@ -496,6 +525,8 @@ int dwdp_store_create(int ranks, const int* ordinals, int layers, int weights, c
     return 0;
   } catch (const std::bad_alloc&) {
     return SetError("dwdp_store_create: out of host memory");
+  } catch (const std::exception& e) {
+    return SetError(std::string("dwdp_store_create: ") + e.what());
   }
 }
 
@@ -512,7 +543,9 @@ int dwdp_store_fill(int64_t id, int layer, int weight, int rank, uint64_t src, u
                     std::to_string(s->block_bytes(weight)));
   Device& d = *s->devices[rank];
   std::lock_guard<std::mutex> lock(d.mu);
+  if (d.ctx == nullptr || d.closing) return SetError("dwdp_store_fill: the store is closing");
   ScopedContext scope(d.ctx);
+  if (!scope.ok()) return SetError("dwdp_store_fill: cannot make device " + std::to_string(d.ordinal) + " current");
   const std::string where = "dwdp_store_fill";
   Region& reg = s->region(layer, weight);
   CUresult r = cuMemcpyDtoDAsync(reg.va + rank * reg.stride, static_cast<CUdeviceptr>(src), bytes, d.copy);
@@ -552,6 +585,25 @@ int dwdp_store_copy_ms(int64_t id, int rank, int layer, float* ms) {
   r = cuEventElapsedTime(ms, d.timing_start[layer], d.timing_stop[layer]);
   if (r != CUDA_SUCCESS) return SetError(Describe("dwdp_store_copy_ms", "cuEventElapsedTime", r));
   return 0;
+}
+
+// Waits for every copy the store has enqueued and forgets prefetches nobody waited for (an error path dropped
+// them): after this, no copy writes into memory XLA may have freed.
+int dwdp_store_sync(int64_t id) {
+  std::shared_ptr<Store> s = Find(id);
+  if (!s) return 0;
+  std::string first;
+  for (auto& dp : s->devices) {
+    Device& d = *dp;
+    std::lock_guard<std::mutex> lock(d.mu);
+    if (d.ctx == nullptr || d.closing) continue;
+    ScopedContext scope(d.ctx);
+    CUresult r = cuStreamSynchronize(d.copy);
+    if (r != CUDA_SUCCESS && first.empty()) first = Describe("dwdp_store_sync", "cuStreamSynchronize", r);
+    for (auto& kv : d.pending) d.pool.push_back(kv.second);
+    d.pending.clear();
+  }
+  return first.empty() ? 0 : SetError(first);
 }
 
 // Makes the next dwdp_prefetch on this store fail as if a CUDA call had returned `code` (tests only).

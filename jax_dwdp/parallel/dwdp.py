@@ -238,8 +238,10 @@ class IndependentRanks:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        from jax_dwdp.parallel.dwdp_ffi import close_store
+
+        close_store(self.store, exc)
 
     def _fetch(self, rank: int, layer_id: int):
         """Every rank's block of one layer, on `rank`'s device (peer blocks copied, own block as is)."""
@@ -290,7 +292,11 @@ class IndependentRanks:
             pending[0] = nxt
             return out
 
-        h, cache = self.model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
+        try:
+            h, cache = self.model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
+        except BaseException:
+            self.store.sync()  # a copy may still be running into a prefetch output this error dropped
+            raise
         return _head(top.graphdef, top.state, h, lengths, logits), cache
 
 
@@ -350,10 +356,11 @@ class LayerwiseDwdp:
         for layer in dense_model.layers:
             self.canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
         blocks = [(local[i]["gate_up_proj"], local[i]["down_proj"]) for i in range(len(self.layer_ids))]
-        self.store = None
+        self.store, self.owns_store = None, False
         if backend == "ffi":
             from jax_dwdp.parallel.dwdp_ffi import ExpertStore
 
+            self.owns_store = store is None  # a store passed in (a Pipeline's, shared) is closed by its owner
             self.store = store or ExpertStore.from_sharded(blocks, model.cfg.num_experts, timing=timing,
                                                                    poison=poison)
             self.local = None
@@ -449,8 +456,13 @@ class LayerwiseDwdp:
             pending[0] = nxt
             return out
 
-        h, cache = nnx.merge(self.graphdef, self.dense_state).forward_layers(h, lengths, cache_len=self.cache_len,
-                                                                             run_layer=run_layer)
+        try:
+            h, cache = nnx.merge(self.graphdef, self.dense_state).forward_layers(
+                h, lengths, cache_len=self.cache_len, run_layer=run_layer)
+        except BaseException:
+            if ffi:  # a copy may still be running into a prefetch output this error dropped
+                self.store.sync()
+            raise
         if not model.is_last:
             return h, cache
         out = None if self.logits == "none" else self._program(("head",))(self.dense_state, h, lengths)
@@ -466,14 +478,18 @@ class LayerwiseDwdp:
         h = self._program(("embed",))(self.dense_state, self.place(x))
         for i in range(len(self.layer_ids)):
             jax.block_until_ready(self._program(("prefetch", i))(h))
+            self.store.sync()  # nobody waits for these copies: finish them before their outputs are freed
 
     def close(self) -> None:
-        """Releases the FFI store (nothing to do for the XLA backend)."""
-        if self.store is not None:
+        """Releases the FFI store if this program made it (nothing to do for the other backends)."""
+        if self.store is not None and self.owns_store:
             self.store.close()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        from jax_dwdp.parallel.dwdp_ffi import close_store
+
+        if self.owns_store:
+            close_store(self.store, exc)

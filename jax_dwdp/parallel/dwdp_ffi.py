@@ -73,8 +73,9 @@ def load_library() -> ctypes.CDLL:
     lib.dwdp_device_memory.restype = c_int
     lib.dwdp_live_objects.argtypes = [ctypes.POINTER(i64)]
     lib.dwdp_live_objects.restype = None
+    lib.dwdp_store_sync.argtypes = [i64]
     for fn in ("dwdp_store_create", "dwdp_store_fill", "dwdp_store_close", "dwdp_store_copy_ms",
-               "dwdp_store_inject_error", "dwdp_store_info"):
+               "dwdp_store_inject_error", "dwdp_store_info", "dwdp_store_sync"):
         getattr(lib, fn).restype = c_int
     jax.ffi.register_ffi_target(PREFETCH_TARGET, jax.ffi.pycapsule(lib.JaxDwdpPrefetch), platform="CUDA")
     jax.ffi.register_ffi_target(WAIT_TARGET, jax.ffi.pycapsule(lib.JaxDwdpWait), platform="CUDA")
@@ -133,6 +134,10 @@ class ExpertStore:
 
         self.devices = list(devices)
         require_gpus(self.devices)
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"an expert store needs distinct devices, got {self.devices}")
+        if any(d.process_index != jax.process_index() for d in self.devices):
+            raise ValueError("an expert store's devices must all belong to this process")
         self.lib = load_library()
         self.layout = ExpertLayout(num_experts, len(self.devices))
         self.num_layers, self.num_experts = num_layers, num_experts
@@ -176,15 +181,24 @@ class ExpertStore:
         devices = [s.device for s in sorted(first.addressable_shards, key=lambda s: s.index[0].start or 0)]
         shapes = tuple(w.shape[1:] for w in layers[0])
         store = cls(devices, len(layers), num_experts, shapes, first.dtype, timing=timing, poison=poison)
+        slots = store.layout.slots_per_rank
+        done = 0
         try:
             for l, weights in enumerate(layers):
                 for w, array in enumerate(weights):
                     for shard in array.addressable_shards:
-                        store.fill(l, w, devices.index(shard.device), shard.data)
-                    if delete:
+                        rank = (shard.index[0].start or 0) // slots  # the block's position, not the device's
+                        store.fill(l, w, rank, shard.data)
+                if delete:  # layer by layer: the experts are never held twice in full
+                    for array in weights:
                         array.delete()
-        except BaseException:
+                done = l + 1
+        except BaseException as e:
             store.close()
+            if delete and done:
+                raise StoreError(f"filling the expert store failed at layer {done} ({e}); the expert arrays of "
+                                 f"layers [0, {done}) were already moved into it and are gone: rebuild the "
+                                 "model") from e
             raise
         return store
 
@@ -218,6 +232,12 @@ class ExpertStore:
                     out[r, l] = ms.value
         return out
 
+    def sync(self) -> None:
+        """Waits for every copy enqueued so far and forgets prefetches nobody waited for. The drivers call it when
+        a prefill fails half-way, so that no copy still writes into an output XLA has freed."""
+        if not self.closed:
+            _check(self.lib, self.lib.dwdp_store_sync(self.id))
+
     def info(self) -> dict:
         self._check_open()
         fabric, gran = ctypes.c_int(), ctypes.c_uint64()
@@ -246,11 +266,27 @@ class ExpertStore:
     def __enter__(self) -> "ExpertStore":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        close_store(self, exc)
 
-    def __del__(self):
+    def __del__(self):  # noqa: D105
         try:
             self.close()
         except Exception:
             pass
+
+
+def close_store(store, exc=None) -> None:
+    """Closes `store` (None is fine). While another exception `exc` is propagating, a failure to close is reported
+    as a warning instead of replacing it."""
+    if store is None:
+        return
+    if exc is None:
+        store.close()
+        return
+    try:
+        store.close()
+    except Exception as close_error:  # keep the original error
+        import warnings
+
+        warnings.warn(f"closing expert store {store.id} after an error also failed: {close_error}", stacklevel=2)

@@ -164,16 +164,26 @@ class Pipeline:
                     # The stage's expert blocks move into one CUDA VMM store per stage (made on first use and
                     # shared by every program); the XLA copies are deleted, so the XLA backend is gone after this.
                     if self._stores is None:
-                        programs = [LayerwiseDwdp(m, row, backend="ffi", logits=logits, cache_len=cache_len,
-                                                  sharded=sh)
-                                    for m, row, sh in zip(self.models, self.row_meshes, self.sharded)]
-                        self._stores = [p.store for p in programs]
-                    else:
-                        programs = [LayerwiseDwdp(m, row, backend="ffi", logits=logits, cache_len=cache_len,
-                                                  sharded=sh, store=store)
-                                    for m, row, sh, store in zip(self.models, self.row_meshes, self.sharded,
-                                                                 self._stores)]
-                    self._programs[key] = programs
+                        from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+
+                        stores = []
+                        try:
+                            for m, sh in zip(self.models, self.sharded):
+                                graphdef, state, _ = sh
+                                blocks = _expert_blocks(state)
+                                stores.append(ExpertStore.from_sharded(blocks, self.cfg.num_experts))
+                        except BaseException:
+                            for store in stores:
+                                store.close()
+                            self._programs.clear()
+                            raise
+                        self._stores = stores
+                        # Programs made earlier hold the deleted expert arrays.
+                        self._programs = {k: v for k, v in self._programs.items() if k[3] == "ffi"}
+                    self._programs[key] = [
+                        LayerwiseDwdp(m, row, backend="ffi", logits=logits, cache_len=cache_len, sharded=sh,
+                                      store=store)
+                        for m, row, sh, store in zip(self.models, self.row_meshes, self.sharded, self._stores)]
                 elif self._stores is not None:
                     raise ValueError("this pipeline's experts live in the FFI store now; keep dwdp_backend='ffi'")
                 elif layerwise:
@@ -190,15 +200,21 @@ class Pipeline:
         return self._programs[key]
 
     def close(self) -> None:
-        """Releases the FFI expert stores, if any (the XLA paths hold nothing outside XLA)."""
+        """Releases the FFI expert stores, if any (the XLA paths hold nothing outside XLA). The pipeline cannot
+        run the FFI backend afterwards (its experts lived in the stores)."""
         for store in self._stores or []:
             store.close()
+        self._programs = {k: v for k, v in self._programs.items() if k[3] != "ffi"}
 
     def __enter__(self) -> "Pipeline":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        from jax_dwdp.parallel.dwdp_ffi import close_store
+
+        for store in self._stores or []:
+            close_store(store, exc)
+        self._programs = {k: v for k, v in self._programs.items() if k[3] != "ffi"}
 
     def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
                 cache_len: int | None = None, layerwise: bool = False,
@@ -228,6 +244,17 @@ class Pipeline:
             outs.append(x)
         out = None if logits == "none" else jnp.concatenate(outs, axis=0)
         return out, [Cache.concat_batch(c) for c in caches]
+
+
+def _expert_blocks(state) -> list[tuple[jax.Array, jax.Array]]:
+    """Each layer's (gate_up, down) of a DWDP-sharded stage state, in layer order."""
+    from jax_dwdp.parallel.dwdp import is_expert_weight
+
+    layers: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        if is_expert_weight(path):
+            layers.setdefault(path[1], {})[path[4]] = var.get_value()
+    return [(layers[i]["gate_up_proj"], layers[i]["down_proj"]) for i in sorted(layers)]
 
 
 def stage_weight_bytes(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
