@@ -23,6 +23,8 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -114,6 +116,8 @@ struct Store {
   int ranks = 0, layers = 0, weights = 0, slots = 0, experts = 0;
   bool timing = false;
   bool poison = false;  // fill each prefetch destination with 0xFF bytes (NaN in bf16/fp32) before the copy
+  bool delay = false;   // (tests) hold the copy stream 20 ms before each prefetch's copies: a read that does not
+                        // wait for the copy then sees the poison
   size_t granularity = 0;
   CUmemAllocationHandleType handle_type = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   std::vector<size_t> expert_bytes;  // per weight
@@ -326,6 +330,8 @@ Status Build(Store& s, const int* ordinals) {
 
 // ---- the custom calls --------------------------------------------------------------------------------------
 
+void CUDA_CB DelayCopies(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }
+
 ffi::Error Fail(const std::string& message) { return ffi::Error(ffi::ErrorCode::kInternal, message); }
 
 #define DWDP_FFI_CU(where, call)                                        \
@@ -377,6 +383,7 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   DWDP_FFI_CU(where, cuEventRecord(d.ready, stream));
   DWDP_FFI_CU(where, cuStreamWaitEvent(d.copy, d.ready, 0));
   if (s->timing) DWDP_FFI_CU(where, cuEventRecord(d.timing_start[layer], d.copy));
+  if (s->delay) DWDP_FFI_CU(where, cuLaunchHostFunc(d.copy, DelayCopies, nullptr));
   if (s->poison)
     for (int w = 0; w < 2; ++w)
       DWDP_FFI_CU(where, cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(outs[w]->untyped_data()), 0xFF,
@@ -512,6 +519,7 @@ int dwdp_store_create(int ranks, const int* ordinals, int layers, int weights, c
     s->experts = experts;
     s->timing = (flags & 1) != 0;
     s->poison = (flags & 2) != 0;
+    s->delay = (flags & 4) != 0;
     s->expert_bytes.assign(expert_bytes, expert_bytes + weights);
     Status st = Build(*s, ordinals);
     if (!st.ok()) {

@@ -2,7 +2,8 @@
 
 - the FFI path equals the XLA path and one GPU (fp32 <= 1e-5, bf16 <= 2e-2), with blocks that are and are not a
   multiple of the VMM granularity (one copy through the composite VA vs one copy per rank);
-- poison: every prefetch destination is filled with NaN before its copy; the output stays finite and equal;
+- poison: every prefetch destination is filled with NaN before its copy, and each copy is held back 20 ms (so a
+  read of the experts that does not wait for the copy would see NaN); the output stays finite and equal;
 - leak: 20 store set-up/tear-down cycles leave no CUDA object alive and return device free memory;
 - an injected CUDA error surfaces as a Python exception naming the call and the code, and the store still works.
 """
@@ -53,7 +54,7 @@ def _compare(cfg, dtype, rng, bound, *, poison=False):
             # One program with a poisoning store, in place of the pipeline's default.
             pipe._programs[("all", 96, False, "ffi")] = [
                 LayerwiseDwdp(pipe.models[0], pipe.row_meshes[0], backend="ffi", cache_len=96, sharded=pipe.sharded[0],
-                              poison=True)]
+                              poison=True, delay_copies=True)]
             pipe._stores = [pipe._programs[("all", 96, False, "ffi")][0].store]
         for _ in range(2):  # the second call reuses the store, its events and the compiled programs
             ffi, ffi_caches = pipe.prefill(tokens, lengths, cache_len=96, dwdp_backend="ffi")

@@ -325,12 +325,13 @@ class LayerwiseDwdp:
       of layer l+1's experts on the store's copy stream just before layer l is enqueued; layer l+1's MoE waits for
       it. The ranks' expert blocks move into the store (the XLA copies are deleted), so they are stored once.
       `timing=True` records each layer's copy time (`self.store.copy_ms()`); `poison=True` (tests) fills each
-      copy's destination with NaN first, so a byte the copy misses shows up.
+      copy's destination with NaN first, so a byte the copy misses shows up; `delay_copies=True` (tests) holds each
+      copy 20 ms, so a read that does not wait for it sees the NaN.
     """
 
     def __init__(self, model: Qwen35MoeForCausalLM, mesh: Mesh, *, backend: str = "xla", logits: LogitsMode = "all",
                  cache_len: int | None = None, sharded=None, store=None, timing: bool = False,
-                 poison: bool = False):
+                 poison: bool = False, delay_copies: bool = False):
         if backend not in ("xla", "ffi", "replicated"):
             raise ValueError(f"DWDP backend {backend!r}: choose 'xla' or 'ffi'")
         self.model, self.mesh, self.backend = model, mesh, backend
@@ -362,7 +363,7 @@ class LayerwiseDwdp:
 
             self.owns_store = store is None  # a store passed in (a Pipeline's, shared) is closed by its owner
             self.store = store or ExpertStore.from_sharded(blocks, model.cfg.num_experts, timing=timing,
-                                                                   poison=poison)
+                                                                   poison=poison, delay_copies=delay_copies)
             self.local = None
         elif backend == "replicated":  # the no-communication bound: every rank holds every expert
             self.local = [tuple(jax.device_put(w, replicated) for w in pair) for pair in blocks]

@@ -126,10 +126,12 @@ class ExpertStore:
     """Every MoE layer's experts, rank r's block on devices[r], readable by every device. See the module doc."""
 
     def __init__(self, devices, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool = False,
-                 poison: bool = False):
+                 poison: bool = False, delay_copies: bool = False):
         """`shapes` = per-expert shapes of the weights, ((2I, H), (H, I)); blocks are ceil(E/N) experts, the last
         rank's padded with zeros when N does not divide E (its padding is never copied). `timing` records each
-        layer's copy time; `poison` (tests) fills every prefetch destination with NaN before the copy."""
+        layer's copy time; `poison` (tests) fills every prefetch destination with NaN before the copy;
+        `delay_copies` (tests) holds the copy stream 20 ms before each prefetch, so that a read of the experts that
+        does not wait for their copy sees the poison."""
         from jax_dwdp.parallel.expert_layout import ExpertLayout
 
         self.devices = list(devices)
@@ -149,7 +151,7 @@ class ExpertStore:
         sid = ctypes.c_int64()
         _check(self.lib, self.lib.dwdp_store_create(len(self.devices), ordinals, num_layers, len(self.shapes), sizes,
                                                     self.layout.slots_per_rank, num_experts,
-                                                    int(timing) | (2 if poison else 0),
+                                                    int(timing) | (2 if poison else 0) | (4 if delay_copies else 0),
                                                     ctypes.byref(sid)))
         self.id = sid.value
         self.closed = False
@@ -172,7 +174,7 @@ class ExpertStore:
 
     @classmethod
     def from_sharded(cls, layers: list[tuple[jax.Array, jax.Array]], num_experts: int, *, timing: bool = False,
-                     poison: bool = False, delete: bool = True) -> "ExpertStore":
+                     poison: bool = False, delay_copies: bool = False, delete: bool = True) -> "ExpertStore":
         """From each layer's (gate_up, down) sharded P('dwdp') over the store's devices ([N * ceil(E/N), ...]).
 
         delete=True deletes those arrays once copied, so a rank's experts are not stored twice.
@@ -180,7 +182,8 @@ class ExpertStore:
         first = layers[0][0]
         devices = [s.device for s in sorted(first.addressable_shards, key=lambda s: s.index[0].start or 0)]
         shapes = tuple(w.shape[1:] for w in layers[0])
-        store = cls(devices, len(layers), num_experts, shapes, first.dtype, timing=timing, poison=poison)
+        store = cls(devices, len(layers), num_experts, shapes, first.dtype, timing=timing, poison=poison,
+                    delay_copies=delay_copies)
         slots = store.layout.slots_per_rank
         done = 0
         try:
