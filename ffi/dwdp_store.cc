@@ -334,19 +334,31 @@ void CUDA_CB DelayCopies(void*) { std::this_thread::sleep_for(std::chrono::milli
 
 ffi::Error Fail(const std::string& message) { return ffi::Error(ffi::ErrorCode::kInternal, message); }
 
-#define DWDP_FFI_CU(where, call)                                        \
-  do {                                                                  \
-    CUresult _r = (call);                                               \
-    if (_r != CUDA_SUCCESS) return Fail(Describe(where, #call, _r));    \
+// In a handler: on a CUDA failure, return on_error(message naming the call and the CUresult).
+#define DWDP_FFI_CU(on_error, where, call)                                  \
+  do {                                                                      \
+    CUresult _r = (call);                                                   \
+    if (_r != CUDA_SUCCESS) return on_error(Describe(where, #call, _r));    \
   } while (0)
+
+// The store and this device's state for a handler (the caller then takes d->mu and checks `closing`).
+ffi::Error FindDevice(int64_t store_id, int32_t ordinal, const std::string& where, std::shared_ptr<Store>* s,
+                      Device** d) {
+  *s = Find(store_id);
+  if (!*s) return Fail(where + ": no open expert store with this id (was it closed?)");
+  const int rank = (*s)->rank_of(ordinal);
+  if (rank < 0) return Fail(where + ": device " + std::to_string(ordinal) + " is not one of the store's devices");
+  *d = (*s)->devices[rank].get();
+  return ffi::Error::Success();
+}
 
 ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, int64_t store_id, int64_t layer,
                         ffi::Result<ffi::AnyBuffer> gate_up, ffi::Result<ffi::AnyBuffer> down) {
   const std::string where = "dwdp_prefetch(store " + std::to_string(store_id) + ", layer " + std::to_string(layer) + ")";
-  std::shared_ptr<Store> s = Find(store_id);
-  if (!s) return Fail(where + ": no open expert store with this id (was it closed?)");
+  std::shared_ptr<Store> s;
+  Device* dp = nullptr;
+  if (ffi::Error e = FindDevice(store_id, ordinal, where, &s, &dp); e.failure()) return e;
   const int rank = s->rank_of(ordinal);
-  if (rank < 0) return Fail(where + ": device " + std::to_string(ordinal) + " is not one of the store's devices");
   if (layer < 0 || layer >= s->layers)
     return Fail(where + ": layer out of range [0, " + std::to_string(s->layers) + ")");
   if (s->weights != 2) return Fail(where + ": the store holds " + std::to_string(s->weights) + " weights, expected 2");
@@ -358,7 +370,7 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
                         where + ": output " + std::to_string(w) + " has " + std::to_string(outs[w]->size_bytes()) +
                             " bytes, expected " + std::to_string(want) + " (experts x expert bytes)");
   }
-  Device& d = *s->devices[rank];
+  Device& d = *dp;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.ctx == nullptr || d.closing) return Fail(where + ": the store is closing");
   if (int injected = s->inject.exchange(0); injected != 0)
@@ -373,20 +385,14 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
     cuStreamSynchronize(d.copy);
     return Fail(message);
   };
-#undef DWDP_FFI_CU
-#define DWDP_FFI_CU(where, call)                                        \
-  do {                                                                  \
-    CUresult _r = (call);                                               \
-    if (_r != CUDA_SUCCESS) return drain(Describe(where, #call, _r));   \
-  } while (0)
   // The copy starts after all work XLA enqueued before this call (write-after-read guard on the destination).
-  DWDP_FFI_CU(where, cuEventRecord(d.ready, stream));
-  DWDP_FFI_CU(where, cuStreamWaitEvent(d.copy, d.ready, 0));
-  if (s->timing) DWDP_FFI_CU(where, cuEventRecord(d.timing_start[layer], d.copy));
-  if (s->delay) DWDP_FFI_CU(where, cuLaunchHostFunc(d.copy, DelayCopies, nullptr));
+  DWDP_FFI_CU(drain, where, cuEventRecord(d.ready, stream));
+  DWDP_FFI_CU(drain, where, cuStreamWaitEvent(d.copy, d.ready, 0));
+  if (s->timing) DWDP_FFI_CU(drain, where, cuEventRecord(d.timing_start[layer], d.copy));
+  if (s->delay) DWDP_FFI_CU(drain, where, cuLaunchHostFunc(d.copy, DelayCopies, nullptr));
   if (s->poison)
     for (int w = 0; w < 2; ++w)
-      DWDP_FFI_CU(where, cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(outs[w]->untyped_data()), 0xFF,
+      DWDP_FFI_CU(drain, where, cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(outs[w]->untyped_data()), 0xFF,
                                          outs[w]->size_bytes(), d.copy));
   for (int w = 0; w < 2; ++w) {
     Region& reg = s->region(static_cast<int>(layer), w);
@@ -401,11 +407,11 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
       const size_t offset = static_cast<size_t>(r) * block;
       if (offset >= total) continue;
       const size_t n = std::min(block, total - offset);
-      DWDP_FFI_CU(where, cuMemcpyDtoDAsync(dst + offset, reg.va + r * reg.stride, n, d.copy));
+      DWDP_FFI_CU(drain, where, cuMemcpyDtoDAsync(dst + offset, reg.va + r * reg.stride, n, d.copy));
     }
   }
   if (s->timing) {
-    DWDP_FFI_CU(where, cuEventRecord(d.timing_stop[layer], d.copy));
+    DWDP_FFI_CU(drain, where, cuEventRecord(d.timing_stop[layer], d.copy));
     d.timed[layer] = 1;
   }
   CUevent done = nullptr;
@@ -413,7 +419,7 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
     done = d.pool.back();
     d.pool.pop_back();
   } else {
-    DWDP_FFI_CU(where, cuEventCreate(&done, CU_EVENT_DISABLE_TIMING));
+    DWDP_FFI_CU(drain, where, cuEventCreate(&done, CU_EVENT_DISABLE_TIMING));
     g_live_events++;
   }
   CUresult res = cuEventRecord(done, d.copy);
@@ -432,24 +438,16 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   return ffi::Error::Success();
 }
 
-#undef DWDP_FFI_CU
-#define DWDP_FFI_CU(where, call)                                        \
-  do {                                                                  \
-    CUresult _r = (call);                                               \
-    if (_r != CUDA_SUCCESS) return Fail(Describe(where, #call, _r));    \
-  } while (0)
-
 ffi::Error WaitImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer /*down*/,
                     ffi::AnyBuffer /*after*/, int64_t store_id, ffi::Result<ffi::AnyBuffer> /*token*/) {
   // The expert buffers are read-only operands (no output aliases them, so XLA never copies them first: the
   // address below is the one dwdp_prefetch wrote). Python ties their uses to the token with an optimization
   // barrier, so nothing reads them before this wait.
   const std::string where = "dwdp_wait(store " + std::to_string(store_id) + ")";
-  std::shared_ptr<Store> s = Find(store_id);
-  if (!s) return Fail(where + ": no open expert store with this id (was it closed?)");
-  const int rank = s->rank_of(ordinal);
-  if (rank < 0) return Fail(where + ": device " + std::to_string(ordinal) + " is not one of the store's devices");
-  Device& d = *s->devices[rank];
+  std::shared_ptr<Store> s;
+  Device* dp = nullptr;
+  if (ffi::Error e = FindDevice(store_id, ordinal, where, &s, &dp); e.failure()) return e;
+  Device& d = *dp;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.ctx == nullptr || d.closing) return Fail(where + ": the store is closing");
   ScopedContext scope(d.ctx);
@@ -459,7 +457,7 @@ ffi::Error WaitImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ff
   if (it == d.pending.end())
     return Fail(where + ": its input was not written by dwdp_prefetch on device " + std::to_string(ordinal) +
                 " (or was already waited for)");
-  DWDP_FFI_CU(where, cuStreamWaitEvent(stream, it->second, 0));
+  DWDP_FFI_CU(Fail, where, cuStreamWaitEvent(stream, it->second, 0));
   d.pool.push_back(it->second);
   d.pending.erase(it);
   return ffi::Error::Success();

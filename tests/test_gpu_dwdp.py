@@ -47,17 +47,20 @@ def _compare(cfg, dtype, rng, bound, *, poison=False):
     tokens, lengths = _tokens(rng, cfg, 4, 96)
     one, one_caches = Pipeline.from_model(model, 1).prefill(tokens, lengths, microbatches=2, cache_len=96)
     xla, xla_caches = Pipeline.from_model(model, 1, dwdp=2).prefill(tokens, lengths, cache_len=96)
-    with Pipeline.from_model(model, 1, dwdp=2) as pipe:
-        if poison:
-            from jax_dwdp.parallel.dwdp import LayerwiseDwdp
+    if poison:  # the DWDP program itself, with a store that poisons and delays every copy
+        from jax.sharding import Mesh
 
-            # One program with a poisoning store, in place of the pipeline's default.
-            pipe._programs[("all", 96, False, "ffi")] = [
-                LayerwiseDwdp(pipe.models[0], pipe.row_meshes[0], backend="ffi", cache_len=96, sharded=pipe.sharded[0],
-                              poison=True, delay_copies=True)]
-            pipe._stores = [pipe._programs[("all", 96, False, "ffi")][0].store]
-        for _ in range(2):  # the second call reuses the store, its events and the compiled programs
-            ffi, ffi_caches = pipe.prefill(tokens, lengths, cache_len=96, dwdp_backend="ffi")
+        from jax_dwdp.parallel.dwdp import LayerwiseDwdp
+
+        mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
+        with LayerwiseDwdp(model, mesh, backend="ffi", cache_len=96, poison=True, delay_copies=True) as program:
+            for _ in range(2):  # the second call reuses the store, its events and the compiled programs
+                ffi, ffi_cache = program(tokens, lengths)
+        ffi_caches = [ffi_cache]
+    else:
+        with Pipeline.from_model(model, 1, dwdp=2) as pipe:
+            for _ in range(2):
+                ffi, ffi_caches = pipe.prefill(tokens, lengths, cache_len=96, dwdp_backend="ffi")
     assert np.isfinite(np.asarray(ffi, np.float32)).all()
     merged = {name: Cache.concat_layers(c, jax.devices()[0]) for name, c in
               [("one", one_caches), ("xla", xla_caches), ("ffi", ffi_caches)]}

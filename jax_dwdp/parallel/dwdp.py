@@ -77,6 +77,15 @@ def _cache_spec(model: Qwen35MoeForCausalLM) -> Cache:
                  full_layer_ids=model.full_layer_ids, linear_layer_ids=model.linear_layer_ids)
 
 
+def expert_blocks(state: nnx.State) -> list[tuple[jax.Array, jax.Array]]:
+    """Each layer's (gate_up_proj, down_proj) of a (DWDP-sharded) stage state, in the stage's layer order."""
+    layers: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        if is_expert_weight(path):
+            layers.setdefault(path[1], {})[path[4]] = var.get_value()
+    return [(layers[i]["gate_up_proj"], layers[i]["down_proj"]) for i in sorted(layers)]
+
+
 def gather_experts(local: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Inside shard_map: every rank's block of one layer -> the layer's full (padded) expert set."""
     return tuple(jax.lax.all_gather(w, AXIS, tiled=True) for w in local)
@@ -197,23 +206,11 @@ class IndependentRanks:
     def _make_store(self) -> None:
         from jax_dwdp.parallel.dwdp_ffi import ExpertStore
 
-        first = self.ranks[0]["blocks"][self.layer_ids[0]]
-        cfg = self.model.cfg
-        store = ExpertStore(self.devices, len(self.layer_ids), cfg.num_experts, tuple(w.shape[1:] for w in first),
-                            first[0].dtype)
-        try:
-            for i, layer_id in enumerate(self.layer_ids):
-                for r, rank in enumerate(self.ranks):
-                    for w, block in enumerate(rank["blocks"][layer_id]):
-                        store.fill(i, w, r, block)
-            for rank in self.ranks:  # the store holds the only copy of each rank's experts
-                for block in jax.tree.leaves(rank["blocks"]):
-                    block.delete()
-                rank["blocks"] = None
-        except BaseException:
-            store.close()
-            raise
-        self.store = store
+        blocks = [[[rank["blocks"][layer_id][w] for rank in self.ranks] for w in range(2)]
+                  for layer_id in self.layer_ids]
+        self.store = ExpertStore.from_blocks(self.devices, blocks, self.model.cfg.num_experts)
+        for rank in self.ranks:  # the store holds the only copy of each rank's experts
+            rank["blocks"] = None
 
     def _ffi_program(self, kind, key):
         """(FFI backend) the one-call prefetch program of layer index `key`, or the layer program of type `key`."""
@@ -281,12 +278,15 @@ class IndependentRanks:
 
         ids, top = self.layer_ids, r["top"]
         pending = [self._ffi_program("prefetch", 0)(h)]
+        placed = {}  # forward_layers passes the same positions to every layer: place them once
 
         def run_layer(layer, h, positions, lens, _):
             i = ids.index(layer.layer_id)
             # Layer i+1's copy is enqueued before layer i: it starts when layer i-1 is done and runs under layer i.
             nxt = self._ffi_program("prefetch", i + 1)(h) if i + 1 < len(ids) else None
-            positions = jax.device_put(positions, r["device"])
+            if id(positions) not in placed:
+                placed[id(positions)] = jax.device_put(positions, r["device"])
+            positions = placed[id(positions)]
             out = self._ffi_program("layer", layer.layer_type)(r["dense"][layer.layer_id], h, positions, lens,
                                                                *pending[0])
             pending[0] = nxt
@@ -342,21 +342,20 @@ class LayerwiseDwdp:
         replicated = NamedSharding(mesh, P())
         # The model's state with every expert weight replaced by a replicated scalar placeholder: what the embed,
         # head and layer programs take (the experts reach the layers as separate arguments).
-        local, flat = {}, []
+        flat = []
         for path, var in nnx.to_flat_state(state):
             if is_expert_weight(path):
-                local.setdefault(path[1], {})[path[4]] = var.get_value()
                 var = type(var)(jax.device_put(jnp.zeros((), var.get_value().dtype), replicated))
             flat.append((path, var))
         self.graphdef, self.dense_state = graphdef, nnx.from_flat_state(flat)
-        dense_model = nnx.merge(graphdef, self.dense_state)
+        self.dense_model = dense_model = nnx.merge(graphdef, self.dense_state)
         self.layer_ids = [layer.layer_id for layer in dense_model.layers]
         self.layer_types = [layer.layer_type for layer in dense_model.layers]
         self.layer_states = [nnx.state(layer) for layer in dense_model.layers]
         self.canonical = {}
         for layer in dense_model.layers:
             self.canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
-        blocks = [(local[i]["gate_up_proj"], local[i]["down_proj"]) for i in range(len(self.layer_ids))]
+        blocks = expert_blocks(state)
         self.store, self.owns_store = None, False
         if backend == "ffi":
             from jax_dwdp.parallel.dwdp_ffi import ExpertStore
@@ -438,10 +437,14 @@ class LayerwiseDwdp:
         else:
             pending = [None if self.backend == "replicated" else self._program(("gather",))(self.local[0])]
 
+        placed = {}  # forward_layers passes the same positions to every layer: place them once
+
         def run_layer(layer, h, positions, lens, _):
             i = self.layer_ids.index(layer.layer_id)
             has_next = i + 1 < n
-            positions = self.place(positions)
+            if id(positions) not in placed:
+                placed[id(positions)] = self.place(positions)
+            positions = placed[id(positions)]
             if self.backend == "replicated":
                 nxt = None
                 out = self._program(("layer", layer.layer_type, False))(self.layer_states[i], h, positions, lens,
@@ -458,8 +461,7 @@ class LayerwiseDwdp:
             return out
 
         try:
-            h, cache = nnx.merge(self.graphdef, self.dense_state).forward_layers(
-                h, lengths, cache_len=self.cache_len, run_layer=run_layer)
+            h, cache = self.dense_model.forward_layers(h, lengths, cache_len=self.cache_len, run_layer=run_layer)
         except BaseException:
             if ffi:  # a copy may still be running into a prefetch output this error dropped
                 self.store.sync()

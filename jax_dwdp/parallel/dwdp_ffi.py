@@ -173,28 +173,24 @@ class ExpertStore:
                                                   data.nbytes))
 
     @classmethod
-    def from_sharded(cls, layers: list[tuple[jax.Array, jax.Array]], num_experts: int, *, timing: bool = False,
-                     poison: bool = False, delay_copies: bool = False, delete: bool = True) -> "ExpertStore":
-        """From each layer's (gate_up, down) sharded P('dwdp') over the store's devices ([N * ceil(E/N), ...]).
+    def from_blocks(cls, devices, blocks, num_experts: int, *, delete: bool = True, **options) -> "ExpertStore":
+        """From blocks[layer][weight][rank]: rank r's [ceil(E/N), ...] block, on devices[r] alone.
 
-        delete=True deletes those arrays once copied, so a rank's experts are not stored twice.
+        delete=True deletes each layer's blocks once copied (layer by layer, so the experts are never held twice
+        in full): a rank's experts then live in the store only. `options`: timing, poison, delay_copies.
         """
-        first = layers[0][0]
-        devices = [s.device for s in sorted(first.addressable_shards, key=lambda s: s.index[0].start or 0)]
-        shapes = tuple(w.shape[1:] for w in layers[0])
-        store = cls(devices, len(layers), num_experts, shapes, first.dtype, timing=timing, poison=poison,
-                    delay_copies=delay_copies)
-        slots = store.layout.slots_per_rank
+        first = blocks[0]
+        store = cls(devices, len(blocks), num_experts, tuple(w[0].shape[1:] for w in first), first[0][0].dtype,
+                    **options)
         done = 0
         try:
-            for l, weights in enumerate(layers):
-                for w, array in enumerate(weights):
-                    for shard in array.addressable_shards:
-                        rank = (shard.index[0].start or 0) // slots  # the block's position, not the device's
-                        store.fill(l, w, rank, shard.data)
-                if delete:  # layer by layer: the experts are never held twice in full
-                    for array in weights:
-                        array.delete()
+            for l, weights in enumerate(blocks):
+                for w, per_rank in enumerate(weights):
+                    for r, block in enumerate(per_rank):
+                        store.fill(l, w, r, block)
+                if delete:
+                    for block in (b for per_rank in weights for b in per_rank):
+                        block.delete()
                 done = l + 1
         except BaseException as e:
             store.close()
@@ -204,6 +200,19 @@ class ExpertStore:
                                  "model") from e
             raise
         return store
+
+    @classmethod
+    def from_sharded(cls, layers: list[tuple[jax.Array, jax.Array]], num_experts: int, *, delete: bool = True,
+                     **options) -> "ExpertStore":
+        """From each layer's (gate_up, down) sharded P('dwdp') over the store's devices ([N * ceil(E/N), ...]);
+        rank r is the shard at block position r. See from_blocks for `delete` and `options`."""
+        def by_position(array):
+            return [s.data for s in sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)]
+
+        devices = [block.device for block in by_position(layers[0][0])]
+        blocks = [[by_position(w) for w in layer] for layer in layers]
+        # Deleting a shard's view deletes its buffer, which the sharded array shares.
+        return cls.from_blocks(devices, blocks, num_experts, delete=delete, **options)
 
     # ---- the custom calls (inside shard_map: per-device shapes) ----------------------------------------------
     def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:

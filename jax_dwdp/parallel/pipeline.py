@@ -164,14 +164,13 @@ class Pipeline:
                     # The stage's expert blocks move into one CUDA VMM store per stage (made on first use and
                     # shared by every program); the XLA copies are deleted, so the XLA backend is gone after this.
                     if self._stores is None:
+                        from jax_dwdp.parallel.dwdp import expert_blocks
                         from jax_dwdp.parallel.dwdp_ffi import ExpertStore
 
                         stores = []
                         try:
-                            for m, sh in zip(self.models, self.sharded):
-                                graphdef, state, _ = sh
-                                blocks = _expert_blocks(state)
-                                stores.append(ExpertStore.from_sharded(blocks, self.cfg.num_experts))
+                            for _, state, _ in self.sharded:
+                                stores.append(ExpertStore.from_sharded(expert_blocks(state), self.cfg.num_experts))
                         except BaseException:
                             for store in stores:
                                 store.close()
@@ -244,17 +243,6 @@ class Pipeline:
             outs.append(x)
         out = None if logits == "none" else jnp.concatenate(outs, axis=0)
         return out, [Cache.concat_batch(c) for c in caches]
-
-
-def _expert_blocks(state) -> list[tuple[jax.Array, jax.Array]]:
-    """Each layer's (gate_up, down) of a DWDP-sharded stage state, in layer order."""
-    from jax_dwdp.parallel.dwdp import is_expert_weight
-
-    layers: dict = {}
-    for path, var in nnx.to_flat_state(state):
-        if is_expert_weight(path):
-            layers.setdefault(path[1], {})[path[4]] = var.get_value()
-    return [(layers[i]["gate_up_proj"], layers[i]["down_proj"]) for i in sorted(layers)]
 
 
 def stage_weight_bytes(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
