@@ -74,9 +74,12 @@ def bench_dwdp(cfg, args) -> list[dict]:
     row = dict(tokens_per_rank=args.seq_len, layers=cfg.num_hidden_layers, replicated_ms=round(t_rep * 1e3, 2))
     print(json.dumps(row), flush=True)
     ranks = IndependentRanks(model, devices)
+    t_one = timed(lambda: ranks.prefill(0, tokens[:1], lens[:1], logits="last"), args.iters)
+    row.update(independent_one_rank_ms=round(t_one * 1e3, 2))
     t_ind = timed(lambda: [ranks.prefill(r, tokens[r:r + 1], lens[r:r + 1], logits="last") for r in range(n)],
                   args.iters)
-    row.update(independent_ms=round(t_ind * 1e3, 2))
+    # ~1.0 when the ranks run concurrently, ~N when they run one after the other.
+    row.update(independent_ms=round(t_ind * 1e3, 2), independent_vs_one_rank=round(t_ind / t_one, 3))
     print(json.dumps(row), flush=True)
     if args.ffi:  # the same independent ranks with peer experts read through the CUDA VMM store
         with IndependentRanks(model, devices, backend="ffi") as ffi_ranks:

@@ -93,6 +93,26 @@ def test_batch_must_split_over_ranks(setup):
         Pipeline.from_model(model, 1, dwdp=4).prefill(tokens[:6], lengths[:6])
 
 
+def test_eager_layer_inputs_live_on_the_ranks_device(setup):
+    """Driven eagerly on device 1, the layers get positions on device 1, not an op queued on the default device 0
+    (on GPUs that op waits for all of device 0's work, so independent ranks ran one after the other)."""
+    model, tokens, lengths, *_ = setup
+    dev = jax.devices()[1]
+    h = jax.device_put(jnp.ones((2, 9, CFG.hidden_size), jnp.float32), dev)
+    seen = []
+
+    def run_layer(layer, h, positions, lens, experts):
+        seen.append(positions)
+        return layer(h, positions, lens, experts)
+
+    out, cache = model.forward_layers(h, jax.device_put(np.array([9, 4], np.int32), dev), run_layer=run_layer)
+    assert len(seen) == CFG.num_hidden_layers
+    for p in seen:
+        assert isinstance(p, jax.Array) and p.devices() == {dev}, p
+        np.testing.assert_array_equal(np.asarray(p), np.broadcast_to(np.arange(9), (2, 9)))
+    assert out.devices() == {dev} and cache.key.devices() == cache.recurrent.devices() == {dev}
+
+
 def test_independent_ranks_run_their_own_batches_and_lengths(setup):
     """Rank 0 prefills 3 sequences of 70 tokens while rank 1 prefills one of 41: each equals one device."""
     model, tokens, lengths, *_ = setup
@@ -102,6 +122,7 @@ def test_independent_ranks_run_their_own_batches_and_lengths(setup):
     for r, (t, n) in work.items():
         logits, cache = outs[r]
         assert logits.devices() == {jax.devices()[r]}
+        assert all(a.devices() == {jax.devices()[r]} for a in jax.tree.leaves(cache)), "cache off the rank's device"
         want_logits, want_cache = jit_prefill(model, cache_len=72)(t, n)
         errs = {"logits": rel_err(logits, want_logits), "recurrent": rel_err(cache.recurrent, want_cache.recurrent),
                 "key": rel_err(cache.key, want_cache.key)}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Two H200s: build the DWDP FFI library, run the DWDP GPU tests, then FFI vs XLA DWDP vs replicated weights.
-#   SEQS="16384 32768" LAYERS=16 TESTS=1 [TEST_K=pytest-k-expr] bash benchmarks/gpu/dwdp_h200x2.sh      (logs under $OUT)
+#   SEQS="16384 32768" LAYERS=16 TESTS=1 [TEST_K=pytest-k-expr] [EXTRAS=1] [BENCH=0] bash benchmarks/gpu/dwdp_h200x2.sh
+# (logs under $OUT). EXTRAS=1 adds the CLI's FFI backend and the independent-ranks benchmark; BENCH=0 skips bench_dwdp.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 JAX_DWDP_TEST_GPU=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,6 +21,23 @@ if [ "${TESTS:-1}" = 1 ]; then
     | grep -v "^PASSED\|^tests/" | tail -60 | tee "$OUT/tests.log"
 fi
 
+if [ "${EXTRAS:-0}" = 1 ]; then  # the CLI's FFI backend (logits vs XLA) and independent ranks (concurrency, FFI)
+  echo "== CLI prefill --dwdp 2 --dwdp-backend xla|ffi"
+  for b in xla ffi; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m jax_dwdp.cli prefill --preset 35b-a3b --num-layers 4 \
+      --batch 2 --seq-len 256 --dwdp 2 --dwdp-backend $b --layerwise --iters 2 --json --logits-out /tmp/logits_$b.npy \
+      2>&1 | filter | tail -3 | tee "$OUT/cli_$b.log"
+  done
+  python3 -c "import numpy as np; a, b = np.load('/tmp/logits_ffi.npy'), np.load('/tmp/logits_xla.npy'); \
+print('CLI ffi vs xla logits: max abs diff', float(np.abs(a - b).max()), 'finite', bool(np.isfinite(a).all()), a.shape)" \
+    | tee -a "$OUT/cli_ffi.log"
+  echo "== independent ranks (one rank alone vs both, XLA copies vs FFI store)"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PAR_TIMEOUT:-200} python3 benchmarks/bench_parallel.py dwdp \
+    --preset 35b-a3b --num-layers 8 --seq-len 16384 --iters 3 --ffi --out "$OUT/independent_35b_a3b.json" 2>&1 \
+    | filter | tee "$OUT/independent.log"
+fi
+
+[ "${BENCH:-1}" = 1 ] || exit 0
 echo "== benchmark"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_dwdp.py --preset 35b-a3b \
   --num-layers ${LAYERS:-16} --seq-lens ${SEQS:-16384 32768} --iters ${ITERS:-3} \

@@ -12,6 +12,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
@@ -21,6 +22,22 @@ from jax_dwdp.model.layers import Embedding, Linear, RMSNorm
 from jax_dwdp.model.moe import SparseMoe
 
 LogitsMode = Literal["all", "last", "none"]
+
+
+def _positions(h, b: int, t: int):
+    """Positions 0..t-1 of each sequence, made where h lives.
+
+    Inside a trace they are an iota. Eagerly (layer-wise drivers) they must not be a jnp op on the default device:
+    that op would queue behind everything already enqueued on device 0, and a driver running another device's
+    layers would wait for all of device 0's work before its first layer (independent DWDP ranks then ran one after
+    the other). So they are built on the host and placed on h's device; a multi-device h gets the host array, which
+    its driver places once on its own sharding.
+    """
+    if isinstance(h, jax.core.Tracer):
+        return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    devices = h.devices() if isinstance(h, jax.Array) else ()
+    return jax.device_put(positions, next(iter(devices))) if len(devices) == 1 else positions
 
 
 @struct.dataclass
@@ -169,7 +186,7 @@ class Qwen35MoeForCausalLM(nnx.Module):
         cache_len = t if cache_len is None else cache_len
         if cache_len < t:
             raise ValueError(f"cache_len {cache_len} is shorter than the prompt ({t} tokens)")
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = _positions(h, b, t)
         keys, values, convs, states = [], [], [], []
         for layer in self.layers:
             layer_experts = None if experts is None else experts(layer.layer_id)
