@@ -113,6 +113,7 @@ def main(argv=None):
     ap.add_argument("--routing", nargs="+", default=["uniform", "skewed"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-mosaic-sweep", action="store_true", help="time only the default Mosaic config")
+    ap.add_argument("--no-mosaic", action="store_true", help="skip Mosaic altogether")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="after this many seconds, skip the Mosaic sweep and the extra CUTLASS configs")
     ap.add_argument("--out", default=None, help="JSON results path")
@@ -215,8 +216,9 @@ def main(argv=None):
 
                 # Mosaic: the project's default config, then a small sweep (on the first routing of each shape).
                 f_m = jax.jit(lambda a, b, c: gm.grouped_matmul(a, b, c, implementation="mosaic"))
-                record("mosaic", lambda: f_m(x, w, gs))
-                if not args.no_mosaic_sweep and not over_budget:
+                if not args.no_mosaic:
+                    record("mosaic", lambda: f_m(x, w, gs))
+                if not (args.no_mosaic or args.no_mosaic_sweep) and not over_budget:
                     # Swept once per shape (first token count, first routing); later cases reuse the winner.
                     sweep = [best_mosaic[key[:2]][1]] if key[:2] in best_mosaic else MOSAIC_SWEEP
                     best = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -80,13 +81,29 @@ def bench_dwdp(cfg, args) -> list[dict]:
                   args.iters)
     # ~1.0 when the ranks run concurrently, ~N when they run one after the other.
     row.update(independent_ms=round(t_ind * 1e3, 2), independent_vs_one_rank=round(t_ind / t_one, 3))
+    # Host time to enqueue one rank's whole prefill (the call returns before the GPU is done).
+    dispatch = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        out = ranks.prefill(0, tokens[:1], lens[:1], logits="last")
+        dispatch.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    work = {r: (tokens[r:r + 1], lens[r:r + 1]) for r in range(n)}
+    t_thr = timed(lambda: ranks.prefill_all(work, logits="last"), args.iters)
+    row.update(dispatch_one_rank_ms=round(float(np.median(dispatch)) * 1e3, 2),
+               independent_threads_ms=round(t_thr * 1e3, 2), independent_threads_vs_one_rank=round(t_thr / t_one, 3))
     print(json.dumps(row), flush=True)
     if args.ffi:  # the same independent ranks with peer experts read through the CUDA VMM store
         with IndependentRanks(model, devices, backend="ffi") as ffi_ranks:
             t_ffi = timed(lambda: [ffi_ranks.prefill(r, tokens[r:r + 1], lens[r:r + 1], logits="last")
                                    for r in range(n)], args.iters)
-        row.update(independent_ffi_ms=round(t_ffi * 1e3, 2), independent_ffi_vs_replicated=round(t_ffi / t_rep, 3))
+            t_ffi_thr = timed(lambda: ffi_ranks.prefill_all(work, logits="last"), args.iters)
+        row.update(independent_ffi_ms=round(t_ffi * 1e3, 2), independent_ffi_vs_replicated=round(t_ffi / t_rep, 3),
+                   independent_ffi_threads_ms=round(t_ffi_thr * 1e3, 2),
+                   independent_ffi_threads_vs_replicated=round(t_ffi_thr / t_rep, 3))
         print(json.dumps(row), flush=True)
+    if args.skip_xla_dwdp:
+        return [row]
     dw = Pipeline.from_model(model, 1, dwdp=n, devices=devices)
     t_xla = timed(lambda: dw.prefill(tokens, lens, logits="last"), args.iters)
     row.update(xla_dwdp_ms=round(t_xla * 1e3, 2), xla_vs_replicated=round(t_xla / t_rep, 3),
@@ -106,6 +123,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--ffi", action="store_true", help="dwdp: also time independent ranks on the FFI store")
+    ap.add_argument("--skip-xla-dwdp", action="store_true", help="dwdp: skip the whole-model XLA DWDP program")
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg = ModelConfig.preset(args.preset).replace(num_hidden_layers=args.num_layers)

@@ -128,6 +128,13 @@ def test_independent_ranks_run_their_own_batches_and_lengths(setup):
                 "key": rel_err(cache.key, want_cache.key)}
         print(f"independent rank {r}: " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
         assert all(v <= 1e-5 for v in errs.values()), errs
+    # prefill_all: the same work, each rank dispatched from its own thread, same numbers.
+    both = ranks.prefill_all(work, cache_len=72)
+    for r in work:
+        np.testing.assert_array_equal(np.asarray(both[r][0]), np.asarray(outs[r][0]))
+        assert both[r][0].devices() == {jax.devices()[r]}
+    with pytest.raises(ValueError, match="rank 5 is not one of"):
+        ranks.prefill_all({5: work[0]})
     # Each rank keeps only its own expert blocks resident.
     for r, rank in enumerate(ranks.ranks):
         for layer_id, (gate_up, down) in rank["blocks"].items():

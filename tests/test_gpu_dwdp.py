@@ -215,4 +215,7 @@ def test_independent_ffi_ranks_run_their_own_batches_and_lengths(rng):
                     "key": rel_err(cache.key, want_cache.key)}
             print(f"independent FFI rank {r}: " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
             assert all(v <= 1e-5 for v in errs.values()), errs
+        both = ranks.prefill_all(work, cache_len=82)  # one host thread per rank, same numbers
+        for r in work:
+            np.testing.assert_array_equal(np.asarray(both[r][0]), np.asarray(outs[r][0]))
     assert live_objects()["stores"] == 0

@@ -22,18 +22,19 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 
 if [ "${EXTRAS:-0}" = 1 ]; then  # the CLI's FFI backend (logits vs XLA) and independent ranks (concurrency, FFI)
-  echo "== CLI prefill --dwdp 2 --dwdp-backend xla|ffi"
-  for b in xla ffi; do
+  [ "${CLI:-1}" = 1 ] && echo "== CLI prefill --dwdp 2 --dwdp-backend xla|ffi"
+  [ "${CLI:-1}" = 1 ] && for b in xla ffi; do
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m jax_dwdp.cli prefill --preset 35b-a3b --num-layers 4 \
       --batch 2 --seq-len 256 --dwdp 2 --dwdp-backend $b --layerwise --iters 2 --json --logits-out /tmp/logits_$b.npy \
       2>&1 | filter | tail -3 | tee "$OUT/cli_$b.log"
   done
-  python3 -c "import numpy as np; a, b = np.load('/tmp/logits_ffi.npy'), np.load('/tmp/logits_xla.npy'); \
-print('CLI ffi vs xla logits: max abs diff', float(np.abs(a - b).max()), 'finite', bool(np.isfinite(a).all()), a.shape)" \
+  [ "${CLI:-1}" = 1 ] && python3 -c "import numpy as np; a, b = np.load('/tmp/logits_ffi.npy'), np.load('/tmp/logits_xla.npy'); \
+d = np.abs(a - b); print('CLI ffi vs xla logits', a.shape, 'finite', bool(np.isfinite(a).all()), 'max abs diff', \
+float(d.max()), 'max |logit|', float(np.abs(b).max()), 'relative (norm)', float(np.linalg.norm(a - b) / np.linalg.norm(b)))" \
     | tee -a "$OUT/cli_ffi.log"
   echo "== independent ranks (one rank alone vs both, XLA copies vs FFI store)"
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PAR_TIMEOUT:-200} python3 benchmarks/bench_parallel.py dwdp \
-    --preset 35b-a3b --num-layers 8 --seq-len 16384 --iters 3 --ffi --out "$OUT/independent_35b_a3b.json" 2>&1 \
+    --preset 35b-a3b --num-layers 8 --seq-len 16384 --iters 3 --ffi --skip-xla-dwdp --out "$OUT/independent_35b_a3b.json" 2>&1 \
     | filter | tee "$OUT/independent.log"
 fi
 

@@ -3,7 +3,9 @@
 # run tests/test_grouped_matmul.py on the GPU, then benchmarks/bench_grouped_matmul.py. Logs under $OUT.
 # Each step runs even if an earlier one failed; look for the "=== step" and "=== result" markers.
 # Needs the nvidia-cutlass wheel (headers only) at .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl (or $CUTLASS_WHL).
-# Env: STEPS (default "0 1 2 3 4"), BENCH_TIMEOUT (s, default 330), BENCH_ARGS (extra benchmark flags), TEST_TIMEOUT (s, default 240).
+# Env: STEPS (default "0 1 2 3 4"; 5 = kernel-only times under Nsight Compute), BENCH_TIMEOUT (s, default 330),
+# BENCH_ARGS (extra benchmark flags), TEST_TIMEOUT (s, default 240), GMM_LIB_DIR (build the library there instead of
+# jax_dwdp/_lib, and point the later steps at it through JAX_DWDP_GMM_LIB).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,6 +13,7 @@ T0=$(date +%s)
 step() { echo; echo "=== step $1 ($(( $(date +%s) - T0 )) s)"; }
 result() { echo "=== result $1: $2 ($(( $(date +%s) - T0 )) s)"; }
 want() { [[ " ${STEPS:-0 1 2 3 4} " == *" $1 "* ]]; }  # STEPS="2 3" runs only those steps
+[ -n "${GMM_LIB_DIR:-}" ] && export JAX_DWDP_GMM_LIB=$GMM_LIB_DIR/libjax_dwdp_gmm.so
 
 if want 0; then
 step "0: machine"
@@ -23,7 +26,7 @@ step "1: build libjax_dwdp_gmm.so"
 WHL=${CUTLASS_WHL:-$PWD/.whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl}
 CUTLASS_ROOT=/tmp/nvidia_cutlass_whl
 BUILD=/tmp/jax_dwdp_gmm_build
-LIB_DIR=$PWD/jax_dwdp/_lib
+LIB_DIR=${GMM_LIB_DIR:-$PWD/jax_dwdp/_lib}
 rm -f "$LIB_DIR/libjax_dwdp_gmm.so"
 (
   set -e
@@ -92,5 +95,11 @@ step "4: benchmark"
 timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_grouped_matmul.py --out "$OUT/bench_grouped_matmul.json" ${BENCH_ARGS:-} \
   2>&1 | grep -v "^\s*$\|slow_operation\|Very slow" | tee "$OUT/bench.log"
 result bench "rc=${PIPESTATUS[0]} (124: timed out; partial JSON is still written after every row)"
-echo "=== total $(( $(date +%s) - T0 )) s"
 fi
+if want 5; then
+step "5: GEMM kernel alone, every config vs torch's (ncu gpu__time_duration, clocks left alone)"
+timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --kernel-name regex:device_kernel --metrics gpu__time_duration.sum \
+  --csv --log-file "$OUT/ncu.csv" python3 benchmarks/gmm_kernel_profile.py run --plan "$OUT/ncu_plan.json" 2>&1 | tail -n 5
+python3 benchmarks/gmm_kernel_profile.py report --plan "$OUT/ncu_plan.json" --csv "$OUT/ncu.csv" 2>&1 | tee "$OUT/ncu_report.txt"
+fi
+echo "=== total $(( $(date +%s) - T0 )) s"

@@ -273,6 +273,27 @@ class IndependentRanks:
         h, cache = model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
         return _head(top.graphdef, top.state, h, lengths, logits), cache
 
+    def prefill_all(self, work, *, logits: LogitsMode = "all", cache_len: int | None = None) -> dict:
+        """Every rank's own batch at once: work = {rank: (tokens, lengths or None)} -> {rank: (logits, cache)}.
+
+        Each rank's layers are enqueued from its own host thread, so the host time one rank spends dispatching its
+        layer programs does not hold back the next rank's first layer (calling `prefill` for each rank in turn
+        starts rank r+1 only once rank r's whole chain is enqueued)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        work = dict(work)
+        for rank in work:
+            if not 0 <= rank < len(self.ranks):
+                raise ValueError(f"rank {rank} is not one of this driver's {len(self.ranks)} ranks")
+        # XLA's CPU client runs every host "device" on one small thread pool; two dispatching threads can deadlock
+        # it (seen with jax 0.10.2, see cpu_barrier), so the CPU runs the ranks in turn.
+        if len(work) <= 1 or self.devices[0].platform == "cpu":
+            return {r: self.prefill(r, t, n, logits=logits, cache_len=cache_len) for r, (t, n) in work.items()}
+        with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="dwdp-rank") as pool:
+            futures = {r: pool.submit(self.prefill, r, t, n, logits=logits, cache_len=cache_len)
+                       for r, (t, n) in work.items()}
+            return {r: f.result() for r, f in futures.items()}
+
     def _prefill_ffi(self, r, h, lengths, logits, cache_len):
         from jax_dwdp.prefill import _head
 
