@@ -4,7 +4,7 @@ matmul of the same FLOPs, on the Qwen3.5-MoE expert shapes (issue 6).
     python3 benchmarks/bench_grouped_matmul.py --out results.json [--tokens 16384 4096] [--iters 20]
 
 Times are medians of --iters samples after warm-up; each sample launches a batch of back-to-back calls (enough for
-about 2 ms of GPU work) and waits once, so launch overhead does not hide short kernels. The same method times every
+about 20 ms of GPU work) and waits once, so launch overhead does not hide short kernels. The same method times every
 implementation, torch included. Inputs are shared with torch through DLPack (no copy). A missing implementation
 (no library, no torch, a kernel that fails) is reported as 'n/a' with the reason, and the run goes on.
 """
@@ -53,19 +53,19 @@ def group_sizes(rng, rows, experts, routing):
     return rng.multinomial(rows, p).astype(np.int32)
 
 
-def timed(fn, iters, target_s=2e-3):
+def timed(fn, iters, target_s=20e-3):
     """Median seconds per call of fn (which returns something to wait for)."""
     jax.block_until_ready(fn())  # compile / warm-up
     jax.block_until_ready(fn())
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
     one = max(time.perf_counter() - t0, 1e-6)
-    batch = max(1, min(50, math.ceil(target_s / one)))
+    batch = max(1, min(200, math.ceil(target_s / one)))
     med, _ = median_seconds(lambda: [fn() for _ in range(batch)], iters)
     return med / batch
 
 
-def torch_timed(fn, iters, target_s=2e-3):
+def torch_timed(fn, iters, target_s=20e-3):
     import torch
 
     fn()
@@ -75,7 +75,7 @@ def torch_timed(fn, iters, target_s=2e-3):
     fn()
     torch.cuda.synchronize()
     one = max(time.perf_counter() - t0, 1e-6)
-    batch = max(1, min(50, math.ceil(target_s / one)))
+    batch = max(1, min(200, math.ceil(target_s / one)))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()

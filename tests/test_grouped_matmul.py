@@ -158,7 +158,7 @@ def _check(out, x, w, sizes, label):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, 0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("config", [None, 0, 1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(1024, 2048), (2048, 512), (264, 136)])
 def test_cutlass_matches_fp64(rng, n, k, config):
     _gpu_only()

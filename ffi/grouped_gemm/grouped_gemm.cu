@@ -65,8 +65,8 @@ struct Layout {
   }
 };
 
-const GemmConfig* const kConfigs[] = {&kCoop128x256x64C2,    &kPingpong64x128x128C2,    &kPingpong128x128x64C2,
-                                      &kCoop128x256x64C2Src, &kPingpong64x128x128C2Src, &kCoop128x256x64C1};
+const GemmConfig* const kConfigs[] = {&kCoop128x256x64C2, &kPingpong64x128x128C2, &kPingpong128x128x64C2,
+                                      &kCoop128x256x64C1, &kPingpong64x128x128C1};
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
 
 size_t cutlass_bytes_all_configs(int groups, int sm_count) {

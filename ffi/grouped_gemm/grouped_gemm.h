@@ -39,8 +39,7 @@ struct GemmConfig {
 extern const GemmConfig kCoop128x256x64C2;
 extern const GemmConfig kPingpong64x128x128C2;
 extern const GemmConfig kPingpong128x128x64C2;
-extern const GemmConfig kCoop128x256x64C2Src;
-extern const GemmConfig kPingpong64x128x128C2Src;
 extern const GemmConfig kCoop128x256x64C1;
+extern const GemmConfig kPingpong64x128x128C1;
 
 }  // namespace jax_dwdp_gmm
