@@ -5,7 +5,7 @@ first use only, never when jax_dwdp is imported, and its handler is registered o
 
 Switches (read at trace time):
 - $JAX_DWDP_GMM_CONFIG: a kernel configuration by name or index (see `config_names()`); default: chosen from the
-  average rows per group, as PyTorch does for torch._grouped_mm.
+  average rows per group (`pick_config`: the cooperative 128x256 tile without a cluster from 32 rows per group).
 - $JAX_DWDP_GMM_CMD_BUFFER=1: register the handler with the command-buffer (CUDA graph) trait (off by default:
   inside XLA command buffers the launch failed with cudaErrorStreamCaptureUnsupported on an H200, 2026-11-30).
 """
