@@ -57,7 +57,7 @@ class StageProgram:
     layerwise=False compiles the range as one program. layerwise=True compiles one program per layer type (the
     layers of a type share it, their weights passed as arguments) and runs the layers from Python: the same
     numbers, a compile time independent of depth (XLA needs about 10 s per layer on the GPU for whole-model
-    programs), and a few microseconds of dispatch per layer.
+    programs), and some host time per layer to dispatch it (hidden while the GPU is busier than the host).
     """
 
     def __init__(self, model: Qwen35MoeForCausalLM, *, logits: LogitsMode = "all", cache_len: int | None = None,
@@ -69,8 +69,10 @@ class StageProgram:
             # graphdef of the first layer of its type, so that they share one executable.
             self.canonical = {}
             for layer in model.layers:
-                self.canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
+                if layer.layer_type not in self.canonical:
+                    self.canonical[layer.layer_type] = StaticGraph(nnx.graphdef(layer))
             self.layer_states = {id(layer): nnx.state(layer) for layer in model.layers}
+            self._graph = StaticGraph(self.graphdef)
         else:
             self._whole = jax.jit(self._forward)
 
@@ -87,9 +89,9 @@ class StageProgram:
         if not self.layerwise:
             return self._whole(self.state, x, lengths)
         model = self.model
-        h = _embed(self.graphdef, self.state, x) if model.is_first else x
+        h = _embed(self._graph, self.state, x) if model.is_first else x
         h, cache = model.forward_layers(h, lengths, cache_len=self.cache_len, run_layer=self._run_layer)
-        out = _head(self.graphdef, self.state, h, lengths, self.logits) if model.is_last else h
+        out = _head(self._graph, self.state, h, lengths, self.logits) if model.is_last else h
         return out, cache
 
     def lower(self, x: jax.Array, lengths: jax.Array):
@@ -106,21 +108,42 @@ class StageProgram:
             self._whole.lower(self.state, x, lengths).compile()
 
 
+class StaticGraph:
+    """A flax GraphDef as a static jit argument, its hash computed once.
+
+    jit hashes static arguments on every call, and GraphDef.__hash__ walks the whole module graph each time (about
+    0.6 ms per call for one decoder layer on a 2-core CPU; the whole model's graphdef, for embed and head, more).
+    Layer-wise drivers make one such call per layer, so they wrap their graphdefs once. Equal graphdefs still
+    compare equal, so drivers built from the same model share executables.
+    """
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, graphdef):
+        self.value, self._hash = graphdef, hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StaticGraph) and (self.value is other.value or self.value == other.value)
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
-def _run_layer(graphdef, state, h, positions, lengths):
+def _run_layer(graph: StaticGraph, state, h, positions, lengths):
     with _precision(h.dtype):
-        return nnx.merge(graphdef, state)(h, positions, lengths)
+        return nnx.merge(graph.value, state)(h, positions, lengths)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _embed(graphdef, state, tokens):
-    return nnx.merge(graphdef, state).embed(tokens)
+def _embed(graph: StaticGraph, state, tokens):
+    return nnx.merge(graph.value, state).embed(tokens)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _head(graphdef, state, h, lengths, mode):
+def _head(graph: StaticGraph, state, h, lengths, mode):
     with _precision(h.dtype):
-        return nnx.merge(graphdef, state).head(h, lengths, mode)
+        return nnx.merge(graph.value, state).head(h, lengths, mode)
 
 
 def jit_prefill(

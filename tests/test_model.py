@@ -55,6 +55,33 @@ def test_layerwise_prefill_equals_whole_program(model32, rng):
         assert rel_err(a, b) <= 1e-5, name
 
 
+def test_layerwise_dispatch_does_not_rehash_graphdefs(model32, rng, monkeypatch):
+    """Layer-wise drivers call one jitted program per layer with the graphdef as a static argument; flax recomputes
+    a GraphDef's hash by walking the module graph, so the drivers hash each graphdef once (StaticGraph), not on
+    every call. A second driver over the same model reuses the executables (equal graphdefs compare equal)."""
+    from flax.nnx import graphlib
+
+    from jax_dwdp.parallel.dwdp import IndependentRanks
+
+    tokens = rng.integers(0, CFG.vocab_size, (1, 20)).astype(np.int32)
+    prefill = jit_prefill(model32, logits="last", layerwise=True)
+    ranks = IndependentRanks(model32, jax.devices()[:1])
+    want = np.asarray(jax.block_until_ready(prefill(tokens)[0]))
+    jax.block_until_ready(ranks.prefill(0, tokens, logits="last"))  # compile
+    calls = []
+    original = graphlib.GraphDef.__hash__
+    monkeypatch.setattr(graphlib.GraphDef, "__hash__", lambda self: calls.append(1) or original(self))
+    for _ in range(2):
+        np.testing.assert_array_equal(np.asarray(prefill(tokens)[0]), want)
+        jax.block_until_ready(ranks.prefill(0, tokens, logits="last"))
+    assert not calls, f"GraphDef hashed {len(calls)} times in 2 x 2 layer-wise prefills of {CFG.num_hidden_layers} layers"
+    from jax_dwdp import prefill as prefill_module
+
+    compiled = prefill_module._run_layer._cache_size()
+    jit_prefill(model32, logits="last", layerwise=True)(tokens)  # a second driver: new, equal graphdefs
+    assert prefill_module._run_layer._cache_size() == compiled
+
+
 def test_decode_on_full_cache_is_refused(model32, rng):
     tokens = rng.integers(0, CFG.vocab_size, (1, 9)).astype(np.int32)
     _, cache = jit_prefill(model32, logits="none")(tokens)

@@ -31,7 +31,7 @@ from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.mesh import cpu_barrier
-from jax_dwdp.prefill import _precision
+from jax_dwdp.prefill import StaticGraph, _precision
 
 AXIS = "dwdp"
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -142,10 +142,10 @@ class DwdpProgram:
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _layer_with_experts(graphdef, state, h, positions, lengths, gate_up_blocks, down_blocks):
+def _layer_with_experts(graph: StaticGraph, state, h, positions, lengths, gate_up_blocks, down_blocks):
     with _precision(h.dtype):
         experts = (jnp.concatenate(gate_up_blocks, axis=0), jnp.concatenate(down_blocks, axis=0))
-        return nnx.merge(graphdef, state)(h, positions, lengths, experts)
+        return nnx.merge(graph.value, state)(h, positions, lengths, experts)
 
 
 class IndependentRanks:
@@ -176,9 +176,10 @@ class IndependentRanks:
         self.layout = ExpertLayout(model.cfg.num_experts, len(devices))
         slots = self.layout.slots_per_rank
         self.graphdef = nnx.graphdef(model)
-        self.canonical = {}
+        self.canonical = {}  # layer type -> StaticGraph of its first layer's graphdef
         for layer in model.layers:
-            self.canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
+            if layer.layer_type not in self.canonical:
+                self.canonical[layer.layer_type] = StaticGraph(nnx.graphdef(layer))
         self.ranks = []
         for r, device in enumerate(self.devices):
             dense, blocks = {}, {}
@@ -219,7 +220,7 @@ class IndependentRanks:
             if kind == "prefetch":
                 self._programs[(kind, key)] = jax.jit(lambda h: store.prefetch(h, key))
             else:
-                graphdef = self.canonical[key]
+                graphdef = self.canonical[key].value
 
                 def run(state, h, positions, lengths, gate_up, down):
                     with _precision(h.dtype):
@@ -326,7 +327,7 @@ class _TopState:
     entries are the dense placeholders, never touched by embed/head)."""
 
     def __init__(self, graphdef, top_state, dense_layers):
-        self.graphdef = graphdef
+        self.graphdef = StaticGraph(graphdef)
         flat = list(nnx.to_flat_state(top_state))
         for i, layer_id in enumerate(sorted(dense_layers)):
             flat += [(("layers", i, *path), var) for path, var in nnx.to_flat_state(dense_layers[layer_id])]
