@@ -169,3 +169,24 @@ def test_ffi_backend_without_gpu_is_a_clear_error(setup):
         Pipeline.from_model(model, 1).prefill(tokens, lengths, dwdp_backend="ffi")
     with pytest.raises(FfiUnavailable, match="needs CUDA GPUs"):
         IndependentRanks(model, jax.devices()[:2], backend="ffi")
+
+
+def test_dispatch_benchmark_accounts_for_the_layers():
+    """benchmarks/bench_dispatch.py (host time of a layer-wise prefill by call) runs, sees one layer program per
+    layer, and puts the module functions it wrapped back."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_dispatch.py"
+    spec = importlib.util.spec_from_file_location("bench_dispatch", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from jax_dwdp.parallel import dwdp
+
+    device_put, layer_fn = jax.device_put, dwdp._layer_with_experts
+    result = bench.main(["--preset", "tiny", "--num-layers", "3", "--seq-len", "16", "--iters", "2",
+                         "--dtype", "float32"])
+    assert result["calls"]["_layer_with_experts"]["calls_per_prefill"] == 3
+    assert result["calls"]["_fetch (peer blocks device_put)"]["calls_per_prefill"] == 3
+    assert 0 < sum(c["host_ms_per_prefill"] for c in result["calls"].values()) <= result["dispatch_ms"] * 1.05
+    assert jax.device_put is device_put and dwdp._layer_with_experts is layer_fn

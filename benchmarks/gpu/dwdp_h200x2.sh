@@ -36,6 +36,11 @@ float(d.max()), 'max |logit|', float(np.abs(b).max()), 'relative (norm)', float(
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PAR_TIMEOUT:-200} python3 benchmarks/bench_parallel.py dwdp \
     --preset 35b-a3b --num-layers 8 --seq-len 16384 --iters 3 --ffi --skip-xla-dwdp --out "$OUT/independent_35b_a3b.json" 2>&1 \
     | filter | tee "$OUT/independent.log"
+  echo "== host time of one rank's layer-wise prefill, by call (bench_dispatch.py)"
+  for b in xla ffi; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 benchmarks/bench_dispatch.py --preset 35b-a3b \
+      --num-layers 8 --seq-len 16384 --backend $b --out "$OUT/dispatch_$b.json" 2>&1 | filter | tee "$OUT/dispatch_$b.log"
+  done
 fi
 
 [ "${BENCH:-1}" = 1 ] || exit 0
