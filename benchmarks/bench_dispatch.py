@@ -8,6 +8,8 @@ wraps the calls the driver makes (jitted programs, device_put, eager jnp ops, th
 host timers (no device sync inside a timer), runs warm-up plus --iters prefills, and prints, per call, how many
 times it ran per prefill and its host milliseconds per prefill, next to the whole dispatch and the wall time
 until the result is ready. A call that blocks on the device shows up as large host time on few calls.
+The module functions it wraps are put back at the end (the driver's own methods stay wrapped until it is closed).
+One rank at a time: the timers are not thread-safe, so this does not time prefill_all.
 """
 
 from __future__ import annotations

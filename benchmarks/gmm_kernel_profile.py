@@ -4,7 +4,7 @@ End-to-end timings (bench_grouped_matmul.py) include the launch path: the setup 
 per-call host work. This isolates the GEMM kernel itself, so a gap to torch can be placed in one or the other:
 
     ncu --clock-control none --kernel-name regex:device_kernel --metrics gpu__time_duration.sum --csv \\
-        --log-file ncu.csv python3 benchmarks/gmm_kernel_profile.py run --plan plan.json
+        --print-units base --log-file ncu.csv python3 benchmarks/gmm_kernel_profile.py run --plan plan.json
     python3 benchmarks/gmm_kernel_profile.py report --plan plan.json --csv ncu.csv
 
 `run` makes CALLS launches of every (case, implementation) in a fixed order and writes that order to the plan;
@@ -55,8 +55,8 @@ def run(plan_path: str) -> None:
             torch._grouped_mm(tx, tw, offs=offs)
         torch.cuda.synchronize()
         plan.append(dict(case=label, impl="torch._grouped_mm", launches=CALLS))
-    with open(plan_path, "w") as fh:
-        json.dump(plan, fh, indent=1)
+        with open(plan_path, "w") as fh:  # after every case: a run cut short still leaves a usable plan
+            json.dump(plan, fh, indent=1)
 
 
 def report(plan_path: str, csv_path: str) -> None:
@@ -64,12 +64,17 @@ def report(plan_path: str, csv_path: str) -> None:
     with open(csv_path) as fh:
         lines = [ln for ln in fh if ln.startswith('"')]  # ncu's own messages are not quoted CSV
     rows = [r for r in csv.DictReader(lines) if r.get("Metric Name") == "gpu__time_duration.sum"]
-    times = [float(r["Metric Value"].replace(",", "")) / 1e3 for r in rows]  # ns -> us
+    to_us = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    units = {r.get("Metric Unit", "ns") for r in rows}
+    if not units <= set(to_us):
+        raise SystemExit(f"unknown time unit(s) {units - set(to_us)} in {csv_path}")
+    times = [float(r["Metric Value"].replace(",", "")) * to_us[r.get("Metric Unit", "ns")] for r in rows]
     want = sum(p["launches"] for p in plan)
     print(f"{len(times)} GEMM kernels profiled, plan expects {want}")
-    if len(times) != want:
+    if len(times) < want or len(times) > want and len(times) - want >= CALLS:
         print("kernel count does not match the plan; not attributing")
         return
+    times = times[:want]
     at, out = 0, {}
     for p in plan:
         t = times[at:at + p["launches"]]
@@ -89,4 +94,6 @@ if __name__ == "__main__":
     ap.add_argument("--plan", required=True)
     ap.add_argument("--csv")
     a = ap.parse_args()
+    if a.what == "report" and not a.csv:
+        ap.error("report needs --csv (the ncu log)")
     run(a.plan) if a.what == "run" else report(a.plan, a.csv)

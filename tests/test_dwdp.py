@@ -111,6 +111,15 @@ def test_eager_layer_inputs_live_on_the_ranks_device(setup):
         assert isinstance(p, jax.Array) and p.devices() == {dev}, p
         np.testing.assert_array_equal(np.asarray(p), np.broadcast_to(np.arange(9), (2, 9)))
     assert out.devices() == {dev} and cache.key.devices() == cache.recurrent.devices() == {dev}
+    # A range without full-attention layers: its empty key/value leaves are made on the same device.
+    from jax_dwdp.model import init_model as init
+
+    linear_only = [i for i, t in enumerate(CFG.layer_types) if t == "linear_attention"][:2]
+    assert linear_only == [0, 1], CFG.layer_types
+    part = init(CFG, dtype=jnp.float32, seed=3, start_layer=0, end_layer=2, device=dev)
+    _, part_cache = part.forward_layers(h, jax.device_put(np.array([9, 4], np.int32), dev))
+    assert part_cache.key.shape[0] == 0
+    assert all(a.devices() == {dev} for a in jax.tree.leaves(part_cache)), "cache leaves off the layers' device"
 
 
 def test_independent_ranks_run_their_own_batches_and_lengths(setup):
@@ -169,6 +178,48 @@ def test_ffi_backend_without_gpu_is_a_clear_error(setup):
         Pipeline.from_model(model, 1).prefill(tokens, lengths, dwdp_backend="ffi")
     with pytest.raises(FfiUnavailable, match="needs CUDA GPUs"):
         IndependentRanks(model, jax.devices()[:2], backend="ffi")
+
+
+def test_prefill_all_threads_map_results_and_errors(setup, monkeypatch):
+    """The threaded branch of prefill_all (GPUs) with each rank's prefill stubbed (real threads deadlock XLA's CPU
+    client): results come back per rank, inputs are checked before any rank starts, a failing rank's error is
+    raised after the others finish, and the FFI store is drained once, not by the failing rank itself."""
+    import threading
+    import time
+
+    model, tokens, lengths, *_ = setup
+    ranks = IndependentRanks(model, jax.devices()[:2])
+    seen, finished = [], []
+
+    def fake(rank, t, n, logits, cache_len, *, sync_on_error):
+        seen.append((rank, threading.current_thread().name, t.shape, sync_on_error))
+        if rank == 0 and t.shape[0] == 3:
+            raise RuntimeError("rank 0 failed")
+        time.sleep(0.05)
+        finished.append(rank)
+        return f"logits {rank}", f"cache {rank}"
+
+    monkeypatch.setattr(ranks, "_prefill", fake)
+    out = ranks.prefill_all({0: (tokens[:2], None), 1: (tokens[2:3, :30], None)}, threads=True)
+    assert out == {0: ("logits 0", "cache 0"), 1: ("logits 1", "cache 1")}
+    assert all(name.startswith("dwdp-rank") and not sync for _, name, _, sync in seen)
+
+    class Store:
+        syncs = 0
+
+        def sync(self):
+            Store.syncs += 1
+    ranks.store, seen[:], finished[:] = Store(), [], []
+    with pytest.raises(RuntimeError, match="rank 0 failed"):
+        ranks.prefill_all({0: (tokens[:3], None), 1: (tokens[3:4], None)}, threads=True)
+    assert finished == [1] and Store.syncs == 1  # rank 1 ran to the end, then one drain
+    ranks.store = None
+    seen[:] = []
+    with pytest.raises(ValueError, match="cache_len 40 is shorter than rank 1's prompt"):
+        ranks.prefill_all({0: (tokens[:2, :30], None), 1: (tokens[2:3], None)}, cache_len=40, threads=True)
+    with pytest.raises(ValueError, match="rank 5 is not one of"):
+        ranks.prefill_all({0: (tokens[:2], None), 5: (tokens[:1], None)}, threads=True)
+    assert not seen  # nothing started
 
 
 def test_dispatch_benchmark_accounts_for_the_layers():

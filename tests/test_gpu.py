@@ -87,6 +87,8 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
 
     if grouped_matmul == "mosaic":
         monkeypatch.setenv("JAX_DWDP_GROUPED_MATMUL", "mosaic")
+    else:
+        monkeypatch.delenv("JAX_DWDP_GROUPED_MATMUL", raising=False)
     want = _cutlass.TARGET if grouped_matmul == "default" and _cutlass.available() else "mosaic"
 
     cfg = ModelConfig.preset("tiny").replace(hidden_size=256, head_dim=128, moe_intermediate_size=128,

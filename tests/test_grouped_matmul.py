@@ -119,6 +119,31 @@ def test_cutlass_without_gpu_fails_clearly(rng, tmp_path, monkeypatch):
         _cutlass._lib.cache_clear()
 
 
+def test_cutlass_config_choice(monkeypatch):
+    """pick_config (no library needed): the no-cluster cooperative 128x256 tile from 64 rows per group (measured
+    fastest at 80-512), the no-cluster 64x128 ping-pong below it and for narrow N; $JAX_DWDP_GMM_CONFIG wins."""
+    from jax_dwdp.kernels import _cutlass
+
+    names = ["coop_128x256x64_c2x1", "pingpong_64x128x128_c2x1", "pingpong_128x128x64_c2x1",
+             "coop_128x256x64_c1x1", "pingpong_64x128x128_c1x1"]
+    monkeypatch.setattr(_cutlass, "config_names", lambda: names)
+    monkeypatch.delenv("JAX_DWDP_GMM_CONFIG", raising=False)
+    pick = lambda m, n, g: names[_cutlass.pick_config(m, n, g)]  # noqa: E731
+    assert pick(16384 * 8, 1024, 256) == "coop_128x256x64_c1x1"  # 512 rows per expert
+    assert pick(4096 * 10, 2048, 512) == "coop_128x256x64_c1x1"  # 80
+    assert pick(64 * 256, 2048, 256) == "coop_128x256x64_c1x1"
+    assert pick(63 * 256, 2048, 256) == "pingpong_64x128x128_c1x1"
+    assert pick(8 * 256, 2048, 256) == "pingpong_64x128x128_c1x1"  # decode-like
+    assert pick(16384 * 8, 128, 256) == "pingpong_64x128x128_c1x1"
+    monkeypatch.setenv("JAX_DWDP_GMM_CONFIG", "pingpong_128x128x64_c2x1")
+    assert pick(16384 * 8, 1024, 256) == "pingpong_128x128x64_c2x1"
+    monkeypatch.setenv("JAX_DWDP_GMM_CONFIG", "1")
+    assert pick(16384 * 8, 1024, 256) == "pingpong_64x128x128_c2x1"
+    monkeypatch.setenv("JAX_DWDP_GMM_CONFIG", "nonsense")
+    with pytest.raises(ValueError, match="JAX_DWDP_GMM_CONFIG='nonsense' is none of"):
+        _cutlass.pick_config(1024, 1024, 8)
+
+
 def test_import_does_not_load_the_library():
     import subprocess
     import sys

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two H200s: build the DWDP FFI library, run the DWDP GPU tests, then FFI vs XLA DWDP vs replicated weights.
 #   SEQS="16384 32768" LAYERS=16 TESTS=1 [TEST_K=pytest-k-expr] [EXTRAS=1] [BENCH=0] bash benchmarks/gpu/dwdp_h200x2.sh
-# (logs under $OUT, at most 8 files come back). EXTRAS=1 adds the CLI's FFI backend and the independent-ranks benchmark; BENCH=0 skips bench_dwdp.
+# (logs under $OUT; a device call returns at most 8 files: with EXTRAS=1 use BENCH=0). EXTRAS=1 adds the CLI's FFI backend and the independent-ranks benchmark; BENCH=0 skips bench_dwdp.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 JAX_DWDP_TEST_GPU=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,6 +22,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 
 if [ "${EXTRAS:-0}" = 1 ]; then  # the CLI's FFI backend (logits vs XLA) and independent ranks (concurrency, FFI)
+  rm -f /tmp/logits_xla.npy /tmp/logits_ffi.npy
   [ "${CLI:-1}" = 1 ] && echo "== CLI prefill --dwdp 2 --dwdp-backend xla|ffi"
   [ "${CLI:-1}" = 1 ] && for b in xla ffi; do
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m jax_dwdp.cli prefill --preset 35b-a3b --num-layers 4 \

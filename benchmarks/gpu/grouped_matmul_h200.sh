@@ -99,7 +99,10 @@ fi
 if want 5; then
 step "5: GEMM kernel alone, every config vs torch's (ncu gpu__time_duration, clocks left alone)"
 timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --kernel-name regex:device_kernel --metrics gpu__time_duration.sum \
-  --csv --log-file "$OUT/ncu.csv" python3 benchmarks/gmm_kernel_profile.py run --plan "$OUT/ncu_plan.json" 2>&1 | tail -n 5
+  --csv --print-units base --log-file "$OUT/ncu.csv" python3 benchmarks/gmm_kernel_profile.py run --plan "$OUT/ncu_plan.json" \
+  2>&1 | tail -n 5
+rc=${PIPESTATUS[0]}
 python3 benchmarks/gmm_kernel_profile.py report --plan "$OUT/ncu_plan.json" --csv "$OUT/ncu.csv" 2>&1 | tee "$OUT/ncu_report.txt"
+result ncu "rc=$rc (124: timed out; the report covers the cases finished)"
 fi
 echo "=== total $(( $(date +%s) - T0 )) s"

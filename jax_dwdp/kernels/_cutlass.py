@@ -104,12 +104,13 @@ def pick_config(m: int, n: int, groups: int) -> int:
             return names.index(env)
         raise ValueError(f"JAX_DWDP_GMM_CONFIG={env!r} is none of {names}")
     rows_per_group = m / max(groups, 1)
-    # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30, fourth session): the cooperative 128x256 tile without
-    # a cluster was the fastest config on all 16 MoE cases (80-640 rows per group; 1.04-1.34x torch._grouped_mm).
-    # A 2x1 cluster pairs M tiles that mostly belong to different groups. Below 32 rows per group (not measured),
-    # PyTorch's small-group choice.
-    small = rows_per_group < 32 or n <= 128
-    return names.index("pingpong_64x128x128_c2x1" if small else "coop_128x256x64_c1x1")
+    # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30, fourth session) at 80-512 rows per group: the
+    # cooperative 128x256 tile without a cluster was the fastest of the five configs on every uniform-routing case,
+    # and ahead of the previous choice on the skewed ones. A 2x1 cluster pairs M tiles that mostly belong to
+    # different groups; without it, the 64x128 ping-pong tile also beat its clustered form (by 1-9%), so small
+    # groups (below half a 128-row tile; not measured there) get that one.
+    small = rows_per_group < 64 or n <= 128
+    return names.index("pingpong_64x128x128_c1x1" if small else "coop_128x256x64_c1x1")
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: int | str | None = None) -> jax.Array:

@@ -203,15 +203,22 @@ class Qwen35MoeForCausalLM(nnx.Module):
     def _stack_cache(self, keys, values, convs, states, lengths, b, cache_len) -> Cache:
         cfg = self.cfg
         kv_shape = (0, b, cache_len, cfg.num_key_value_heads, cfg.head_dim)
+        # Empty leaves (a range without full-attention or without linear layers) go where the cache lives, not
+        # on the default device (see _positions).
+        devices = () if isinstance(lengths, jax.core.Tracer) or not isinstance(lengths, jax.Array) else lengths.devices()
+        device = next(iter(devices)) if len(devices) == 1 else None
+
+        def empty(shape, dtype):
+            return jnp.zeros(shape, dtype, device=device)
+
         return Cache(
-            key=jnp.stack(keys) if keys else jnp.zeros(kv_shape, self.dtype),
-            value=jnp.stack(values) if values else jnp.zeros(kv_shape, self.dtype),
-            conv=jnp.stack(convs) if convs else jnp.zeros((0, b, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), self.dtype),
+            key=jnp.stack(keys) if keys else empty(kv_shape, self.dtype),
+            value=jnp.stack(values) if values else empty(kv_shape, self.dtype),
+            conv=jnp.stack(convs) if convs else empty((0, b, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), self.dtype),
             recurrent=jnp.stack(states)
             if states
-            else jnp.zeros(
-                (0, b, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32
-            ),
+            else empty((0, b, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                       jnp.float32),
             lengths=lengths.astype(jnp.int32),
             full_layer_ids=self.full_layer_ids,
             linear_layer_ids=self.linear_layer_ids,

@@ -20,6 +20,7 @@ address; this module is the reference it must match.
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -179,7 +180,7 @@ class IndependentRanks:
         self.canonical = {}  # layer type -> StaticGraph of its first layer's graphdef
         for layer in model.layers:
             if layer.layer_type not in self.canonical:
-                self.canonical[layer.layer_type] = StaticGraph(nnx.graphdef(layer))
+                self.canonical[layer.layer_type] = StaticGraph.of(nnx.graphdef(layer))
         self.ranks = []
         for r, device in enumerate(self.devices):
             dense, blocks = {}, {}
@@ -201,6 +202,7 @@ class IndependentRanks:
                                "top": _TopState(self.graphdef, top, dense)})
         self.layer_ids = [layer.layer_id for layer in model.layers]
         self._programs: dict = {}
+        self._programs_lock = threading.Lock()
         if backend == "ffi":
             self._make_store()
 
@@ -215,6 +217,10 @@ class IndependentRanks:
 
     def _ffi_program(self, kind, key):
         """(FFI backend) the one-call prefetch program of layer index `key`, or the layer program of type `key`."""
+        with self._programs_lock:  # prefill_all's threads may ask for the same program at once
+            return self._ffi_program_locked(kind, key)
+
+    def _ffi_program_locked(self, kind, key):
         if (kind, key) not in self._programs:
             store = self.store
             if kind == "prefetch":
@@ -249,18 +255,34 @@ class IndependentRanks:
         return self._wait((tuple(b[0] for b in blocks), tuple(b[1] for b in blocks)))
 
     def prefill(self, rank: int, tokens, lengths=None, *, logits: LogitsMode = "all", cache_len: int | None = None):
-        """Rank `rank` prefills its own batch; returns (logits, cache) on its device. Dispatch is asynchronous, so
-        calling this for every rank in turn runs the ranks concurrently."""
-        from jax_dwdp.prefill import _embed, _head, check_tokens
+        """Rank `rank` prefills its own batch; returns (logits, cache) on its device.
 
+        The call returns once the rank's layers are enqueued, but that takes host time (tens of ms for a deep model
+        on GPUs), so calling it for each rank in turn starts each rank only after the previous one is enqueued: use
+        `prefill_all` to run the ranks at the same time."""
+        return self._prefill(rank, tokens, lengths, logits, cache_len, sync_on_error=True)
+
+    def _check(self, rank: int, tokens, lengths, cache_len):
+        from jax_dwdp.prefill import check_tokens
+
+        if not 0 <= rank < len(self.ranks):
+            raise ValueError(f"rank {rank} is not one of this driver's {len(self.ranks)} ranks")
+        tokens, lengths = check_tokens(tokens, self.model.cfg.vocab_size, lengths)
+        if cache_len is not None and cache_len < tokens.shape[1]:
+            raise ValueError(f"cache_len {cache_len} is shorter than rank {rank}'s prompt ({tokens.shape[1]} tokens)")
+        return tokens, lengths
+
+    def _prefill(self, rank, tokens, lengths, logits, cache_len, *, sync_on_error):
+        from jax_dwdp.prefill import _embed, _head
+
+        tokens, lengths = self._check(rank, tokens, lengths, cache_len)
         model, r = self.model, self.ranks[rank]
-        tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths)
         tokens, lengths = jax.device_put(tokens, r["device"]), jax.device_put(lengths, r["device"])
         ids = self.layer_ids
         top = r["top"]
         h = _embed(top.graphdef, top.state, tokens)
         if self.backend == "ffi":
-            return self._prefill_ffi(r, h, lengths, logits, cache_len)
+            return self._prefill_ffi(r, h, lengths, logits, cache_len, sync_on_error)
         pending = {ids[0]: self._fetch(rank, ids[0])}
 
         def run_layer(layer, h, positions, lens, _):
@@ -274,28 +296,37 @@ class IndependentRanks:
         h, cache = model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
         return _head(top.graphdef, top.state, h, lengths, logits), cache
 
-    def prefill_all(self, work, *, logits: LogitsMode = "all", cache_len: int | None = None) -> dict:
+    def prefill_all(self, work, *, logits: LogitsMode = "all", cache_len: int | None = None,
+                    threads: bool | None = None) -> dict:
         """Every rank's own batch at once: work = {rank: (tokens, lengths or None)} -> {rank: (logits, cache)}.
 
-        Each rank's layers are enqueued from its own host thread, so the host time one rank spends dispatching its
-        layer programs does not hold back the next rank's first layer (calling `prefill` for each rank in turn
-        starts rank r+1 only once rank r's whole chain is enqueued)."""
-        from concurrent.futures import ThreadPoolExecutor
+        Each rank's layers are enqueued from its own host thread (threads=None: on GPUs, not on the CPU), so the
+        host time one rank spends dispatching its layer programs does not hold back the next rank's first layer.
+        Every rank's input is checked before any rank starts. If a rank fails, the others are waited for, the
+        FFI store's pending copies are drained once, and the first error is raised.
+        """
+        from concurrent.futures import ThreadPoolExecutor, wait
 
-        work = dict(work)
-        for rank in work:
-            if not 0 <= rank < len(self.ranks):
-                raise ValueError(f"rank {rank} is not one of this driver's {len(self.ranks)} ranks")
-        # XLA's CPU client runs every host "device" on one small thread pool; two dispatching threads can deadlock
-        # it (seen with jax 0.10.2, see cpu_barrier), so the CPU runs the ranks in turn.
-        if len(work) <= 1 or self.devices[0].platform == "cpu":
+        work = {r: self._check(r, t, n, cache_len) for r, (t, n) in dict(work).items()}
+        if threads is None:
+            # XLA's CPU client runs every host "device" on one small thread pool; two dispatching threads can
+            # deadlock it (seen with jax 0.10.2, see cpu_barrier), so the CPU runs the ranks in turn.
+            threads = len(work) > 1 and self.devices[0].platform != "cpu"
+        if not threads:
             return {r: self.prefill(r, t, n, logits=logits, cache_len=cache_len) for r, (t, n) in work.items()}
         with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="dwdp-rank") as pool:
-            futures = {r: pool.submit(self.prefill, r, t, n, logits=logits, cache_len=cache_len)
+            # No rank drains the store on its own error: that would drop the other ranks' pending copies.
+            futures = {r: pool.submit(self._prefill, r, t, n, logits, cache_len, sync_on_error=False)
                        for r, (t, n) in work.items()}
-            return {r: f.result() for r, f in futures.items()}
+            wait(futures.values())
+        errors = [f.exception() for f in futures.values() if f.exception() is not None]
+        if errors:
+            if self.store is not None:
+                self.store.sync()  # copies may still be running into prefetch outputs the failed ranks dropped
+            raise errors[0]
+        return {r: f.result() for r, f in futures.items()}
 
-    def _prefill_ffi(self, r, h, lengths, logits, cache_len):
+    def _prefill_ffi(self, r, h, lengths, logits, cache_len, sync_on_error=True):
         from jax_dwdp.prefill import _head
 
         ids, top = self.layer_ids, r["top"]
@@ -317,7 +348,8 @@ class IndependentRanks:
         try:
             h, cache = self.model.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
         except BaseException:
-            self.store.sync()  # a copy may still be running into a prefetch output this error dropped
+            if sync_on_error:  # (prefill_all drains once, after every rank has stopped)
+                self.store.sync()  # a copy may still be running into a prefetch output this error dropped
             raise
         return _head(top.graphdef, top.state, h, lengths, logits), cache
 
@@ -327,7 +359,7 @@ class _TopState:
     entries are the dense placeholders, never touched by embed/head)."""
 
     def __init__(self, graphdef, top_state, dense_layers):
-        self.graphdef = StaticGraph(graphdef)
+        self.graphdef = StaticGraph.of(graphdef)
         flat = list(nnx.to_flat_state(top_state))
         for i, layer_id in enumerate(sorted(dense_layers)):
             flat += [(("layers", i, *path), var) for path, var in nnx.to_flat_state(dense_layers[layer_id])]
