@@ -4,7 +4,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-JAX_DWDP_TEST_GPU=1 timeout 150 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider ${GPU_TEST_ARGS:-} 2>&1 \
+JAX_DWDP_TEST_GPU=1 timeout ${GPU_TEST_TIMEOUT:-300} python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider ${GPU_TEST_ARGS:-} 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "err|passed|failed|Error" | grep -v "^\[transformers\]" | tail -15
 # Whole-program vs layer-wise compilation on 4 layers (same numbers; compile time and dispatch overhead).
 for mode in "" "--layerwise"; do
