@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 
 import jax
@@ -30,7 +29,7 @@ from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
 from jax_dwdp.parallel.dwdp import LayerwiseDwdp, shard_model
 from jax_dwdp.parallel.mesh import make_mesh
-from jax_dwdp.timing import median_seconds
+from jax_dwdp.timing import median_seconds, save_rows
 
 
 def _tokens(cfg, ranks, seq, seed=0):
@@ -152,9 +151,7 @@ def main() -> None:
         print(f"| {r['seq_len_per_rank']} | {g('ffi_ms')} | {g('xla_ms')} | {g('replicated_ms')} | "
               f"{g('ffi_vs_replicated')} | {g('xla_vs_replicated')} | {g('ffi_vs_xla')} | {g('ffi_copy_ms_per_layer')} "
               f"| {g('ffi_copy_ms_per_layer_idle')} | {g('moe_ms_per_layer')} | {g('layer_ms_replicated')} | {g('ffi_copy_hidden_fraction')} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+    save_rows(args.out, rows, args)
 
 
 if __name__ == "__main__":

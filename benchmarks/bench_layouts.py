@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ import numpy as np
 
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.parallel import Pipeline
-from jax_dwdp.timing import median_seconds
+from jax_dwdp.timing import median_seconds, save_rows
 
 
 def parse(layout: str):
@@ -74,9 +73,7 @@ def main() -> None:
         else:
             print(f"| {r['layout']} | {r['gpus']} | {r['microbatches']} | {r['ms']} | {r['tokens_per_s']} | "
                   f"{r['tokens_per_s_per_gpu']} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+    save_rows(args.out, rows, args)
 
 
 if __name__ == "__main__":

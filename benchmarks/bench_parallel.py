@@ -26,7 +26,7 @@ from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
 from jax_dwdp.parallel import Pipeline
 from jax_dwdp.parallel.dwdp import IndependentRanks
-from jax_dwdp.timing import median_seconds
+from jax_dwdp.timing import median_seconds, save_rows
 
 
 def timed(fn, iters: int) -> float:
@@ -129,10 +129,7 @@ def main() -> None:
     cfg = ModelConfig.preset(args.preset).replace(num_hidden_layers=args.num_layers)
     print(f"{cfg.summary()} on {jax.devices()[0].device_kind} x {len(jax.devices())}", flush=True)
     rows = bench_pipeline(cfg, args) if args.what == "pipeline" else bench_dwdp(cfg, args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"what": args.what, "args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows}, f,
-                      indent=1)
+    save_rows(args.out, rows, args, what=args.what)
 
 
 if __name__ == "__main__":

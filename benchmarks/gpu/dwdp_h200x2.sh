@@ -2,18 +2,7 @@
 # Two H200s: build the DWDP FFI library, run the DWDP GPU tests, then FFI vs XLA DWDP vs replicated weights.
 #   SEQS="16384 32768" LAYERS=16 TESTS=1 [TEST_K=pytest-k-expr] [EXTRAS=1] [BENCH=0] bash benchmarks/gpu/dwdp_h200x2.sh
 # (logs under $OUT; a device call returns at most 8 files: with EXTRAS=1 use BENCH=0). EXTRAS=1 adds the CLI's FFI backend and the independent-ranks benchmark; BENCH=0 skips bench_dwdp.
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 JAX_DWDP_TEST_GPU=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-filter() { grep -v "^\s*@\|^E11\|^\*\*\*\|slow_op\|Very slow\|^$"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nvidia-smi topo -m | head -3 | tee -a "$OUT/gpu.txt"
-
-echo "== build"; t0=$(date +%s)
-cmake -S ffi -B /tmp/ffib -DXLA_FFI_INCLUDE_DIR="$(python3 -c 'import jax; print(jax.ffi.include_dir())')" \
-  -DJAX_DWDP_LIB_DIR="$PWD/jax_dwdp/_lib" -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 \
-  && cmake --build /tmp/ffib -j 16 --target jax_dwdp_ffi >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-echo "built in $(( $(date +%s) - t0 )) s"; ls -la jax_dwdp/_lib
+source benchmarks/gpu/_dwdp_prologue.sh
 
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests (DWDP FFI)"

@@ -2,15 +2,7 @@
 # Four H200s (issue 7): the DWDP GPU tests on four GPUs, FFI vs XLA DWDP vs replicated at N = 4, and pipeline 2 x
 # DWDP 2 against pipeline 2 alone and DWDP 4 alone. Logs under $OUT.
 #   LAYERS=16 SEQS="16384 32768" bash benchmarks/gpu/dwdp_h200x4.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 JAX_DWDP_TEST_GPU=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-filter() { grep -v "^\s*@\|^E11\|^\*\*\*\|slow_op\|Very slow\|^$"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nvidia-smi topo -m | head -5 | tee -a "$OUT/gpu.txt"
-cmake -S ffi -B /tmp/ffib -DXLA_FFI_INCLUDE_DIR="$(python3 -c 'import jax; print(jax.ffi.include_dir())')" \
-  -DJAX_DWDP_LIB_DIR="$PWD/jax_dwdp/_lib" > "$OUT/build.log" 2>&1 \
-  && cmake --build /tmp/ffib -j 16 --target jax_dwdp_ffi >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+source benchmarks/gpu/_dwdp_prologue.sh
 echo "== GPU tests on four GPUs"
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -s tests/test_gpu_dwdp.py 2>&1 | filter | grep -v "^PASSED" \
   | tail -40 | tee "$OUT/tests.log"
