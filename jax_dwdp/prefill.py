@@ -68,10 +68,7 @@ class StageProgram:
         if layerwise:
             # Layers of one type differ only in weights and their static layer id: run every layer through the
             # graphdef of the first layer of its type, so that they share one executable.
-            self.canonical = {}
-            for layer in model.layers:
-                if layer.layer_type not in self.canonical:
-                    self.canonical[layer.layer_type] = StaticGraph.of(nnx.graphdef(layer))
+            self.canonical = canonical_graphs(model)
             self.layer_states = {id(layer): nnx.state(layer) for layer in model.layers}
             self._graph = StaticGraph.of(self.graphdef)
         else:
@@ -137,6 +134,16 @@ class StaticGraph:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, StaticGraph) and (self.value is other.value or self.value == other.value)
+
+
+def canonical_graphs(model: Qwen35MoeForCausalLM) -> dict[str, StaticGraph]:
+    """Layer type -> the graphdef of the model's first layer of that type. Layers of one type differ only in weights
+    and their static layer id, so running every layer through its type's graphdef shares one executable."""
+    graphs = {}
+    for layer in model.layers:
+        if layer.layer_type not in graphs:
+            graphs[layer.layer_type] = StaticGraph.of(nnx.graphdef(layer))
+    return graphs
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -24,6 +24,14 @@ from jax_dwdp.model.moe import SparseMoe
 LogitsMode = Literal["all", "last", "none"]
 
 
+def _single_device(x) -> jax.Device | None:
+    """The one device a concrete array lives on; None inside a trace, for host arrays and for sharded arrays."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return None
+    devices = x.devices()
+    return next(iter(devices)) if len(devices) == 1 else None
+
+
 def _positions(h, b: int, t: int):
     """Positions 0..t-1 of each sequence, made where h lives.
 
@@ -36,8 +44,8 @@ def _positions(h, b: int, t: int):
     if isinstance(h, jax.core.Tracer):
         return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    devices = h.devices() if isinstance(h, jax.Array) else ()
-    return jax.device_put(positions, next(iter(devices))) if len(devices) == 1 else positions
+    device = _single_device(h)
+    return positions if device is None else jax.device_put(positions, device)
 
 
 @struct.dataclass
@@ -205,8 +213,7 @@ class Qwen35MoeForCausalLM(nnx.Module):
         kv_shape = (0, b, cache_len, cfg.num_key_value_heads, cfg.head_dim)
         # Empty leaves (a range without full-attention or without linear layers) go where the cache lives, not
         # on the default device (see _positions).
-        devices = () if isinstance(lengths, jax.core.Tracer) or not isinstance(lengths, jax.Array) else lengths.devices()
-        device = next(iter(devices)) if len(devices) == 1 else None
+        device = _single_device(lengths)
 
         def empty(shape, dtype):
             return jnp.zeros(shape, dtype, device=device)

@@ -32,7 +32,7 @@ from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.mesh import cpu_barrier
-from jax_dwdp.prefill import StaticGraph, _precision
+from jax_dwdp.prefill import StaticGraph, _precision, canonical_graphs
 
 AXIS = "dwdp"
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -177,10 +177,7 @@ class IndependentRanks:
         self.layout = ExpertLayout(model.cfg.num_experts, len(devices))
         slots = self.layout.slots_per_rank
         self.graphdef = nnx.graphdef(model)
-        self.canonical = {}  # layer type -> StaticGraph of its first layer's graphdef
-        for layer in model.layers:
-            if layer.layer_type not in self.canonical:
-                self.canonical[layer.layer_type] = StaticGraph.of(nnx.graphdef(layer))
+        self.canonical = canonical_graphs(model)
         self.ranks = []
         for r, device in enumerate(self.devices):
             dense, blocks = {}, {}
@@ -260,6 +257,7 @@ class IndependentRanks:
         The call returns once the rank's layers are enqueued, but that takes host time (tens of ms for a deep model
         on GPUs), so calling it for each rank in turn starts each rank only after the previous one is enqueued: use
         `prefill_all` to run the ranks at the same time."""
+        tokens, lengths = self._check(rank, tokens, lengths, cache_len)
         return self._prefill(rank, tokens, lengths, logits, cache_len, sync_on_error=True)
 
     def _check(self, rank: int, tokens, lengths, cache_len):
@@ -273,9 +271,9 @@ class IndependentRanks:
         return tokens, lengths
 
     def _prefill(self, rank, tokens, lengths, logits, cache_len, *, sync_on_error):
+        """prefill on inputs `_check` has already validated."""
         from jax_dwdp.prefill import _embed, _head
 
-        tokens, lengths = self._check(rank, tokens, lengths, cache_len)
         model, r = self.model, self.ranks[rank]
         tokens, lengths = jax.device_put(tokens, r["device"]), jax.device_put(lengths, r["device"])
         ids = self.layer_ids
@@ -313,7 +311,7 @@ class IndependentRanks:
             # deadlock it (seen with jax 0.10.2, see cpu_barrier), so the CPU runs the ranks in turn.
             threads = len(work) > 1 and self.devices[0].platform != "cpu"
         if not threads:
-            return {r: self.prefill(r, t, n, logits=logits, cache_len=cache_len) for r, (t, n) in work.items()}
+            return {r: self._prefill(r, t, n, logits, cache_len, sync_on_error=True) for r, (t, n) in work.items()}
         with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="dwdp-rank") as pool:
             # No rank drains the store on its own error: that would drop the other ranks' pending copies.
             futures = {r: pool.submit(self._prefill, r, t, n, logits, cache_len, sync_on_error=False)
@@ -406,9 +404,7 @@ class LayerwiseDwdp:
         self.layer_ids = [layer.layer_id for layer in dense_model.layers]
         self.layer_types = [layer.layer_type for layer in dense_model.layers]
         self.layer_states = [nnx.state(layer) for layer in dense_model.layers]
-        self.canonical = {}
-        for layer in dense_model.layers:
-            self.canonical.setdefault(layer.layer_type, nnx.graphdef(layer))
+        self.canonical = canonical_graphs(dense_model)
         blocks = expert_blocks(state)
         self.store, self.owns_store = None, False
         if backend == "ffi":
@@ -450,7 +446,7 @@ class LayerwiseDwdp:
             (index,) = arg
             return jax.jit(smap(lambda h: self.store.prefetch(h, index), in_specs=(b,), out_specs=pair))
         layer_type, has_next = arg
-        graphdef = self.canonical[layer_type]
+        graphdef = self.canonical[layer_type].value
 
         if self.backend == "replicated":
             def run(state, h, positions, lengths, experts):
