@@ -108,7 +108,6 @@ struct Region {  // one (layer, weight): every rank's block in one reserved VA r
   size_t stride = 0;  // bytes between rank blocks (block rounded up to the allocation granularity)
   std::vector<CUmemGenericAllocationHandle> handles;
   std::vector<char> mapped;
-  bool access_set = false;
 };
 
 struct Store {
@@ -212,7 +211,8 @@ std::string Release(Store& s) {
   return first;
 }
 
-Status ProbeHandleType(Store& s, CUmemAllocationProp prop) {
+// Never fails: without FABRIC it falls back to POSIX file descriptors.
+void ProbeHandleType(Store& s, CUmemAllocationProp prop) {
   // FABRIC handles work across nodes but need IMEX; take them only when a probe allocation succeeds.
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
   size_t gran = 0;
@@ -221,11 +221,10 @@ Status ProbeHandleType(Store& s, CUmemAllocationProp prop) {
     if (cuMemCreate(&probe, gran, &prop, 0) == CUDA_SUCCESS) {
       cuMemRelease(probe);
       s.handle_type = CU_MEM_HANDLE_TYPE_FABRIC;
-      return {};
+      return;
     }
   }
   s.handle_type = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  return {};
 }
 
 Status Build(Store& s, const int* ordinals) {
@@ -275,8 +274,7 @@ Status Build(Store& s, const int* ordinals) {
   prop.location.id = ordinals[0];
   {
     ScopedContext scope(s.devices[0]->ctx);
-    Status st = ProbeHandleType(s, prop);
-    if (!st.ok()) return st;
+    ProbeHandleType(s, prop);
   }
   prop.requestedHandleTypes = s.handle_type;
   s.granularity = 0;
@@ -322,7 +320,6 @@ Status Build(Store& s, const int* ordinals) {
         g_live_mappings++;
       }
       DWDP_CU(where, cuMemSetAccess(reg.va, reg.reserved, access.data(), access.size()));
-      reg.access_set = true;
     }
   }
   return {};
@@ -620,7 +617,7 @@ int dwdp_store_inject_error(int64_t id, int code) {
   return 0;
 }
 
-// Store facts: handle type (0 POSIX fd, 1 fabric), granularity, and the stride of (layer 0, weight w).
+// Store facts: handle type (0 POSIX fd, 1 fabric) and allocation granularity.
 int dwdp_store_info(int64_t id, int* fabric, uint64_t* granularity) {
   std::shared_ptr<Store> s = Find(id);
   if (!s) return SetError("dwdp_store_info: no open expert store " + std::to_string(id));

@@ -111,6 +111,16 @@ def test_eager_layer_inputs_live_on_the_ranks_device(setup):
         assert isinstance(p, jax.Array) and p.devices() == {dev}, p
         np.testing.assert_array_equal(np.asarray(p), np.broadcast_to(np.arange(9), (2, 9)))
     assert out.devices() == {dev} and cache.key.devices() == cache.recurrent.devices() == {dev}
+    # Sharded over a mesh (LayerwiseDwdp): positions come with h's batch sharding.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
+    sharded_h = jax.device_put(jnp.ones((2, 9, CFG.hidden_size), jnp.float32), NamedSharding(mesh, PartitionSpec("dwdp")))
+    from jax_dwdp.model.qwen35_moe import _positions
+
+    p = _positions(sharded_h, 2, 9)
+    assert isinstance(p, jax.Array) and p.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("dwdp")), 2)
+    np.testing.assert_array_equal(np.asarray(p), np.broadcast_to(np.arange(9), (2, 9)))
     # A range without full-attention layers: its empty key/value leaves are made on the same device.
     from jax_dwdp.model import init_model as init
 

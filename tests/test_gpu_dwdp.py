@@ -1,7 +1,8 @@
 """DWDP's FFI path (CUDA VMM expert store) on two or more GPUs (skipped otherwise; run with JAX_DWDP_TEST_GPU=1).
 
 - the FFI path equals the XLA path and one GPU (fp32 <= 1e-5, bf16 <= 2e-2), with blocks that are and are not a
-  multiple of the VMM granularity (one copy through the composite VA vs one copy per rank);
+  multiple of the VMM granularity (padded strides vs rank blocks adjacent in the composite VA; the store copies
+  each rank's block separately in both);
 - poison: every prefetch destination is filled with NaN before its copy, and each copy is held back 20 ms (so a
   read of the experts that does not wait for the copy would see NaN); the output stays finite and equal;
 - leak: 20 store set-up/tear-down cycles leave no CUDA object alive and return device free memory;

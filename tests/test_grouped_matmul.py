@@ -249,7 +249,10 @@ def test_cutlass_default_and_inside_jit_and_shard_map(rng):
 
 @pytest.mark.gpu
 def test_cutlass_in_a_graph_of_many_ops_repeated(rng):
-    """Inside a jit with enough ops for XLA command buffers (CUDA graphs), called repeatedly with new sizes."""
+    """Two chained grouped matmuls among other ops in one jit (enough for XLA to form command buffers; the handler is
+    registered without the command-buffer trait unless JAX_DWDP_GMM_CMD_BUFFER=1, so by default XLA runs it outside
+    them), called repeatedly with new sizes. The bound is doubled: the first matmul's bf16 rounding, which the
+    reference does not share, feeds the second."""
     _gpu_only()
     cutlass = _require_library()
     g, n, k, m = 16, 256, 256, 1024

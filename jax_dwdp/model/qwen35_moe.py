@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.model.attention import GatedAttention
@@ -38,14 +39,20 @@ def _positions(h, b: int, t: int):
     Inside a trace they are an iota. Eagerly (layer-wise drivers) they must not be a jnp op on the default device:
     that op would queue behind everything already enqueued on device 0, and a driver running another device's
     layers would wait for all of device 0's work before its first layer (independent DWDP ranks then ran one after
-    the other). So they are built on the host and placed on h's device; a multi-device h gets the host array, which
-    its driver places once on its own sharding.
+    the other). So they are built on the host and placed like h: on its device, or with h's mesh sharding of the
+    [batch, sequence] dimensions; any other h gets the host array.
     """
     if isinstance(h, jax.core.Tracer):
         return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     device = _single_device(h)
-    return positions if device is None else jax.device_put(positions, device)
+    if device is not None:
+        return jax.device_put(positions, device)
+    sharding = getattr(h, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        spec = (*sharding.spec, None, None)[:2]
+        return jax.device_put(positions, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+    return positions
 
 
 @struct.dataclass

@@ -329,15 +329,11 @@ class IndependentRanks:
 
         ids, top = self.layer_ids, r["top"]
         pending = [self._ffi_program("prefetch", 0)(h)]
-        placed = {}  # forward_layers passes the same positions to every layer: place them once
 
-        def run_layer(layer, h, positions, lens, _):
+        def run_layer(layer, h, positions, lens, _):  # positions come placed on h's device (forward_layers)
             i = ids.index(layer.layer_id)
             # Layer i+1's copy is enqueued before layer i: it starts when layer i-1 is done and runs under layer i.
             nxt = self._ffi_program("prefetch", i + 1)(h) if i + 1 < len(ids) else None
-            if id(positions) not in placed:
-                placed[id(positions)] = jax.device_put(positions, r["device"])
-            positions = placed[id(positions)]
             out = self._ffi_program("layer", layer.layer_type)(r["dense"][layer.layer_id], h, positions, lens,
                                                                *pending[0])
             pending[0] = nxt
@@ -402,7 +398,6 @@ class LayerwiseDwdp:
         self.graphdef, self.dense_state = graphdef, nnx.from_flat_state(flat)
         self.dense_model = dense_model = nnx.merge(graphdef, self.dense_state)
         self.layer_ids = [layer.layer_id for layer in dense_model.layers]
-        self.layer_types = [layer.layer_type for layer in dense_model.layers]
         self.layer_states = [nnx.state(layer) for layer in dense_model.layers]
         self.canonical = canonical_graphs(dense_model)
         blocks = expert_blocks(state)
@@ -487,14 +482,9 @@ class LayerwiseDwdp:
         else:
             pending = [None if self.backend == "replicated" else self._program(("gather",))(self.local[0])]
 
-        placed = {}  # forward_layers passes the same positions to every layer: place them once
-
-        def run_layer(layer, h, positions, lens, _):
+        def run_layer(layer, h, positions, lens, _):  # positions come placed like h (forward_layers)
             i = self.layer_ids.index(layer.layer_id)
             has_next = i + 1 < n
-            if id(positions) not in placed:
-                placed[id(positions)] = self.place(positions)
-            positions = placed[id(positions)]
             if self.backend == "replicated":
                 nxt = None
                 out = self._program(("layer", layer.layer_type, False))(self.layer_states[i], h, positions, lens,

@@ -156,7 +156,6 @@ class ExpertStore:
         self.id = sid.value
         self.closed = False
         _OPEN.add(self)
-        self._calls: dict = {}
 
     # ---- filling ---------------------------------------------------------------------------------------------
     def fill(self, layer: int, weight: int, rank: int, block: jax.Array) -> None:

@@ -113,13 +113,16 @@ class _NameIndex:
             else:
                 self.rest.append(name)
 
-    def select(self, start_layer: int, end_layer: int) -> tuple[list[str], list[str]]:
-        """(names to visit, sorted; names of layers outside the range)."""
+    def select(self, start_layer: int, end_layer: int) -> tuple[list[str], list[int]]:
+        """(names to visit, sorted; the layers outside the range that have tensors)."""
         inside = list(self.rest)
         outside = []
         for layer, names in self.by_layer.items():
-            (inside if start_layer <= layer < end_layer else outside).extend(names)
-        return sorted(inside), sorted(outside)
+            if start_layer <= layer < end_layer:
+                inside.extend(names)
+            else:
+                outside.append(layer)
+        return sorted(inside), outside
 
 
 _INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -185,14 +188,14 @@ def load_hf_checkpoint(
         inside, outside = index.select(start_layer, end_layer)
         # A missing tensor is reported against the file when there is one, else against the folder.
         where = ckpt.files[0] if len(ckpt.files) == 1 else checkpoint_dir
-        for name in outside:
-            layer = hf_names.classify(name, 0, 0).layer
-            if layer >= cfg.num_hidden_layers:
-                raise CheckpointError(
-                    f"{ckpt.info(name).file}: tensor {name} belongs to layer {layer}, but the config has "
-                    f"{cfg.num_hidden_layers} layers"
-                )
-        report.skipped_other_layers += len(outside)
+        beyond = [layer for layer in outside if layer >= cfg.num_hidden_layers]
+        if beyond:  # named by its first tensor in name order
+            name, layer = min((n, layer) for layer in beyond for n in index.by_layer[layer])
+            raise CheckpointError(
+                f"{ckpt.info(name).file}: tensor {name} belongs to layer {layer}, but the config has "
+                f"{cfg.num_hidden_layers} layers"
+            )
+        report.skipped_other_layers += sum(len(index.by_layer[layer]) for layer in outside)
         for name in inside:
             info = ckpt.info(name)
             target = hf_names.classify(name, start_layer, end_layer)
