@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--variants", default="default,ocdbt,previous",
                     help="comma list of: default, no_page_reuse (JAX_DWDP_CONVERT_PAGE_REUSE=0), ocdbt "
                          "(JAX_DWDP_CONVERT_OCDBT=1), previous (both: the converter before page reuse and plain "
-                         "zarr), overlap (JAX_DWDP_CONVERT_OVERLAP=1)")
+                         "zarr)")
     ap.add_argument("--reps", type=int, default=3, help="conversions per variant")
     ap.add_argument("--pause", type=float, default=4.0, help="seconds to wait before each conversion")
     args = ap.parse_args()
@@ -111,8 +111,7 @@ def main() -> None:
         scratch.unlink()
     variants = {"default": {}, "no_page_reuse": {"JAX_DWDP_CONVERT_PAGE_REUSE": "0"},
                 "ocdbt": {"JAX_DWDP_CONVERT_OCDBT": "1"},
-                "previous": {"JAX_DWDP_CONVERT_OCDBT": "1", "JAX_DWDP_CONVERT_PAGE_REUSE": "0"},
-                "overlap": {"JAX_DWDP_CONVERT_OVERLAP": "1"}}
+                "previous": {"JAX_DWDP_CONVERT_OCDBT": "1", "JAX_DWDP_CONVERT_PAGE_REUSE": "0"}}
     chosen = args.variants.split(",")
     converts = {v: [] for v in chosen}
     for rep in range(args.reps):  # interleaved, order reversed every other round: load changes between runs

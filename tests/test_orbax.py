@@ -60,8 +60,7 @@ def test_orbax_restore_equals_hf_load(hf_dir, orbax_dir, rng):
 
 def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monkeypatch):
     """Conversion keeps one open checkpoint across its per-layer loads: each of the 3 shard headers is parsed once
-    (not once per layer), and the result restores bit for bit equal to the HF load (here with the overlapped
-    writer, JAX_DWDP_CONVERT_OVERLAP=1)."""
+    (not once per layer), and the result restores bit for bit equal to the HF load."""
     from safetensors.numpy import load_file, save_file
 
     from jax_dwdp.weights import safetensors_reader
@@ -80,7 +79,6 @@ def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monk
     real = safetensors_reader._read_header
     monkeypatch.setattr(safetensors_reader, "_read_header", lambda path: parsed.append(path.name) or real(path))
     out = tmp_path / "out"
-    monkeypatch.setenv("JAX_DWDP_CONVERT_OVERLAP", "1")  # the overlapped writer (the default is tested above)
     summary = convert_hf_to_orbax(sharded, out, dtype=jnp.float32, progress=None)
     assert sorted(parsed) == sorted(set(weight_map.values())), parsed  # 3 parses, not 3 per layer
     assert summary["tensors"] == json.loads((orbax_dir / "jax_dwdp.json").read_text())["tensors"]
@@ -93,11 +91,10 @@ def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monk
         np.testing.assert_array_equal(fa[path], fb[path], err_msg=str(path))
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"])
-def test_convert_drops_each_finished_item_from_page_cache(hf_dir, orbax_dir, tmp_path, monkeypatch, overlap):
+def test_convert_drops_each_finished_item_from_page_cache(hf_dir, orbax_dir, tmp_path, monkeypatch):
     """Page reuse (the default): every item (embed, each layer, head) is made durable and dropped from the page
-    cache exactly once, only after it is complete (its Orbax metadata is there), with the synchronous and with the
-    overlapped writer; without page reuse nothing is dropped. The default writes plain zarr, JAX_DWDP_CONVERT_OCDBT=1
+    cache exactly once, only after it is complete (its Orbax metadata is there); without page reuse nothing is
+    dropped. The default writes plain zarr, JAX_DWDP_CONVERT_OCDBT=1
     OCDBT; both restore equal to the HF load."""
     from jax_dwdp.weights import orbax_store
 
@@ -110,7 +107,6 @@ def test_convert_drops_each_finished_item_from_page_cache(hf_dir, orbax_dir, tmp
         real(item)
 
     monkeypatch.setattr(orbax_store, "_drop_written_pages", spy)
-    monkeypatch.setenv("JAX_DWDP_CONVERT_OVERLAP", overlap)
     convert_hf_to_orbax(hf_dir, tmp_path / "reuse", dtype=jnp.float32, progress=None)
     want = ["embed", "head"] + [f"layers/{i:03d}" for i in range(CFG.num_hidden_layers)]
     assert sorted(dropped) == sorted(want), dropped

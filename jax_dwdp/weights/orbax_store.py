@@ -39,9 +39,6 @@ FORMAT_VERSION = 1
 MARKER = "jax_dwdp.json"
 # Test hook: SIGKILL the converter after this many layers, to prove that a killed conversion leaves nothing.
 _KILL_AFTER_LAYERS = "JAX_DWDP_TEST_KILL_AFTER_LAYERS"
-# "1": write layer l in Orbax's background thread while layer l+1 is read (two layers in host memory). Off by
-# default: on the CPU machine its gain was within run-to-run noise (benchmarks/RESULTS.md) and it costs a layer of RSS.
-_OVERLAP = "JAX_DWDP_CONVERT_OVERLAP"
 # "0": turn off page reuse (below), for A/B measurements; the default is on.
 _PAGE_REUSE = "JAX_DWDP_CONVERT_PAGE_REUSE"
 # "1": write items in Orbax's OCDBT format (its default; the format before 2026-11-30's fourth session). The default
@@ -107,14 +104,6 @@ def _checkpointer(use_ocdbt: bool = True):
     return ocp.PyTreeCheckpointer(use_compression=False, use_ocdbt=use_ocdbt)
 
 
-def _async_checkpointer(use_ocdbt: bool = True):
-    """For conversion: save() returns once the arrays are handed over and writes in a background thread, so that
-    reading and converting layer l+1 overlaps writing layer l (host memory: two layers instead of one)."""
-    import orbax.checkpoint as ocp
-
-    return ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=use_ocdbt))
-
-
 def _layer_dir(root: Path, layer_id: int) -> Path:
     return root / "layers" / f"{layer_id:03d}"
 
@@ -160,9 +149,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
 
     progress: a stream for the progress bar, "stderr" (the default: sys.stderr at call time) or None.
 
-    Reads and writes one layer at a time (host memory: about one layer plus a fixed buffer; with
-    JAX_DWDP_CONVERT_OVERLAP=1, layer l is written in a background thread while layer l+1 is read: two layers).
-    Each finished item is made durable and dropped from the page cache, and freed memory stays in the process
+    Reads and writes one layer at a time (host memory: about one layer plus a fixed buffer; writing layer l in a
+    background thread while layer l+1 is read was measured and did not pay: benchmarks/RESULTS.md). Each finished item is made durable and dropped from the page cache, and freed memory stays in the process
     (page reuse; JAX_DWDP_CONVERT_PAGE_REUSE=0 turns it off): see _drop_written_pages and _KeepFreedMemory.
     """
     from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
@@ -185,23 +173,18 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     source = ckpt = None
     reuse = os.environ.get(_PAGE_REUSE, "1") != "0"
     keep = _KeepFreedMemory() if reuse else None
-    saved: list[Path] = []  # items whose pages are not dropped yet
 
     def save(item: Path, tree: dict, **kw) -> None:
-        ckpt.save(item, tree, **kw)
-        saved.append(item)
-        if reuse:  # a synchronous save is complete now; an async one has finished every earlier item
-            done = saved if not hasattr(ckpt, "wait_until_finished") else saved[:-1]
-            for finished in done:
-                _drop_written_pages(finished)
-            del saved[:len(done)]
+        ckpt.save(item, tree, **kw)  # synchronous: the item is complete when it returns
+        if reuse:
+            _drop_written_pages(item)
 
     try:
         if keep is not None:
             keep.__enter__()
         source = SafetensorsCheckpoint(hf_dir)  # every shard header parsed once, kept across the layers
         ocdbt = os.environ.get(_OCDBT, "0") == "1"
-        ckpt = (_async_checkpointer if os.environ.get(_OVERLAP, "0") == "1" else _checkpointer)(use_ocdbt=ocdbt)
+        ckpt = _checkpointer(use_ocdbt=ocdbt)
         placement = _host_cpu_placement()
         n = cfg.num_hidden_layers
         for layer_id in range(n):
@@ -224,11 +207,6 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
                 bar_open = True
             if layer_id + 1 == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
-        if hasattr(ckpt, "wait_until_finished"):
-            ckpt.wait_until_finished()  # every layer written before the marker and the rename
-        if reuse:
-            for finished in saved:
-                _drop_written_pages(finished)
         if bar_open:
             progress.write("\n")
             bar_open = False
@@ -246,11 +224,6 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
         else:
             os.rename(tmp, out_dir)
     except BaseException:
-        if ckpt is not None and hasattr(ckpt, "wait_until_finished"):
-            try:
-                ckpt.wait_until_finished()  # no background write may land in tmp after it is removed
-            except Exception:
-                pass
         shutil.rmtree(tmp, ignore_errors=True)
         if bar_open:  # end the bar's line, so that the caller's error message gets a line of its own
             progress.write("\n")
