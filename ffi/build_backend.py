@@ -7,6 +7,7 @@ JAX_DWDP_BUILD_FFI=1), and a CPU-only install stays light. setup.py runs the CMa
 
 import os
 import sys
+import tomllib
 from pathlib import Path
 
 from setuptools import build_meta as _setuptools
@@ -15,12 +16,14 @@ from setuptools.build_meta import *  # noqa: F401,F403  (the PEP 517 hooks this 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_paths import cuda_home  # noqa: E402
 
-_FFI_REQUIRES = [
-    "cmake>=3.24",
-    "jaxlib==0.10.2; python_version < '3.12'",
-    "jaxlib==0.11.2; python_version >= '3.12'",
-    "nvidia-cutlass==4.2.0.0",
-]
+def _jaxlib_pins() -> list[str]:
+    """The project's own jaxlib pins (pyproject.toml): the XLA FFI headers must match the jaxlib it runs with."""
+    with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    return [d for d in deps if d.replace(" ", "").startswith("jaxlib")]
+
+
+_FFI_REQUIRES = ["cmake>=3.24", *_jaxlib_pins(), "nvidia-cutlass==4.2.0.0"]
 
 
 def _ffi_requires() -> list[str]:

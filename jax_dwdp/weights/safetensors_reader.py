@@ -285,14 +285,7 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._closed = True
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                # Arrays from read() still export the buffer; they keep the mmap
-                # alive and it unmaps when the last of them is collected.
-                pass
-            self._mmap = None
+        self.unmap()
 
     def __enter__(self) -> SafetensorsFile:
         return self
