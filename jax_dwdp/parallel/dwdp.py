@@ -232,17 +232,18 @@ class IndependentRanks:
                 self._programs[(kind, key)] = jax.jit(run)
         return self._programs[(kind, key)]
 
-    def close(self) -> None:
+    def close(self, exc: BaseException | None = None) -> None:
+        """Releases the FFI store, if any; while `exc` propagates, a failure to close only warns (close_store)."""
         if self.store is not None:
-            self.store.close()
+            from jax_dwdp.parallel.dwdp_ffi import close_store
+
+            close_store(self.store, exc)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        from jax_dwdp.parallel.dwdp_ffi import close_store
-
-        close_store(self.store, exc)
+        self.close(exc)
 
     def _fetch(self, rank: int, layer_id: int):
         """Every rank's block of one layer, on `rank`'s device (peer blocks copied, own block as is)."""
@@ -523,16 +524,16 @@ class LayerwiseDwdp:
             jax.block_until_ready(self._program(("prefetch", i))(h))
             self.store.sync()  # nobody waits for these copies: finish them before their outputs are freed
 
-    def close(self) -> None:
-        """Releases the FFI store if this program made it (nothing to do for the other backends)."""
+    def close(self, exc: BaseException | None = None) -> None:
+        """Releases the FFI store if this program made it (nothing to do for the other backends); while `exc`
+        propagates, a failure to close only warns (close_store)."""
         if self.store is not None and self.owns_store:
-            self.store.close()
+            from jax_dwdp.parallel.dwdp_ffi import close_store
+
+            close_store(self.store, exc)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        from jax_dwdp.parallel.dwdp_ffi import close_store
-
-        if self.owns_store:
-            close_store(self.store, exc)
+        self.close(exc)

@@ -198,22 +198,22 @@ class Pipeline:
                                        for m in self.models]
         return self._programs[key]
 
-    def close(self) -> None:
-        """Releases the FFI expert stores, if any (the XLA paths hold nothing outside XLA). The pipeline cannot
-        run the FFI backend afterwards (its experts lived in the stores)."""
-        for store in self._stores or []:
-            store.close()
+    def close(self, exc: BaseException | None = None) -> None:
+        """Releases the FFI expert stores, if any (the XLA paths hold nothing outside XLA); while `exc` propagates,
+        a failure to close only warns (close_store). The pipeline cannot run the FFI backend afterwards (its
+        experts lived in the stores)."""
+        if self._stores:
+            from jax_dwdp.parallel.dwdp_ffi import close_store
+
+            for store in self._stores:
+                close_store(store, exc)
         self._programs = {k: v for k, v in self._programs.items() if k[3] != "ffi"}
 
     def __enter__(self) -> "Pipeline":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        from jax_dwdp.parallel.dwdp_ffi import close_store
-
-        for store in self._stores or []:
-            close_store(store, exc)
-        self._programs = {k: v for k, v in self._programs.items() if k[3] != "ffi"}
+        self.close(exc)
 
     def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
                 cache_len: int | None = None, layerwise: bool = False,
