@@ -28,6 +28,7 @@ import numpy as np
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
 from jax_dwdp.parallel.dwdp import LayerwiseDwdp, shard_model
+from jax_dwdp.parallel.expert_layout import ExpertLayout, rank_memory
 from jax_dwdp.parallel.mesh import make_mesh
 from jax_dwdp.timing import median_seconds, save_rows
 
@@ -94,9 +95,9 @@ def bench(cfg, ranks, seqs, iters, variants):
                 program.copy_only(_tokens(cfg, ranks, seq)[0])
                 idle = program.store.copy_ms()
                 row["ffi_copy_ms_per_layer_idle"] = round(float(np.nanmean(idle)), 3)
-                peer_gib = (ranks - 1) / ranks * sum(
-                    np.prod(s) * 2 for s in program.store.shapes) * cfg.num_experts / 2**30
-                row["ffi_peer_gib_per_layer"] = round(float(peer_gib), 3)
+                peer = rank_memory(cfg, ExpertLayout(cfg.num_experts, ranks), 0, 1,
+                                   program.store.dtype.itemsize)["peer_bytes_per_layer"]  # rank 0's
+                row["ffi_peer_gib_per_layer"] = round(peer / 2**30, 3)
             print(f"{variant:>10} T={seq:>6}: {ms:9.2f} ms (first call {first_s:.1f} s)", flush=True)
         close()
         del make_run
