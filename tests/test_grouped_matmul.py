@@ -91,9 +91,10 @@ def test_xla_path_inside_shard_map(rng):
 
 
 def test_cpu_default_is_xla_and_env_switch_is_gpu_only(monkeypatch):
-    monkeypatch.setenv(gm.ENV_IMPLEMENTATION, "cutlass")
-    if jax.default_backend() == "cpu":
-        assert gm.default_implementation(jnp.bfloat16) == "xla"
+    """The environment switch picks the GPU implementation; the CPU always takes the portable path."""
+    monkeypatch.setenv(gm.ENV_IMPLEMENTATION, "mosaic")
+    want = "xla" if jax.default_backend() == "cpu" else "mosaic"
+    assert gm.default_implementation(jnp.bfloat16) == want
 
 
 def test_bad_implementation_and_shapes(rng):
