@@ -3,7 +3,8 @@
 # run tests/test_grouped_matmul.py on the GPU, then benchmarks/bench_grouped_matmul.py. Logs under $OUT.
 # Each step runs even if an earlier one failed; look for the "=== step" and "=== result" markers.
 # Needs the nvidia-cutlass wheel (headers only) at .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl (or $CUTLASS_WHL).
-# Env: STEPS (default "0 1 2 3 4"; 5 = kernel-only times under Nsight Compute), BENCH_TIMEOUT (s, default 330),
+# Env: STEPS (default "0 1 2 3 4"; 5 = kernel-only times under Nsight Compute; 6 = the fused SwiGLU benchmark,
+# FUSION_ARGS/FUSION_TIMEOUT), BENCH_TIMEOUT (s, default 330),
 # BENCH_ARGS (extra benchmark flags), TEST_TIMEOUT (s, default 240), GMM_LIB_DIR (build the library there instead of
 # jax_dwdp/_lib, and point the later steps at it through JAX_DWDP_GMM_LIB).
 set -o pipefail
@@ -71,6 +72,20 @@ for cfg in range(len(_cutlass.config_names())):
     except Exception as e:
         import traceback; traceback.print_exc()
         print(f"SMOKE config {cfg} FAILED: {type(e).__name__}: {e}")
+from jax_dwdp.kernels import grouped_matmul as gm
+i2 = n // 2
+gate, up = ref[:, :i2], ref[:, i2:]
+ref_sw = gate / (1 + np.exp(-gate)) * up
+for cfg in range(len(_cutlass.swiglu_config_names())):
+    try:
+        out = np.asarray(_cutlass.grouped_matmul_swiglu(x, gm.interleave_gate_up(w), jnp.asarray(sizes, jnp.int32),
+                                                        config=cfg).astype(jnp.float32))
+        err = np.linalg.norm(out - ref_sw) / np.linalg.norm(ref_sw)
+        print(f"SMOKE swiglu config {cfg} {_cutlass.swiglu_config_names()[cfg]}: rel err {err:.2e}, tail zeros "
+              f"{np.all(out[sizes.sum():] == 0)}, finite {np.isfinite(out).all()}")
+    except Exception as e:
+        import traceback; traceback.print_exc()
+        print(f"SMOKE swiglu config {cfg} FAILED: {type(e).__name__}: {e}")
 print(f"smoke done in {time.time() - t:.1f} s")
 EOF
 rc=${PIPESTATUS[0]}; result smoke "rc=$rc"
@@ -104,5 +119,11 @@ timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --kernel-name regex:device_
 rc=${PIPESTATUS[0]}
 python3 benchmarks/gmm_kernel_profile.py report --plan "$OUT/ncu_plan.json" --csv "$OUT/ncu.csv" 2>&1 | tee "$OUT/ncu_report.txt"
 result ncu "rc=$rc (124: timed out; the report covers the cases finished)"
+fi
+if want 6; then
+step "6: fused SwiGLU epilogue vs unfused vs torch, gate_up stage and whole routed-expert block"
+timeout ${FUSION_TIMEOUT:-300} python3 benchmarks/bench_moe_fusion.py --out "$OUT/bench_moe_fusion.json" ${FUSION_ARGS:-} \
+  2>&1 | grep -v "^\s*$\|slow_operation\|Very slow" | tee "$OUT/fusion.log"
+result fusion "rc=${PIPESTATUS[0]} (124: timed out; the JSON has the rows finished)"
 fi
 echo "=== total $(( $(date +%s) - T0 )) s"

@@ -1,5 +1,6 @@
 // One CUTLASS 3.x sm90 grouped GEMM (ptr-array, TMA, warp-specialized) for the MoE expert matmul:
 //   D_g[M_g, N] = A_g[M_g, K] @ B_g[N, K]^T, bf16 in/out, fp32 accumulation,
+// or, with kSwiglu, the fused gate_up projection D_g[M_g, N / 2] = silu(gate) * up (swiglu_epilogue.cuh),
 // with per-group shapes and pointers read on the device (host problem shapes = nullptr: no host sync).
 // Included by one gemm_cfg_*.cu per configuration, so that each heavy instantiation compiles in parallel.
 #pragma once
@@ -17,13 +18,14 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "grouped_gemm.h"
+#include "swiglu_epilogue.cuh"
 
 namespace jax_dwdp_gmm {
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
 using StrideRowMajor = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
 
-template <bool kPingpong, int kTileM, int kTileN, int kTileK, int kClusterM>
+template <bool kPingpong, int kTileM, int kTileN, int kTileK, int kClusterM, bool kSwiglu = false>
 struct GroupedGemm {
   using Element = cutlass::bfloat16_t;
   using Accum = float;
@@ -41,13 +43,17 @@ struct GroupedGemm {
 
   // No source operand (C = void): D = accumulator, converted to bf16. (Declaring a bf16 C aliasing D with beta = 0,
   // as PyTorch does, measured the same: benchmarks/RESULTS.md, 2026-11-30 fourth session.)
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using TmaEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, Accum, Accum,
       void, LayoutD*, kAlign,
       Element, LayoutD*, kAlign,
       EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<Element, Accum, void, Accum>>::CollectiveOp;
+  // The fused SwiGLU epilogue writes from registers (no shared memory, so the mainloop gets more stages).
+  using SwigluEpilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwigluEpilogueArray<StrideRowMajor*>>;
+  using CollectiveEpilogue = std::conditional_t<kSwiglu, SwigluEpilogue, TmaEpilogue>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -79,15 +85,17 @@ struct GroupedGemm {
          reinterpret_cast<const Element**>(a.ptr_b), static_cast<StrideRowMajor*>(a.stride_b)},
         {{}, nullptr, nullptr, reinterpret_cast<Element**>(a.ptr_d), static_cast<StrideRowMajor*>(a.stride_d)},
         hw};
-    auto& fusion = args.epilogue.thread;
-    fusion.alpha = 1.0f;
-    fusion.beta = 0.0f;
-    fusion.alpha_ptr = nullptr;
-    fusion.beta_ptr = nullptr;
-    fusion.alpha_ptr_array = nullptr;
-    fusion.beta_ptr_array = nullptr;
-    fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
-    fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+    if constexpr (!kSwiglu) {
+      auto& fusion = args.epilogue.thread;
+      fusion.alpha = 1.0f;
+      fusion.beta = 0.0f;
+      fusion.alpha_ptr = nullptr;
+      fusion.beta_ptr = nullptr;
+      fusion.alpha_ptr_array = nullptr;
+      fusion.beta_ptr_array = nullptr;
+      fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+      fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+    }
     return args;
   }
 

@@ -2,6 +2,9 @@
 //
 //   out[rows of group g] = x[rows of group g] @ w[g]^T     (x [M, K] bf16, w [G, N, K] bf16, out [M, N] bf16)
 //
+// and "JaxDwdpGroupedGemmSwiglu", the gate_up projection with SiLU(gate) * up fused into the epilogue: w's rows
+// interleaved in blocks of 8 gate / 8 up rows (swiglu_epilogue.cuh), out [M, N / 2] bf16.
+//
 // Rows of x are sorted by group; group_sizes [G] int32 stays on the device. Each call, on XLA's stream:
 //   1. a one-block setup kernel prefix-sums group_sizes and writes, per group, the problem shape (rows_g, N, K),
 //      the A/B/D pointers and the strides into the workspace (an extra output buffer of the custom call);
@@ -68,10 +71,13 @@ struct Layout {
 const GemmConfig* const kConfigs[] = {&kCoop128x256x64C2, &kPingpong64x128x128C2, &kPingpong128x128x64C2,
                                       &kCoop128x256x64C1, &kPingpong64x128x128C1};
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
+const GemmConfig* const kSwigluConfigs[] = {&kCoop128x256x64C1Swiglu, &kPingpong64x128x128C1Swiglu};
+constexpr int kNumSwigluConfigs = sizeof(kSwigluConfigs) / sizeof(kSwigluConfigs[0]);
 
 size_t cutlass_bytes_all_configs(int groups, int sm_count) {
   size_t b = 0;
   for (const GemmConfig* c : kConfigs) b = std::max(b, c->workspace_bytes(groups, sm_count));
+  for (const GemmConfig* c : kSwigluConfigs) b = std::max(b, c->workspace_bytes(groups, sm_count));
   return b;
 }
 
@@ -99,7 +105,7 @@ __device__ long long block_inclusive_scan(long long v, long long* warp_sums) {
 }
 
 __global__ void __launch_bounds__(kSetupThreads)
-    setup_groups_kernel(const int32_t* __restrict__ group_sizes, int groups, long long m, int n, int k,
+    setup_groups_kernel(const int32_t* __restrict__ group_sizes, int groups, long long m, int n, int k, int n_out,
                         const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* out, const void** ptr_a,
                         const void** ptr_b, void** ptr_d, StrideT* stride_a, StrideT* stride_b, StrideT* stride_d,
                         ProblemShapeT* shapes, long long* total_rows) {
@@ -118,10 +124,10 @@ __global__ void __launch_bounds__(kSetupThreads)
       shapes[g] = ProblemShapeT(static_cast<int>(rows), n, k);
       ptr_a[g] = x + start * k;
       ptr_b[g] = w + static_cast<long long>(g) * n * k;
-      ptr_d[g] = out + start * n;
+      ptr_d[g] = out + start * n_out;
       stride_a[g] = StrideT(k, cute::Int<1>{}, cute::Int<0>{});
       stride_b[g] = StrideT(k, cute::Int<1>{}, cute::Int<0>{});
-      stride_d[g] = StrideT(n, cute::Int<1>{}, cute::Int<0>{});
+      stride_d[g] = StrideT(n_out, cute::Int<1>{}, cute::Int<0>{});
     }
     __syncthreads();
     if (threadIdx.x == kSetupThreads - 1) carry = c + incl;
@@ -156,32 +162,39 @@ ffi::Error cuda_error(const char* what, cudaError_t e) {
                               cudaGetErrorString(e) + ")");
 }
 
+// kSwiglu: out [M, N / 2] = silu(gate) * up from w's interleaved gate/up rows (N % 16 == 0).
+template <bool kSwiglu>
 ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::BF16> out,
                              ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
+  const std::string who = kSwiglu ? "JaxDwdpGroupedGemmSwiglu" : "JaxDwdpGroupedGemm";
+  const char* out_shape = kSwiglu ? "out [M, N / 2]" : "out [M, N]";
   auto xd = x.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || gd.size() != 1 || od.size() != 2)
-    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: expects x [M, K], w [G, N, K], group_sizes [G], out [M, N]");
-  const long long m = xd[0], k = xd[1], groups = wd[0], n = wd[1];
-  if (wd[2] != k || gd[0] != groups || od[0] != m || od[1] != n)
-    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: shapes do not fit x [M, K], w [G, N, K], group_sizes [G], out [M, N]");
-  if (k % 8 || n % 8 || k <= 0 || n <= 0)
-    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: K and N must be positive multiples of 8 (16-byte TMA rows), got K=" +
-                                       std::to_string(k) + " N=" + std::to_string(n));
+    return ffi::Error::InvalidArgument(who + ": expects x [M, K], w [G, N, K], group_sizes [G], " + out_shape);
+  const long long m = xd[0], k = xd[1], groups = wd[0], n = wd[1], n_out = kSwiglu ? n / 2 : n;
+  if (wd[2] != k || gd[0] != groups || od[0] != m || od[1] != n_out)
+    return ffi::Error::InvalidArgument(who + ": shapes do not fit x [M, K], w [G, N, K], group_sizes [G], " + out_shape);
+  const int n_multiple = kSwiglu ? 16 : 8;  // SwiGLU: whole 8-row gate/up block pairs
+  if (k % 8 || n % n_multiple || k <= 0 || n <= 0)
+    return ffi::Error::InvalidArgument(who + ": K must be a positive multiple of 8 (16-byte TMA rows) and N of " +
+                                       std::to_string(n_multiple) + ", got K=" + std::to_string(k) +
+                                       " N=" + std::to_string(n));
   if (k > INT32_MAX || n > INT32_MAX || m > INT32_MAX || groups > INT32_MAX)
-    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: dimensions exceed int32");
-  if (config < 0 || config >= kNumConfigs)
-    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: unknown config " + std::to_string(config));
+    return ffi::Error::InvalidArgument(who + ": dimensions exceed int32");
+  const int num_configs = kSwiglu ? kNumSwigluConfigs : kNumConfigs;
+  if (config < 0 || config >= num_configs)
+    return ffi::Error::InvalidArgument(who + ": unknown config " + std::to_string(config));
   if (m == 0) return ffi::Error::Success();
   auto* out_ptr = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
   if (groups == 0) {  // no group: every row is past the (empty) groups
-    cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n * 2, stream);
+    cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n_out * 2, stream);
     return e == cudaSuccess ? ffi::Error::Success() : cuda_error("cudaMemsetAsync", e);
   }
   for (const void* p : {static_cast<const void*>(x.untyped_data()), static_cast<const void*>(w.untyped_data()),
                         static_cast<const void*>(out_ptr)})
     if (reinterpret_cast<uintptr_t>(p) % 16)
-      return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: x, w and out must be 16-byte aligned");
+      return ffi::Error::InvalidArgument(who + ": x, w and out must be 16-byte aligned");
 
   // The stream's device, and make it current (kernels and cudaFuncSetAttribute act on the current device).
   int device = 0, current = 0;
@@ -190,14 +203,14 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
   if ((e = cudaGetDevice(&current)) != cudaSuccess) return cuda_error("cudaGetDevice", e);
   if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error("cudaSetDevice", e);
   const int sm_count = sm_count_of(device);
-  if (sm_count <= 0) return ffi::Error::Internal("JaxDwdpGroupedGemm: cannot query the SM count");
+  if (sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
 
-  const GemmConfig& cfg = *kConfigs[config];
+  const GemmConfig& cfg = kSwiglu ? *kSwigluConfigs[config] : *kConfigs[config];
   const size_t cutlass_bytes = cfg.workspace_bytes(static_cast<int>(groups), sm_count);
   const Layout lay = Layout::make(static_cast<int>(groups), cutlass_bytes);
   const size_t ws_bytes = workspace->size_bytes();
   if (ws_bytes < lay.bytes)
-    return ffi::Error::InvalidArgument("JaxDwdpGroupedGemm: workspace of " + std::to_string(ws_bytes) +
+    return ffi::Error::InvalidArgument(who + ": workspace of " + std::to_string(ws_bytes) +
                                        " bytes, needs " + std::to_string(lay.bytes));
   auto* ws = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uintptr_t>(workspace->untyped_data()), kAlign));
 
@@ -220,20 +233,20 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
   auto* total_rows = reinterpret_cast<long long*>(ws + lay.total);
 
   setup_groups_kernel<<<1, kSetupThreads, 0, stream>>>(
-      group_sizes.typed_data(), a.groups, m, a.n, a.k, reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
+      group_sizes.typed_data(), a.groups, m, a.n, a.k, static_cast<int>(n_out), reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
       reinterpret_cast<const __nv_bfloat16*>(w.untyped_data()), out_ptr, a.ptr_a, a.ptr_b, a.ptr_d,
       static_cast<StrideT*>(a.stride_a), static_cast<StrideT*>(a.stride_b), static_cast<StrideT*>(a.stride_d),
       static_cast<ProblemShapeT*>(a.problem_shapes), total_rows);
   if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error("setup kernel launch", e);
 
-  const long long vecs = m * n / 8;
+  const long long vecs = m * n_out / 8;
   const int zero_blocks = static_cast<int>(std::min<long long>((vecs + 255) / 256, 2LL * sm_count));
-  zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, a.n, out_ptr);
+  zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, static_cast<int>(n_out), out_ptr);
   if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error("zero-tail kernel launch", e);
 
   if (const char* msg = cfg.run(a)) {
     cudaError_t last = cudaGetLastError();
-    return ffi::Error::Internal(std::string("JaxDwdpGroupedGemm (") + cfg.name + "): " + msg +
+    return ffi::Error::Internal(who + " (" + cfg.name + "): " + msg +
                                 (last != cudaSuccess ? std::string("; CUDA: ") + cudaGetErrorString(last) : ""));
   }
   if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(cfg.name, e);
@@ -251,6 +264,10 @@ JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmNoGraph(XLA_FFI_CallFrame* 
 JAX_DWDP_GMM_EXPORT size_t JaxDwdpGroupedGemmWorkspaceBytes(int32_t groups, int32_t sm_count);
 JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGroupedGemmNumConfigs();
 JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmConfigName(int32_t i);
+JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmSwiglu(XLA_FFI_CallFrame* call_frame);
+JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmSwigluNoGraph(XLA_FFI_CallFrame* call_frame);
+JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGroupedGemmSwigluNumConfigs();
+JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i);
 
 #define JAX_DWDP_GMM_BINDING                                 \
   ffi::Ffi::Bind()                                           \
@@ -263,10 +280,15 @@ JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmConfigName(int32_t i);
       .Attr<int32_t>("config")
 
 // Recordable into XLA command buffers (CUDA graphs): only stream work, nothing on the host reads the data.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemm, jax_dwdp_gmm::grouped_gemm_impl, JAX_DWDP_GMM_BINDING,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemm, jax_dwdp_gmm::grouped_gemm_impl<false>, JAX_DWDP_GMM_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 // The same handler without the trait: XLA then runs it outside command buffers (a fallback switch).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmNoGraph, jax_dwdp_gmm::grouped_gemm_impl, JAX_DWDP_GMM_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmNoGraph, jax_dwdp_gmm::grouped_gemm_impl<false>, JAX_DWDP_GMM_BINDING);
+// The fused gate_up + SwiGLU projection (out [M, N / 2]), with and without the trait.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwiglu, jax_dwdp_gmm::grouped_gemm_impl<true>, JAX_DWDP_GMM_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwigluNoGraph, jax_dwdp_gmm::grouped_gemm_impl<true>,
+                              JAX_DWDP_GMM_BINDING);
 
 extern "C" {
 
@@ -282,6 +304,12 @@ int32_t JaxDwdpGroupedGemmNumConfigs() { return jax_dwdp_gmm::kNumConfigs; }
 
 const char* JaxDwdpGroupedGemmConfigName(int32_t i) {
   return i >= 0 && i < jax_dwdp_gmm::kNumConfigs ? jax_dwdp_gmm::kConfigs[i]->name : nullptr;
+}
+
+int32_t JaxDwdpGroupedGemmSwigluNumConfigs() { return jax_dwdp_gmm::kNumSwigluConfigs; }
+
+const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i) {
+  return i >= 0 && i < jax_dwdp_gmm::kNumSwigluConfigs ? jax_dwdp_gmm::kSwigluConfigs[i]->name : nullptr;
 }
 
 }  // extern "C"

@@ -8,7 +8,12 @@ matmul). Later work swaps an implementation here without touching the model.
 from jax_dwdp.kernels.attention import causal_attention, decode_attention
 from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
 from jax_dwdp.kernels.grouped_matmul import ROW_MULTIPLE as GROUPED_MATMUL_ROW_MULTIPLE
-from jax_dwdp.kernels.grouped_matmul import grouped_matmul
+from jax_dwdp.kernels.grouped_matmul import (
+    deinterleave_gate_up,
+    grouped_matmul,
+    grouped_matmul_swiglu,
+    interleave_gate_up,
+)
 
 __all__ = [
     "causal_attention",
@@ -16,5 +21,8 @@ __all__ = [
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_step",
     "grouped_matmul",
+    "grouped_matmul_swiglu",
+    "interleave_gate_up",
+    "deinterleave_gate_up",
     "GROUPED_MATMUL_ROW_MULTIPLE",
 ]

@@ -1,4 +1,5 @@
-"""The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind an XLA FFI custom call.
+"""The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind XLA FFI custom calls: the plain grouped matmul and the
+gate_up projection with SiLU(gate) * up fused into its epilogue.
 
 The shared library `jax_dwdp/_lib/libjax_dwdp_gmm.so` (or the path in $JAX_DWDP_GMM_LIB) is loaded with ctypes on
 first use only, never when jax_dwdp is imported, and its handler is registered once for the CUDA platform.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "jax_dwdp_grouped_gemm"
+SWIGLU_TARGET = "jax_dwdp_grouped_gemm_swiglu"
 _LIB_NAME = "libjax_dwdp_gmm.so"
 _lock = threading.Lock()
 _registered: dict[str, object] = {}
@@ -60,12 +62,22 @@ def _lib() -> ctypes.CDLL:
     lib.JaxDwdpGroupedGemmNumConfigs.argtypes = []
     lib.JaxDwdpGroupedGemmConfigName.restype = ctypes.c_char_p
     lib.JaxDwdpGroupedGemmConfigName.argtypes = [ctypes.c_int32]
+    lib.JaxDwdpGroupedGemmSwigluNumConfigs.restype = ctypes.c_int32
+    lib.JaxDwdpGroupedGemmSwigluNumConfigs.argtypes = []
+    lib.JaxDwdpGroupedGemmSwigluConfigName.restype = ctypes.c_char_p
+    lib.JaxDwdpGroupedGemmSwigluConfigName.argtypes = [ctypes.c_int32]
     return lib
 
 
 def config_names() -> list[str]:
     lib = _lib()
     return [lib.JaxDwdpGroupedGemmConfigName(i).decode() for i in range(lib.JaxDwdpGroupedGemmNumConfigs())]
+
+
+def swiglu_config_names() -> list[str]:
+    """The configurations compiled with the fused SwiGLU epilogue (a subset of `config_names()`' tiles)."""
+    lib = _lib()
+    return [lib.JaxDwdpGroupedGemmSwigluConfigName(i).decode() for i in range(lib.JaxDwdpGroupedGemmSwigluNumConfigs())]
 
 
 def _register() -> None:
@@ -78,9 +90,10 @@ def _register() -> None:
             )
         lib = _lib()
         graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # capture failed on H200 (cudaErrorStreamCaptureUnsupported)
-        fn = lib.JaxDwdpGroupedGemm if graphs else lib.JaxDwdpGroupedGemmNoGraph
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="CUDA")
-        _registered[TARGET] = fn
+        for target, fn in ((TARGET, lib.JaxDwdpGroupedGemm if graphs else lib.JaxDwdpGroupedGemmNoGraph),
+                           (SWIGLU_TARGET, lib.JaxDwdpGroupedGemmSwiglu if graphs else lib.JaxDwdpGroupedGemmSwigluNoGraph)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="CUDA")
+            _registered[target] = fn
 
 
 def _max_sm_count() -> int:
@@ -93,16 +106,19 @@ def workspace_bytes(groups: int, sm_count: int) -> int:
     return int(_lib().JaxDwdpGroupedGemmWorkspaceBytes(groups, sm_count))
 
 
-def pick_config(m: int, n: int, groups: int) -> int:
-    """Index of the kernel configuration: $JAX_DWDP_GMM_CONFIG, else by average rows per group (like PyTorch)."""
-    names = config_names()
+def pick_config(m: int, n: int, groups: int, names: list[str] | None = None) -> int:
+    """Index into `names` (default `config_names()`) of the kernel configuration: $JAX_DWDP_GMM_CONFIG, else by
+    average rows per group (like PyTorch)."""
+    full = config_names()
+    names = full if names is None else names
     env = os.environ.get("JAX_DWDP_GMM_CONFIG")
-    if env:
-        if env.isdigit() and int(env) < len(names):
-            return int(env)
-        if env in names:
-            return names.index(env)
-        raise ValueError(f"JAX_DWDP_GMM_CONFIG={env!r} is none of {names}")
+    if env:  # a name, or an index into config_names()
+        name = full[int(env)] if env.isdigit() and int(env) < len(full) else env
+        if name in names:
+            return names.index(name)
+        if name not in full:
+            raise ValueError(f"JAX_DWDP_GMM_CONFIG={env!r} is none of {full}")
+        # a configuration without a fused SwiGLU build: the fused call keeps its automatic choice
     rows_per_group = m / max(groups, 1)
     # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30, fourth session) at 80-512 rows per group: the
     # cooperative 128x256 tile without a cluster was the fastest of the five configs on every uniform-routing case,
@@ -113,28 +129,49 @@ def pick_config(m: int, n: int, groups: int) -> int:
     return names.index("pingpong_64x128x128_c1x1" if small else "coop_128x256x64_c1x1")
 
 
+def _call(target: str, names: list[str], n_out: int, x, w, group_sizes, config) -> jax.Array:
+    m, k = x.shape
+    g, n, _ = w.shape
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"cutlass grouped matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    _register()
+    if config is None:
+        cfg = pick_config(m, n, g, names)
+    elif isinstance(config, str):
+        if config not in names:
+            raise ValueError(f"unknown cutlass config {config!r}; one of {names}")
+        cfg = names.index(config)
+    else:
+        cfg = int(config)
+    ws = workspace_bytes(g, _max_sm_count())
+    out, _ = jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct((m, n_out), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+        vmap_method="sequential",
+    )(x, w, group_sizes.astype(jnp.int32), config=np.int32(cfg))
+    return out
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: int | str | None = None) -> jax.Array:
     """x [M, K] bf16 rows sorted by group; w [G, N, K] bf16; group_sizes [G] int32 (device). Returns [M, N] bf16.
 
     Rows past sum(group_sizes) are zeros. Needs K % 8 == 0 and N % 8 == 0 (16-byte TMA rows).
     """
-    m, k = x.shape
-    g, n, _ = w.shape
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        raise ValueError(f"cutlass grouped matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    k, n = x.shape[1], w.shape[1]
     if k % 8 or n % 8:
         raise ValueError(f"cutlass grouped matmul needs K % 8 == 0 and N % 8 == 0, got K={k} N={n}")
-    _register()
-    if config is None:
-        cfg = pick_config(m, n, g)
-    elif isinstance(config, str):
-        cfg = config_names().index(config)
-    else:
-        cfg = int(config)
-    ws = workspace_bytes(g, _max_sm_count())
-    out, _ = jax.ffi.ffi_call(
-        TARGET,
-        (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
-        vmap_method="sequential",
-    )(x, w, group_sizes.astype(jnp.int32), config=np.int32(cfg))
-    return out
+    return _call(TARGET, config_names(), n, x, w, group_sizes, config)
+
+
+def grouped_matmul_swiglu(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: int | str | None = None
+) -> jax.Array:
+    """The gate_up projection with SiLU(gate) * up in the epilogue: x [M, K] bf16 rows sorted by group; w [G, 2I, K]
+    bf16 with gate and up rows interleaved in blocks of 8 (`grouped_matmul.interleave_gate_up`); returns [M, I] bf16
+    = silu(x @ gate^T) * (x @ up^T), computed from the fp32 accumulators. Rows past sum(group_sizes) are zeros.
+    Needs K % 8 == 0 and I % 8 == 0.
+    """
+    k, n = x.shape[1], w.shape[1]
+    if k % 8 or n % 16:
+        raise ValueError(f"cutlass fused SwiGLU grouped matmul needs K % 8 == 0 and 2I % 16 == 0, got K={k} 2I={n}")
+    return _call(SWIGLU_TARGET, swiglu_config_names(), n // 2, x, w, group_sizes, config)

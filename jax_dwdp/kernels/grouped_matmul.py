@@ -117,3 +117,68 @@ def grouped_matmul(
         raise ValueError(f"unknown grouped matmul implementation {impl!r}; one of {sorted(IMPLEMENTATIONS)}") from None
     with jax.named_scope(f"grouped_matmul_{impl}"):
         return fn(x, w.astype(x.dtype), group_sizes)
+
+
+# --- The gate_up projection with SiLU(gate) * up: fused into the CUTLASS epilogue on the GPU ---------------------
+
+SWIGLU_BLOCK = 8  # gate / up rows per block of the interleaved layout: one wgmma accumulator column chunk
+
+
+def _check_gate_up(w, what: str) -> tuple[int, int]:
+    two_i = w.shape[-2]
+    if w.ndim < 2 or two_i % (2 * SWIGLU_BLOCK):
+        raise ValueError(
+            f"{what}: gate_up weight of shape {tuple(w.shape)} needs 2I = shape[-2] to be a multiple of "
+            f"{2 * SWIGLU_BLOCK} (I a multiple of {SWIGLU_BLOCK}), got 2I={two_i}"
+        )
+    return two_i // 2, w.shape[-1]
+
+
+def interleave_gate_up(w):
+    """[..., 2I, K] with gate rows then up rows (the Hugging Face layout) -> rows in blocks of 8: row 16b + r is
+    gate row 8b + r, row 16b + 8 + r is up row 8b + r. numpy or jax arrays; a pure permutation of rows."""
+    i, k = _check_gate_up(w, "interleave_gate_up")
+    lead = tuple(w.shape[:-2])
+    b = SWIGLU_BLOCK
+    return w.reshape(*lead, 2, i // b, b, k).swapaxes(-4, -3).reshape(*lead, 2 * i, k)
+
+
+def deinterleave_gate_up(w):
+    """The inverse of `interleave_gate_up`."""
+    i, k = _check_gate_up(w, "deinterleave_gate_up")
+    lead = tuple(w.shape[:-2])
+    b = SWIGLU_BLOCK
+    return w.reshape(*lead, i // b, 2, b, k).swapaxes(-4, -3).reshape(*lead, 2 * i, k)
+
+
+def swiglu_of_interleaved(y: jax.Array, dtype) -> jax.Array:
+    """[M, 2I] outputs of an interleaved gate_up projection -> silu(gate) * up [M, I] in fp32, cast to dtype."""
+    m, two_i = y.shape
+    y = y.reshape(m, two_i // (2 * SWIGLU_BLOCK), 2, SWIGLU_BLOCK)
+    gate, up = y[:, :, 0].reshape(m, -1), y[:, :, 1].reshape(m, -1)
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+
+
+def grouped_matmul_swiglu(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None, fused: bool = True
+) -> jax.Array:
+    """silu(x @ gate_g^T) * (x @ up_g^T) per group: x [M, K] rows sorted by group; w [G, 2I, K] gate_up weights
+    interleaved by `interleave_gate_up`; group_sizes [G]. Returns [M, I] in x's dtype.
+
+    "cutlass" fuses the activation into the GEMM epilogue (from the fp32 accumulators; the [M, 2I] projection is
+    never written) unless `fused=False`. Other implementations run `grouped_matmul` and the activation in XLA,
+    rounding gate and up to x's dtype first. Rows past sum(group_sizes) are zeros for "cutlass" and "xla".
+    """
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or group_sizes.shape != (w.shape[0],):
+        raise ValueError(
+            f"grouped_matmul_swiglu: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape} do not fit "
+            "x [M, K], w [G, 2I, K], group_sizes [G]"
+        )
+    _check_gate_up(w, "grouped_matmul_swiglu")
+    impl = implementation or default_implementation(x.dtype)
+    if impl == "cutlass" and fused:
+        from jax_dwdp.kernels import _cutlass as cutlass
+
+        with jax.named_scope("grouped_matmul_swiglu_cutlass"):
+            return cutlass.grouped_matmul_swiglu(x, w.astype(x.dtype), group_sizes)
+    return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=impl), x.dtype)

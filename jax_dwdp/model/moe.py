@@ -40,10 +40,13 @@ def routed_experts(
     down_proj: jax.Array,
     *,
     grouped_matmul_impl: str | None = None,
+    gate_up_interleaved: bool = False,
 ) -> jax.Array:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e.
 
-    x [M, H]; expert_ids, expert_weights [M, k]; gate_up_proj [E, 2I, H] (gate rows first); down_proj [E, H, I].
+    x [M, H]; expert_ids, expert_weights [M, k]; gate_up_proj [E, 2I, H] (gate rows first, or, with
+    `gate_up_interleaved`, in `kernels.interleave_gate_up`'s layout, which lets the GPU kernel fuse SiLU(gate) * up
+    into the projection's epilogue); down_proj [E, H, I].
     Tokens are sorted by expert, pushed through two grouped matmuls, and gathered back (a gather, not a scatter).
     """
     m, k = expert_ids.shape
@@ -53,9 +56,12 @@ def routed_experts(
     # belong to no group and are dropped by the final gather.
     pad = (-m * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
     rows = x[jnp.pad(order, (0, pad)) // k]  # [M*k + pad, H]
-    gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
-    gate, up = gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :]
-    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    if gate_up_interleaved:
+        act = kernels.grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
+    else:
+        gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
+        gate, up = gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :]
+        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
     out = out[jnp.argsort(order)] * expert_weights.reshape(-1)[:, None]  # back to (token, slot) order
     return jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
