@@ -177,3 +177,31 @@ def test_bad_tokens_are_refused(model32, tokens, lengths, match):
     with pytest.raises(InputError, match=match):
         jit_prefill(model32)(tokens, lengths)
 
+
+
+def test_fused_swiglu_layout_computes_the_same_model(rng):
+    """The interleaved gate_up layout (the fused SwiGLU epilogue's, the GPU default with the CUTLASS kernel) is a
+    pure row permutation: same seed -> same logits (bit-identical on the CPU path), exact round trip, mixed-layout
+    models refused, and the CPU default keeps the checkpoint layout."""
+    from jax_dwdp.model import fused_swiglu_default, fused_swiglu_enabled, set_fused_swiglu
+
+    assert not fused_swiglu_default(CFG, jnp.bfloat16)  # the CPU's grouped matmul is "xla"
+    plain = init_model(CFG, dtype=jnp.float32, seed=5)
+    fused = init_model(CFG, dtype=jnp.float32, seed=5, fused_swiglu=True)
+    assert not fused_swiglu_enabled(plain) and fused_swiglu_enabled(fused)
+    w_plain = np.asarray(plain.layers[1].mlp.experts.gate_up_proj[...])
+    w_fused = np.asarray(fused.layers[1].mlp.experts.gate_up_proj[...])
+    assert not np.array_equal(w_plain, w_fused)
+    np.testing.assert_array_equal(w_fused[:, 8:16], w_plain[:, 16:24])  # rows 8..15: up rows 0..7 (I = 16)
+    tokens = rng.integers(0, CFG.vocab_size, (2, 20)).astype(np.int32)
+    a, b = jit_prefill(plain)(tokens)[0], jit_prefill(fused)(tokens)[0]
+    print(f"fused-SwiGLU layout vs checkpoint layout, fp32 CPU logits: rel err {rel_err(b, a):.1e}")
+    assert rel_err(b, a) <= 1e-6
+    set_fused_swiglu(fused, False)
+    np.testing.assert_array_equal(np.asarray(fused.layers[1].mlp.experts.gate_up_proj[...]), w_plain)
+    fused.layers[0].mlp.experts.gate_up_interleaved = True
+    with pytest.raises(ValueError, match="mix gate_up layouts"):
+        fused_swiglu_enabled(fused)
+    odd = CFG.replace(moe_intermediate_size=12)
+    with pytest.raises(ValueError, match="moe_intermediate_size % 8 == 0"):
+        init_model(odd, dtype=jnp.float32, seed=5, fused_swiglu=True)

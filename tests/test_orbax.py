@@ -58,6 +58,22 @@ def test_orbax_restore_equals_hf_load(hf_dir, orbax_dir, rng):
     assert marker["tensors"] == report.tensors_loaded and marker["layers"] == 5
 
 
+def test_load_checkpoint_fused_swiglu_layout(hf_dir, orbax_dir, rng):
+    """load_checkpoint(fused_swiglu=True) from either format: the same model in the interleaved layout."""
+    from jax_dwdp.model import fused_swiglu_enabled
+    from jax_dwdp.weights import load_checkpoint
+
+    ref, _ = load_hf_checkpoint(hf_dir, dtype=jnp.float32)
+    tokens = rng.integers(0, CFG.vocab_size, (2, 24)).astype(np.int32)
+    want = jit_prefill(ref)(tokens)[0]
+    for source in (hf_dir, orbax_dir):
+        default, _ = load_checkpoint(source, dtype=jnp.float32)
+        assert not fused_swiglu_enabled(default)  # the CPU default keeps the checkpoint layout
+        model, _ = load_checkpoint(source, dtype=jnp.float32, fused_swiglu=True)
+        assert fused_swiglu_enabled(model)
+        assert rel_err(jit_prefill(model)(tokens)[0], want) <= 1e-6
+
+
 def test_convert_parses_each_shard_header_once(hf_dir, orbax_dir, tmp_path, monkeypatch):
     """Conversion keeps one open checkpoint across its per-layer loads: each of the 3 shard headers is parsed once
     (not once per layer), and the result restores bit for bit equal to the HF load."""

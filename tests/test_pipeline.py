@@ -99,6 +99,24 @@ def test_pipeline_equals_one_device(references, layers, stages, microbatches, bo
         assert vs_unsplit[name] <= 1e-4, (name, vs_unsplit[name])
 
 
+def test_pipeline_keeps_the_fused_swiglu_layout(references):
+    """Stages cut from a model in the fused-SwiGLU layout carry the layout with the weights (not re-permuted)."""
+    from jax_dwdp.model import fused_swiglu_enabled, set_fused_swiglu
+
+    tokens, lengths, refs = references
+    model, ref_logits, _ = refs[6]
+    set_fused_swiglu(model, True)
+    try:
+        pipe = Pipeline.from_model(model, 2)
+        assert all(fused_swiglu_enabled(m) for m in pipe.models)
+        logits, _ = pipe.prefill(tokens, lengths, cache_len=72)
+        err = rel_err(logits, ref_logits)
+        print(f"P=2 from a fused-SwiGLU-layout model vs the unsplit checkpoint-layout model: {err:.1e}")
+        assert err <= 1e-4
+    finally:
+        set_fused_swiglu(model, False)
+
+
 def test_stage_cache_has_one_slot_per_own_linear_layer(references):
     """Regression for the seed bug: a stage's linear-attention cache is sized by its own linear layers (not the
     model's), and slot i holds the state of the stage's i-th linear layer."""

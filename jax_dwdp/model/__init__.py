@@ -1,6 +1,16 @@
 """The Qwen3.5-MoE text model in Flax NNX."""
 
 from jax_dwdp.model.build import abstract_model, init_model
+from jax_dwdp.model.moe import fused_swiglu_default, fused_swiglu_enabled, set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import Cache, DecoderLayer, Qwen35MoeForCausalLM
 
-__all__ = ["Cache", "DecoderLayer", "Qwen35MoeForCausalLM", "abstract_model", "init_model"]
+__all__ = [
+    "Cache",
+    "DecoderLayer",
+    "Qwen35MoeForCausalLM",
+    "abstract_model",
+    "init_model",
+    "fused_swiglu_default",
+    "fused_swiglu_enabled",
+    "set_fused_swiglu",
+]

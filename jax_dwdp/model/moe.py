@@ -6,12 +6,15 @@ parallel paths (DWDP, EP) can hand it expert weights that came from elsewhere wi
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
 
 
@@ -73,12 +76,15 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """All experts of one layer as stacked weights, in the checkpoint's fused layout."""
+    """All experts of one layer as stacked weights: gate_up_proj [E, 2I, H] in the checkpoint's layout (gate rows,
+    then up rows), or with `gate_up_interleaved` in `kernels.interleave_gate_up`'s (see `set_fused_swiglu`);
+    down_proj [E, H, I]."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nnx.Param(normal_init(rngs, (e, 2 * i, h), dtype, h**-0.5))
         self.down_proj = nnx.Param(normal_init(rngs, (e, h, i), dtype, i**-0.5))
+        self.gate_up_interleaved = False
 
 
 class SharedExpert(nnx.Module):
@@ -110,7 +116,58 @@ class SparseMoe(nnx.Module):
             experts = experts(flat)
         gate_up, down = experts if experts is not None else (self.experts.gate_up_proj[...], self.experts.down_proj[...])
         ids, weights = route(flat, self.gate.weight[...], self.top_k)
-        routed = routed_experts(flat, ids, weights, gate_up, down)
+        routed = routed_experts(flat, ids, weights, gate_up, down,
+                                gate_up_interleaved=self.experts.gate_up_interleaved)
         shared_gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)).astype(x.dtype)
         out = routed + shared_gate * self.shared_expert(flat)
         return out.reshape(*lead, -1)
+
+
+# --- The gate_up weight layout: the checkpoint's, or interleaved for the fused SwiGLU epilogue ---------------------
+
+
+def fused_swiglu_default(cfg: ModelConfig, dtype) -> bool:
+    """Whether models are built with the fused SwiGLU layout by default: where the MoE grouped matmul defaults to the
+    CUTLASS kernel (a GPU with the library built, bf16; see `kernels.grouped_matmul.default_implementation`) and
+    I is a multiple of the 8-row interleave block."""
+    from jax_dwdp.kernels.grouped_matmul import default_implementation
+
+    return cfg.moe_intermediate_size % SWIGLU_BLOCK == 0 and default_implementation(jnp.dtype(dtype)) == "cutlass"
+
+
+def _experts_of(model) -> list[Experts]:
+    return [layer.mlp.experts for layer in model.layers]
+
+
+def fused_swiglu_enabled(model) -> bool:
+    """True when the model's expert weights are in the interleaved (fused SwiGLU) layout."""
+    flags = {experts.gate_up_interleaved for experts in _experts_of(model)}
+    if len(flags) > 1:
+        raise ValueError("the model's layers mix gate_up layouts (some interleaved, some not)")
+    return flags.pop() if flags else False
+
+
+@functools.lru_cache(maxsize=None)
+def _permuter(interleave: bool, sharding):
+    fn = kernels.interleave_gate_up if interleave else kernels.deinterleave_gate_up
+    return jax.jit(fn, out_shardings=sharding)
+
+
+def set_fused_swiglu(model, enable: bool, *, permute: bool = True):
+    """Puts every layer's gate_up_proj into the interleaved layout (enable=True: gate and up rows in alternating
+    blocks of 8, which lets the CUTLASS kernel fuse SiLU(gate) * up into the projection's epilogue) or back into the
+    checkpoint's layout, in place. The rows are permuted on the weights' own devices with their shardings kept (one
+    layer's gate_up at a time of extra memory); the model computes the same function either way.
+    `permute=False` only marks the layout (for weights that are already in it). Returns the model."""
+    experts = _experts_of(model)
+    if enable and experts and experts[0].gate_up_proj.get_value().shape[1] % (2 * SWIGLU_BLOCK):
+        raise ValueError(f"set_fused_swiglu: the interleaved layout needs moe_intermediate_size % {SWIGLU_BLOCK} == 0, "
+                         f"got gate_up_proj {tuple(experts[0].gate_up_proj.get_value().shape)}")
+    for e in experts:
+        if e.gate_up_interleaved == enable:
+            continue
+        if permute:
+            w = e.gate_up_proj[...]
+            e.gate_up_proj[...] = _permuter(enable, w.sharding)(w)
+        e.gate_up_interleaved = enable
+    return model

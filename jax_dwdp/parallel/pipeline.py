@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
+from jax_dwdp.model.moe import fused_swiglu_enabled, set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.mesh import cpu_barrier, make_mesh
 from jax_dwdp.prefill import InputError, StageProgram, check_tokens
@@ -78,7 +79,8 @@ def stage_from_model(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: i
     for path, var in nnx.to_flat_state(abstract):
         src = ("layers", path[1] + start_layer, *path[2:]) if path[0] == "layers" else path
         leaves.append((path, type(var)(jax.device_put(full[src].get_value(), device))))
-    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    stage = nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    return set_fused_swiglu(stage, fused_swiglu_enabled(model), permute=False)  # the weights came in their layout
 
 
 class Pipeline:

@@ -6,14 +6,23 @@ from pathlib import Path
 
 
 def load_checkpoint(directory: str | Path, *, cfg=None, dtype, start_layer: int = 0, end_layer: int | None = None,
-                    placement=None):
-    """Loads layers [start_layer, end_layer) from an HF folder or a jax_dwdp Orbax folder: (model, LoadReport)."""
+                    placement=None, fused_swiglu: bool | None = None):
+    """Loads layers [start_layer, end_layer) from an HF folder or a jax_dwdp Orbax folder: (model, LoadReport).
+
+    `fused_swiglu` then puts the expert gate_up weights in the fused-SwiGLU layout (`set_fused_swiglu`); None:
+    where the CUTLASS grouped matmul is the default. (The loaders themselves keep the checkpoint's layout.)
+    """
+    from jax_dwdp.model.moe import fused_swiglu_default, set_fused_swiglu
     from jax_dwdp.weights.orbax_store import is_orbax_checkpoint, load_orbax_checkpoint
 
     if is_orbax_checkpoint(directory):
-        return load_orbax_checkpoint(directory, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
-                                     placement=placement)
-    from jax_dwdp.weights.hf_loader import load_hf_checkpoint
+        model, report = load_orbax_checkpoint(directory, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
+                                              placement=placement)
+    else:
+        from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 
-    return load_hf_checkpoint(directory, cfg=cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
-                              placement=placement)
+        model, report = load_hf_checkpoint(directory, cfg=cfg, dtype=dtype, start_layer=start_layer,
+                                           end_layer=end_layer, placement=placement)
+    if fused_swiglu is None:
+        fused_swiglu = fused_swiglu_default(model.cfg, dtype)
+    return (set_fused_swiglu(model, True) if fused_swiglu else model), report
