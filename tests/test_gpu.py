@@ -99,8 +99,15 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     m32 = _damp_residual_branches(init_model(cfg, dtype=jnp.float32, seed=2), 0.2)
     text = jit_prefill(m16).lower(tokens, np.array([1000], np.int32)).as_text()
     assert want.lower() in text.lower(), f"bf16 GPU prefill did not use the expected grouped matmul ({want})"
+    from jax_dwdp.model import fused_swiglu_enabled
+
+    # With the CUTLASS default the model is built in the fused-SwiGLU layout and the gate_up projection is the fused
+    # kernel; the fp32 model keeps the checkpoint layout (same seed: the same weights, permuted).
+    fused = want == _cutlass.TARGET
+    assert fused_swiglu_enabled(m16) == fused and not fused_swiglu_enabled(m32)
+    assert (_cutlass.SWIGLU_TARGET in text) == fused
     l16, _ = jit_prefill(m16)(tokens)
     l32, _ = jit_prefill(m32)(tokens)
     err = rel_err(l16.astype(jnp.float32), l32)
-    print(f"GPU bf16 ({want} grouped matmul) vs fp32 logits: {err:.2e}")
+    print(f"GPU bf16 ({want} grouped matmul, fused SwiGLU {fused}) vs fp32 logits: {err:.2e}")
     assert err <= 2e-2
