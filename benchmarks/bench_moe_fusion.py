@@ -9,7 +9,9 @@ Per (model, tokens, routing), side by side in one process, medians of --iters sa
 - MoE block: `routed_experts` with the interleaved weights and the fused kernel vs the Hugging Face layout and the
   unfused path, same routing, same inputs.
 Also the relative error of fused vs unfused outputs (they differ by the bf16 rounding of gate and up before the
-activation, which the fused kernel skips).
+activation, which the fused kernel skips). --breakdown also times the block's parts alone: the sort by expert, the
+inverse permutation (a second argsort, as before, vs the scatter of iota `routed_experts` now uses), the row
+gather, the down projection and the un-permute (gather, routing-weight scale, top-k sum).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from bench_grouped_matmul import group_sizes, reason, timed, torch_timed  # noqa: E402 (same folder)
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.model.moe import routed_experts
+from jax_dwdp.model.moe import routed_experts, sort_by_expert
 
 gm = importlib.import_module("jax_dwdp.kernels.grouped_matmul")
 
@@ -39,6 +41,34 @@ def routing_for(rng, tokens, experts, top_k, routing):
     return ids.reshape(tokens, top_k), weights, counts
 
 
+def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
+    """Times the routed-expert block's parts alone, as `routed_experts` runs them."""
+    m = ids.shape[0]
+    sort = jax.jit(lambda i: sort_by_expert(i, experts))
+    order, _ = sort(ids)
+    n = order.shape[0]
+    inv_sort = jax.jit(jnp.argsort)
+    inv_scatter = jax.jit(lambda o: jnp.zeros_like(o).at[o].set(jnp.arange(o.shape[0], dtype=o.dtype),
+                                                               unique_indices=True))
+    gather = jax.jit(lambda x, o: x[o // top_k])
+    act = jax.random.normal(jax.random.key(5), (n, down.shape[2]), jnp.bfloat16)
+    down_mm = jax.jit(lambda a, w, g: gm.grouped_matmul(a, w, g))
+    y = jax.random.normal(jax.random.key(6), (n, down.shape[1]), jnp.bfloat16)
+    inverse = inv_scatter(order)
+
+    @jax.jit
+    def unpermute(y, inv, w):
+        out = y[inv] * w.reshape(-1)[:, None]
+        return jnp.sum(out.reshape(m, top_k, -1).astype(jnp.float32), axis=1).astype(y.dtype)
+
+    record("part sort", lambda: sort(ids))
+    record("part inverse argsort", lambda: inv_sort(order))
+    record("part inverse scatter", lambda: inv_scatter(order))
+    record("part gather", lambda: gather(xt, order))
+    record("part down", lambda: down_mm(act, down, gs))
+    record("part unpermute", lambda: unpermute(y, inverse, weights))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["35b-a3b", "122b-a10b", "397b-a17b"])
@@ -46,6 +76,7 @@ def main(argv=None):
     ap.add_argument("--routing", nargs="+", default=["uniform", "skewed"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-block", action="store_true", help="skip the whole routed-expert block")
+    ap.add_argument("--breakdown", action="store_true", help="also time the block's parts alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -126,6 +157,8 @@ def main(argv=None):
                         row["block_rel_err_fused_vs_unfused"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
                     except Exception as ex:  # noqa: BLE001
                         row["notes"]["block compare"] = reason(ex)
+                if args.breakdown:
+                    breakdown(record, jnp.asarray(ids), jnp.asarray(weights, jnp.bfloat16), xt, down, e, k, gs)
                 tm = row["times_ms"]
 
                 def c(name):
@@ -139,6 +172,9 @@ def main(argv=None):
                       f"{r('unfused', 'fused'):>9} {r('torch', 'fused'):>11} "
                       f"{(f'{err:.1e}' if err is not None else 'n/a'):>8} | {c('block fused'):>11} "
                       f"{c('block unfused'):>10} {r('block unfused', 'block fused'):>9}", flush=True)
+                parts = [n for n in tm if n.startswith("part ")]
+                if parts:
+                    print("    parts (ms): " + ", ".join(f"{n[5:]} {tm[n]:.3f}" for n in parts), flush=True)
                 for name, note in row["notes"].items():
                     print(f"    n/a {name}: {note}", flush=True)
                 results["rows"].append(row)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.model import init_model
+from jax_dwdp.kernels.grouped_matmul import default_implementation
+from jax_dwdp.model import fused_swiglu_enabled, init_model
 from jax_dwdp.prefill import jit_prefill
 from jax_dwdp.timing import median_seconds
 
@@ -35,18 +36,25 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--layerwise", action="store_true", help="one compiled program per layer type (fast compile)")
+    ap.add_argument("--fused-swiglu", choices=["auto", "on", "off"], default="auto",
+                    help="expert gate_up layout: the fused SwiGLU epilogue's (on), the checkpoint's (off), or the "
+                         "default for this machine (auto: on where the CUTLASS grouped matmul is the default)")
     args = ap.parse_args()
 
     cfg = ModelConfig.preset(args.preset)
     if args.num_layers:
         cfg = cfg.replace(num_hidden_layers=args.num_layers)
     t0 = time.perf_counter()
-    model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=0)
+    fused = {"auto": None, "on": True, "off": False}[args.fused_swiglu]
+    model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=0, fused_swiglu=fused)
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
     device = jax.devices()[0]
     rows = []
-    print(f"{cfg.summary()}; random init {init_s:.1f} s on {device.device_kind}")
+    impl = default_implementation(jnp.dtype(args.dtype))
+    fused = fused_swiglu_enabled(model)
+    print(f"{cfg.summary()}; random init {init_s:.1f} s on {device.device_kind}; grouped matmul {impl}, "
+          f"fused SwiGLU {fused}")
     print(f"{'tokens':>8} {'compile s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
     for t in sorted(args.seq_lens):
         tokens = np.random.default_rng(t).integers(0, cfg.vocab_size, (args.batch, t)).astype(np.int32)
@@ -61,7 +69,7 @@ def main() -> None:
         n = args.batch * t
         tflops = cfg.prefill_flops(args.batch, t, args.batch) / sec / 1e12
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
-        row = dict(preset=args.preset, layerwise=args.layerwise, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
+        row = dict(preset=args.preset, grouped_matmul=impl, fused_swiglu=fused, layerwise=args.layerwise, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
                    compile_s=round(compile_s, 2), prefill_ms=round(sec * 1e3, 2), tokens_per_s=round(n / sec),
                    tflops=round(tflops, 1), mfu=round(tflops / PEAK_TFLOPS, 4),
                    peak_gib=round(peak / 2**30, 2) if peak else None, logits_finite=finite,

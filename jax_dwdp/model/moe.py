@@ -66,7 +66,9 @@ def routed_experts(
         gate, up = gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :]
         act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
-    out = out[jnp.argsort(order)] * expert_weights.reshape(-1)[:, None]  # back to (token, slot) order
+    # Back to (token, slot) order. The inverse permutation is a scatter of iota (no second sort).
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+    out = out[inverse] * expert_weights.reshape(-1)[:, None]
     return jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
 
 
