@@ -51,6 +51,14 @@ def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
     inv_scatter = jax.jit(lambda o: jnp.zeros_like(o).at[o].set(jnp.arange(o.shape[0], dtype=o.dtype),
                                                                unique_indices=True))
     gather = jax.jit(lambda x, o: x[o // top_k])
+    gather_pib = jax.jit(lambda x, o: x.at[o // top_k].get(mode="promise_in_bounds"))
+
+    @jax.jit
+    def gather_u32(x, o):  # rows moved as 32-bit words (two bf16 per element)
+        t, h = x.shape
+        words = jax.lax.bitcast_convert_type(x.reshape(t, h // 2, 2), jnp.uint32)
+        rows = words.at[o // top_k].get(mode="promise_in_bounds")
+        return jax.lax.bitcast_convert_type(rows, x.dtype).reshape(-1, h)
     act = jax.random.normal(jax.random.key(5), (n, down.shape[2]), jnp.bfloat16)
     down_mm = jax.jit(lambda a, w, g: gm.grouped_matmul(a, w, g))
     y = jax.random.normal(jax.random.key(6), (n, down.shape[1]), jnp.bfloat16)
@@ -65,6 +73,10 @@ def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
     record("part inverse argsort", lambda: inv_sort(order))
     record("part inverse scatter", lambda: inv_scatter(order))
     record("part gather", lambda: gather(xt, order))
+    record("part gather in-bounds", lambda: gather_pib(xt, order))
+    record("part gather u32", lambda: gather_u32(xt, order))
+    if not np.array_equal(np.asarray(gather_u32(xt, order)), np.asarray(gather(xt, order))):
+        raise AssertionError("the u32 row gather differs from the plain one")
     record("part down", lambda: down_mm(act, down, gs))
     record("part unpermute", lambda: unpermute(y, inverse, weights))
 

@@ -36,17 +36,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--layerwise", action="store_true", help="one compiled program per layer type (fast compile)")
-    ap.add_argument("--fused-swiglu", choices=["auto", "on", "off"], default="auto",
-                    help="expert gate_up layout: the fused SwiGLU epilogue's (on), the checkpoint's (off), or the "
-                         "default for this machine (auto: on where the CUTLASS grouped matmul is the default)")
+    ap.add_argument("--fused-swiglu", action="store_true",
+                    help="expert gate_up weights in the fused SwiGLU epilogue's layout (CUTLASS only; default: off)")
     args = ap.parse_args()
 
     cfg = ModelConfig.preset(args.preset)
     if args.num_layers:
         cfg = cfg.replace(num_hidden_layers=args.num_layers)
     t0 = time.perf_counter()
-    fused = {"auto": None, "on": True, "off": False}[args.fused_swiglu]
-    model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=0, fused_swiglu=fused)
+    model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=0, fused_swiglu=args.fused_swiglu)
     jax.block_until_ready(jax.tree.leaves(model))
     init_s = time.perf_counter() - t0
     device = jax.devices()[0]

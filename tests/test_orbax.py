@@ -68,7 +68,7 @@ def test_load_checkpoint_fused_swiglu_layout(hf_dir, orbax_dir, rng):
     want = jit_prefill(ref)(tokens)[0]
     for source in (hf_dir, orbax_dir):
         default, _ = load_checkpoint(source, dtype=jnp.float32)
-        assert not fused_swiglu_enabled(default)  # the CPU default keeps the checkpoint layout
+        assert not fused_swiglu_enabled(default)  # the default keeps the checkpoint layout
         model, _ = load_checkpoint(source, dtype=jnp.float32, fused_swiglu=True)
         assert fused_swiglu_enabled(model)
         assert rel_err(jit_prefill(model)(tokens)[0], want) <= 1e-6

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # One H200, from the repository root: build the grouped GEMM library, its GPU tests, the fused-SwiGLU benchmark with
 # the block breakdown, the model's GPU tests (no Mosaic-forced variant), then 35B-A3B prefill (8 layers, 16K tokens)
-# with the CUTLASS fused default, CUTLASS unfused, and Mosaic. Logs under $OUT. Needs .whl/ (see grouped_matmul_h200.sh).
+# with CUTLASS + the fused SwiGLU layout, CUTLASS unfused (the default), and Mosaic. Logs under $OUT.
+# Env: MODEL_TEST_K (pytest -k for tests/test_gpu.py), PREFILL=0 (skip the prefill runs), FUSION_EXTRA. Needs .whl/ (see grouped_matmul_h200.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS="1 3 6" TEST_TIMEOUT=120 FUSION_TIMEOUT=${FUSION_TIMEOUT:-150} FUSION_ARGS="--iters 7 --breakdown ${FUSION_EXTRA:-}" \
   bash benchmarks/gpu/grouped_matmul_h200.sh 2>&1 | grep -v "^\.\?cutlass n=\|^cutlass \(all\|one\|single\|full\|over\|inside\|vs\|twice\)"
 echo "=== model GPU tests"
-JAX_DWDP_TEST_GPU=1 timeout ${MODEL_TEST_TIMEOUT:-120} python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "not mosaic" 2>&1 \
+JAX_DWDP_TEST_GPU=1 timeout ${MODEL_TEST_TIMEOUT:-120} python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "${MODEL_TEST_K:-not mosaic}" 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "err|passed|failed|Error" | grep -v "^\[transformers\]" | tail -8
-echo "=== 35B-A3B prefill, ${PREFILL_LAYERS:-8} layers: CUTLASS fused (default) / CUTLASS unfused / Mosaic"
-for v in "auto" "off" "mosaic"; do
-  if [ $v = mosaic ]; then env="JAX_DWDP_GROUPED_MATMUL=mosaic"; flag=auto; else env=""; flag=$v; fi
+[ "${PREFILL:-1}" = 1 ] || exit 0
+echo "=== 35B-A3B prefill, ${PREFILL_LAYERS:-8} layers: CUTLASS fused / CUTLASS unfused (default) / Mosaic"
+for v in fused unfused mosaic; do
+  env=""; flag=""
+  [ $v = mosaic ] && env="JAX_DWDP_GROUPED_MATMUL=mosaic"; [ $v = fused ] && flag="--fused-swiglu"
   env $env timeout ${PREFILL_TIMEOUT:-90} python3 benchmarks/bench_prefill.py --preset 35b-a3b --num-layers ${PREFILL_LAYERS:-8} \
-    --seq-lens ${PREFILL_SEQS:-16384} --layerwise --iters 5 --fused-swiglu $flag --out "$OUT/prefill_$v.json" 2>&1 \
+    --seq-lens ${PREFILL_SEQS:-16384} --layerwise --iters 5 $flag --out "$OUT/prefill_$v.json" 2>&1 \
     | grep -v "^\s*@\|^E11\|^\*\*\*\|slow_op\|Very slow\|^$" | tail -3
 done

@@ -3,12 +3,15 @@
 // The weight's rows are interleaved in blocks of 8 (`jax_dwdp.kernels.interleave_gate_up`): GEMM column 16b + r is
 // gate row 8b + r and column 16b + 8 + r is up row 8b + r (r < 8). An SM90 wgmma accumulator fragment gives each
 // thread, per 8-column chunk c of its atom, the column pair (8c + 2q, 8c + 2q + 1) of two rows (q = lane % 4). Chunk
-// 2c is then a gate block and chunk 2c + 1 the matching up block, both in the same thread's registers: no shared
-// memory. The four lanes of a quad (same rows) then hold one 8-column output chunk between them; a 4 x 4 transpose
-// of 32-bit words within the quad (three xor shuffles) gives each lane a whole chunk, stored as one 16-byte write.
-// The stores go straight from registers (like CUTLASS's DefaultEpilogueArray, whose interface this keeps so that
-// Sm90TmaWarpSpecializedAdapter wraps it). D has N / 2 columns: row stride and pointer come from the per-group
-// arrays the setup kernel fills.
+// 2c is then a gate block and chunk 2c + 1 the matching up block, both in the same thread's registers: no shuffle
+// and no shared memory. Each thread writes its two adjacent outputs as one bf16x2 store, straight from registers
+// (like CUTLASS's DefaultEpilogueArray, whose interface this keeps so that Sm90TmaWarpSpecializedAdapter wraps it).
+// D has N / 2 columns: row stride and pointer come from the per-group arrays the setup kernel fills.
+//
+// Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30 fifth session): 0.92-1.08x of the unfused CUTLASS GEMM +
+// XLA activation on the MoE gate_up shapes, 0.95-1.04x on the whole routed-expert block, i.e. no gain; a variant
+// that transposed 32-bit words within each quad for 16-byte stores measured slower (0.75-1.00x). So the model keeps
+// the checkpoint layout and the unfused path by default; this kernel is opt-in (`set_fused_swiglu`).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -73,9 +76,6 @@ class SwigluEpilogueArray
     Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
     const int m0 = static_cast<int>(m_coord) * size<0>(BlockShapeMNK{});
     const int n0 = static_cast<int>(n_coord) * size<1>(BlockShapeMNK{});
-    const int q = threadIdx.x % 4;  // lane within the quad; the quad's four lanes share rows
-    constexpr int kGateChunks = size<0, 2>(FrgLayout{}) / 2;
-    static_assert(kGateChunks % 4 == 0, "the quad transpose takes gate chunks four at a time (atom N % 64)");
 
     CUTLASS_PRAGMA_UNROLL
     for (int mn = 0; mn < size<2>(FrgLayout{}); ++mn) {
@@ -84,37 +84,20 @@ class SwigluEpilogueArray
         CUTLASS_PRAGMA_UNROLL
         for (int half = 0; half < 2; ++half) {
           CUTLASS_PRAGMA_UNROLL
-          for (int p = 0; p < kGateChunks / 4; ++p) {
-            // v[r]: this lane's two outputs of gate chunk 4p + r, packed as bf16x2.
-            uint32_t v[4];
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < 4; ++r) {
-              const int c = 4 * p + r;
+          for (int c = 0; c < size<0, 2>(FrgLayout{}) / 2; ++c) {
+            auto crd = tCcD(make_coord(0, half, 2 * c), mm, mn);
+            const int m = m0 + get<0>(crd);
+            const int n = n0 + get<1>(crd);  // a gate column: n % 16 < 8, and n % 2 == 0
+            if (m < M && n < N) {
               const float g0 = accumulators(make_coord(0, half, 2 * c), mm, mn);
               const float g1 = accumulators(make_coord(1, half, 2 * c), mm, mn);
               const float u0 = accumulators(make_coord(0, half, 2 * c + 1), mm, mn);
               const float u1 = accumulators(make_coord(1, half, 2 * c + 1), mm, mn);
-              __nv_bfloat162 a = __floats2bfloat162_rn(g0 / (1.0f + __expf(-g0)) * u0, g1 / (1.0f + __expf(-g1)) * u1);
-              v[r] = reinterpret_cast<uint32_t&>(a);
+              const int j = (n / (2 * kSwigluBlock)) * kSwigluBlock + n % (2 * kSwigluBlock);
+              const float a0 = g0 / (1.0f + __expf(-g0)) * u0;
+              const float a1 = g1 / (1.0f + __expf(-g1)) * u1;
+              *reinterpret_cast<__nv_bfloat162*>(out + m * ld + j) = __floats2bfloat162_rn(a0, a1);
             }
-            // Quad transpose: afterwards w[s] = lane s's pair of chunk 4p + q, i.e. this lane holds chunk 4p + q.
-            uint32_t w[4] = {v[0], v[1], v[2], v[3]};
-            CUTLASS_PRAGMA_UNROLL
-            for (int x = 1; x < 4; ++x) {
-              const int partner = q ^ x;  // sends me its pair of chunk 4p + q; I send it mine of chunk 4p + partner
-              const uint32_t send = partner == 0 ? v[0] : partner == 1 ? v[1] : partner == 2 ? v[2] : v[3];
-              const uint32_t recv = __shfl_xor_sync(0xffffffffu, send, x);
-              CUTLASS_PRAGMA_UNROLL
-              for (int s2 = 0; s2 < 4; ++s2) w[s2] = s2 == partner ? recv : w[s2];
-            }
-            // Where chunk 4p + q goes: from this lane's gate column of chunk 4p (n = atom base + 64p + 2q), the
-            // output chunk starts at (n - 2q) / 2 + 8q.
-            auto crd = tCcD(make_coord(0, half, 8 * p), mm, mn);
-            const int m = m0 + get<0>(crd);
-            const int n = n0 + get<1>(crd);
-            const int j = (n - 2 * q) / 2 + 8 * q;
-            if (m < M && j < N / 2)  // I % 8 == 0: a chunk is wholly inside or outside
-              *reinterpret_cast<uint4*>(out + m * ld + j) = make_uint4(w[0], w[1], w[2], w[3]);
           }
         }
       }

@@ -1,7 +1,7 @@
 """The Qwen3.5-MoE text model in Flax NNX."""
 
 from jax_dwdp.model.build import abstract_model, init_model
-from jax_dwdp.model.moe import fused_swiglu_default, fused_swiglu_enabled, set_fused_swiglu
+from jax_dwdp.model.moe import fused_swiglu_enabled, set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import Cache, DecoderLayer, Qwen35MoeForCausalLM
 
 __all__ = [
@@ -10,7 +10,6 @@ __all__ = [
     "Qwen35MoeForCausalLM",
     "abstract_model",
     "init_model",
-    "fused_swiglu_default",
     "fused_swiglu_enabled",
     "set_fused_swiglu",
 ]

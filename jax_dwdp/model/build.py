@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.model.moe import fused_swiglu_default, set_fused_swiglu
+from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import Qwen35MoeForCausalLM
 
 
@@ -30,19 +30,16 @@ def init_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     device: jax.Device | None = None,
-    fused_swiglu: bool | None = None,
+    fused_swiglu: bool = False,
 ) -> Qwen35MoeForCausalLM:
     """A model with random weights, generated directly on `device` (default: the first device).
 
     Each parameter is drawn on the device by its own small (cached) computation, so a 35B-parameter model never
     passes through host memory. (One jit over the whole constructor took minutes to compile for 40 layers.)
-    `fused_swiglu` puts the expert gate_up weights in the fused-SwiGLU layout (`set_fused_swiglu`); None: where the
-    CUTLASS grouped matmul is the default (`fused_swiglu_default`). The weights are drawn in the checkpoint layout
-    and then permuted, so a seed gives the same model either way.
+    `fused_swiglu` puts the expert gate_up weights in the fused-SwiGLU layout (`set_fused_swiglu`, opt-in). The
+    weights are drawn in the checkpoint layout and then permuted, so a seed gives the same model either way.
     """
     device = device or jax.devices()[0]
-    if fused_swiglu is None:
-        fused_swiglu = fused_swiglu_default(cfg, dtype)
     with jax.default_device(device):
         model = Qwen35MoeForCausalLM(
             cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(seed)

@@ -128,15 +128,6 @@ class SparseMoe(nnx.Module):
 # --- The gate_up weight layout: the checkpoint's, or interleaved for the fused SwiGLU epilogue ---------------------
 
 
-def fused_swiglu_default(cfg: ModelConfig, dtype) -> bool:
-    """Whether models are built with the fused SwiGLU layout by default: where the MoE grouped matmul defaults to the
-    CUTLASS kernel (a GPU with the library built, bf16; see `kernels.grouped_matmul.default_implementation`) and
-    I is a multiple of the 8-row interleave block."""
-    from jax_dwdp.kernels.grouped_matmul import default_implementation
-
-    return cfg.moe_intermediate_size % SWIGLU_BLOCK == 0 and default_implementation(jnp.dtype(dtype)) == "cutlass"
-
-
 def _experts_of(model) -> list[Experts]:
     return [layer.mlp.experts for layer in model.layers]
 
@@ -158,7 +149,8 @@ def _permuter(interleave: bool, sharding):
 def set_fused_swiglu(model, enable: bool, *, permute: bool = True):
     """Puts every layer's gate_up_proj into the interleaved layout (enable=True: gate and up rows in alternating
     blocks of 8, which lets the CUTLASS kernel fuse SiLU(gate) * up into the projection's epilogue) or back into the
-    checkpoint's layout, in place. The rows are permuted on the weights' own devices with their shardings kept (one
+    checkpoint's layout, in place. Opt-in: on an H200 the fused kernel measured at parity with the unfused path
+    (benchmarks/RESULTS.md, 2026-11-30 fifth session), so models keep the checkpoint layout by default. The rows are permuted on the weights' own devices with their shardings kept (one
     layer's gate_up at a time of extra memory); the model computes the same function either way.
     `permute=False` only marks the layout (for weights that are already in it). Returns the model."""
     experts = _experts_of(model)

@@ -6,13 +6,12 @@ from pathlib import Path
 
 
 def load_checkpoint(directory: str | Path, *, cfg=None, dtype, start_layer: int = 0, end_layer: int | None = None,
-                    placement=None, fused_swiglu: bool | None = None):
+                    placement=None, fused_swiglu: bool = False):
     """Loads layers [start_layer, end_layer) from an HF folder or a jax_dwdp Orbax folder: (model, LoadReport).
 
-    `fused_swiglu` then puts the expert gate_up weights in the fused-SwiGLU layout (`set_fused_swiglu`); None:
-    where the CUTLASS grouped matmul is the default. (The loaders themselves keep the checkpoint's layout.)
+    `fused_swiglu` then puts the expert gate_up weights in the fused-SwiGLU layout (`set_fused_swiglu`, opt-in).
     """
-    from jax_dwdp.model.moe import fused_swiglu_default, set_fused_swiglu
+    from jax_dwdp.model.moe import set_fused_swiglu
     from jax_dwdp.weights.orbax_store import is_orbax_checkpoint, load_orbax_checkpoint
 
     if is_orbax_checkpoint(directory):
@@ -23,6 +22,4 @@ def load_checkpoint(directory: str | Path, *, cfg=None, dtype, start_layer: int 
 
         model, report = load_hf_checkpoint(directory, cfg=cfg, dtype=dtype, start_layer=start_layer,
                                            end_layer=end_layer, placement=placement)
-    if fused_swiglu is None:
-        fused_swiglu = fused_swiglu_default(model.cfg, dtype)
     return (set_fused_swiglu(model, True) if fused_swiglu else model), report
