@@ -11,7 +11,8 @@ Per (model, tokens, routing), side by side in one process, medians of --iters sa
 Also the relative error of fused vs unfused outputs (they differ by the bf16 rounding of gate and up before the
 activation, which the fused kernel skips). --breakdown also times the block's parts alone: the sort by expert, the
 inverse permutation (a second argsort, as before, vs the scatter of iota `routed_experts` now uses), the row
-gather, the down projection and the un-permute (gather, routing-weight scale, top-k sum).
+gather (plain bf16 elements, with promise_in_bounds, and as 32-bit words, which `routed_experts` now uses), the down
+projection and the un-permute (gather, routing-weight scale, top-k sum).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 
 from bench_grouped_matmul import group_sizes, reason, timed, torch_timed  # noqa: E402 (same folder)
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.model.moe import routed_experts, sort_by_expert
+from jax_dwdp.model.moe import gather_rows, routed_experts, sort_by_expert
 
 gm = importlib.import_module("jax_dwdp.kernels.grouped_matmul")
 
@@ -52,13 +53,7 @@ def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
                                                                unique_indices=True))
     gather = jax.jit(lambda x, o: x[o // top_k])
     gather_pib = jax.jit(lambda x, o: x.at[o // top_k].get(mode="promise_in_bounds"))
-
-    @jax.jit
-    def gather_u32(x, o):  # rows moved as 32-bit words (two bf16 per element)
-        t, h = x.shape
-        words = jax.lax.bitcast_convert_type(x.reshape(t, h // 2, 2), jnp.uint32)
-        rows = words.at[o // top_k].get(mode="promise_in_bounds")
-        return jax.lax.bitcast_convert_type(rows, x.dtype).reshape(-1, h)
+    gather_u32 = jax.jit(lambda x, o: gather_rows(x, o // top_k))  # rows as 32-bit words (what the model uses)
     act = jax.random.normal(jax.random.key(5), (n, down.shape[2]), jnp.bfloat16)
     down_mm = jax.jit(lambda a, w, g: gm.grouped_matmul(a, w, g))
     y = jax.random.normal(jax.random.key(6), (n, down.shape[1]), jnp.bfloat16)
