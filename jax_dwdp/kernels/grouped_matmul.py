@@ -3,6 +3,9 @@
 `grouped_matmul(x, w, group_sizes)` computes, for each group g, x[rows of g] @ w[g].T, with w in the Hugging
 Face layout [G, N, K] (both operands K-contiguous, the layout grouped GEMMs on tensor cores want).
 Group sizes live on the device: no host sync, usable inside jit and shard_map.
+`grouped_matmul_swiglu(x, w, group_sizes)` is the gate_up projection with silu(gate) * up, fused into the CUTLASS
+epilogue on the GPU, for weights interleaved by `interleave_gate_up` (opt-in: measured at parity with the unfused
+path on an H200, benchmarks/RESULTS.md, 2026-11-30 fifth session).
 
 Implementations:
 - "xla": `jax.lax.ragged_dot_general`. Exact on the CPU; on the GPU XLA lowers it to a dense masked expansion
