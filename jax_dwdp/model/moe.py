@@ -37,7 +37,7 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     """x[index] for x [N, H]: rows of 2-byte elements move as 32-bit words (bit-identical). On an H200, XLA's row
-    gather ran 1.31-1.42x faster that way on the MoE shapes (benchmarks/RESULTS.md, 2026-11-30 fifth session)."""
+    gather ran 1.31-1.57x faster that way on the MoE shapes (benchmarks/RESULTS.md, 2026-11-30 fifth session)."""
     n, h = x.shape
     if x.dtype.itemsize != 2 or h % 2:
         return x[index]
