@@ -106,12 +106,17 @@ def reason(e: BaseException) -> str:
     return msg[:300]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def case_args(ap: argparse.ArgumentParser, iters: int) -> None:
+    """The MoE cases both grouped-matmul benchmarks sweep: presets x token counts x routings, samples per case."""
     ap.add_argument("--presets", nargs="+", default=["35b-a3b", "122b-a10b", "397b-a17b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[16384, 4096])
     ap.add_argument("--routing", nargs="+", default=["uniform", "skewed"])
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=iters)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    case_args(ap, iters=20)
     ap.add_argument("--no-mosaic-sweep", action="store_true", help="time only the default Mosaic config")
     ap.add_argument("--no-mosaic", action="store_true", help="skip Mosaic altogether")
     ap.add_argument("--budget-s", type=float, default=240.0,

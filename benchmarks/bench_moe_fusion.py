@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_grouped_matmul import group_sizes, reason, timed, torch_timed  # noqa: E402 (same folder)
+from bench_grouped_matmul import case_args, group_sizes, reason, timed, torch_timed  # noqa: E402 (same folder)
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model.moe import gather_rows, routed_experts, sort_by_expert
 
@@ -78,10 +78,7 @@ def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", nargs="+", default=["35b-a3b", "122b-a10b", "397b-a17b"])
-    ap.add_argument("--tokens", nargs="+", type=int, default=[16384, 4096])
-    ap.add_argument("--routing", nargs="+", default=["uniform", "skewed"])
-    ap.add_argument("--iters", type=int, default=10)
+    case_args(ap, iters=10)
     ap.add_argument("--no-block", action="store_true", help="skip the whole routed-expert block")
     ap.add_argument("--breakdown", action="store_true", help="also time the block's parts alone")
     ap.add_argument("--out", default=None)
