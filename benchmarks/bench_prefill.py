@@ -51,6 +51,8 @@ def main() -> None:
     rows = []
     impl = default_implementation(jnp.dtype(args.dtype))
     fused = fused_swiglu_enabled(model)
+    if fused and impl != "cutlass":
+        print(f"note: --fused-swiglu with the {impl!r} grouped matmul runs the unfused activation on interleaved weights")
     print(f"{cfg.summary()}; random init {init_s:.1f} s on {device.device_kind}; grouped matmul {impl}, "
           f"fused SwiGLU {fused}")
     print(f"{'tokens':>8} {'compile s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     p.add_argument("--layerwise", action="store_true",
                    help="compile one program per layer type instead of the whole model (fast compile for deep models)")
+    p.add_argument("--fused-swiglu", action="store_true",
+                   help="expert gate_up weights interleaved for the fused SwiGLU GPU kernel (opt-in: measured at parity)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint")
     c.add_argument("hf_dir", type=Path)
@@ -145,10 +147,10 @@ def _build_runner(args, cfg, dtype, mode):
         try:
             if args.checkpoint is not None:
                 pipe = Pipeline.from_checkpoint(args.checkpoint, args.pipeline, dwdp=args.dwdp, dtype=dtype, cfg=cfg,
-                                        boundaries=boundaries)
+                                                boundaries=boundaries, fused_swiglu=args.fused_swiglu)
             else:
                 pipe = Pipeline.random(cfg, args.pipeline, dwdp=args.dwdp, dtype=dtype, seed=args.seed,
-                                       boundaries=boundaries)
+                                       boundaries=boundaries, fused_swiglu=args.fused_swiglu)
         except ValueError as e:  # layout and mesh problems (too many stages, too few devices)
             raise UsageError(str(e)) from None
 
@@ -162,12 +164,12 @@ def _build_runner(args, cfg, dtype, mode):
     if args.checkpoint is not None:
         from jax_dwdp.weights import load_checkpoint
 
-        model, report = load_checkpoint(args.checkpoint, cfg=cfg, dtype=dtype)
+        model, report = load_checkpoint(args.checkpoint, cfg=cfg, dtype=dtype, fused_swiglu=args.fused_swiglu)
         source = report.line()
     else:
         from jax_dwdp.model import init_model
 
-        model, source = init_model(cfg, dtype=dtype, seed=args.seed), "random weights"
+        model, source = init_model(cfg, dtype=dtype, seed=args.seed, fused_swiglu=args.fused_swiglu), "random weights"
     prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
     return (lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile, source
 

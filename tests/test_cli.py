@@ -97,6 +97,21 @@ def test_pipeline_prefill_logits_equal_one_device(tmp_path, capsys, checkpoint, 
     assert rel_err(outs[2], outs[1]) <= 1e-4
 
 
+def test_fused_swiglu_flag_computes_the_same_logits(tmp_path, capsys, checkpoint, rng):
+    """--fused-swiglu (interleaved expert weights; on the CPU the portable path) gives the same logits, alone and
+    through the pipeline."""
+    tokens = rng.integers(0, SMALL.vocab_size, (2, 17)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    outs = {}
+    for name, extra in (("plain", []), ("fused", ["--fused-swiglu"]), ("fused_p2", ["--fused-swiglu", "--pipeline", "2"])):
+        code, _, err = run_cli(capsys, "prefill", "--checkpoint", str(checkpoint), "--tokens", str(tmp_path / "tokens.npy"),
+                               "--dtype", "float32", "--iters", "1", "--logits-out", str(tmp_path / f"{name}.npy"), *extra)
+        assert code == 0, err
+        outs[name] = np.load(tmp_path / f"{name}.npy")
+    assert rel_err(outs["fused"], outs["plain"]) <= 1e-6
+    assert rel_err(outs["fused_p2"], outs["plain"]) <= 1e-4
+
+
 def test_plan_prints_the_stage_layout(capsys):
     code, out, err = run_cli(capsys, "plan", "--preset", "35b-a3b", "--pipeline", "3")
     assert code == 0, err

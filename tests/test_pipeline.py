@@ -99,22 +99,23 @@ def test_pipeline_equals_one_device(references, layers, stages, microbatches, bo
         assert vs_unsplit[name] <= 1e-4, (name, vs_unsplit[name])
 
 
-def test_pipeline_keeps_the_fused_swiglu_layout(references):
-    """Stages cut from a model in the fused-SwiGLU layout carry the layout with the weights (not re-permuted)."""
-    from jax_dwdp.model import fused_swiglu_enabled, set_fused_swiglu
+@pytest.mark.parametrize("stages,dwdp", [(2, 1), (1, 2)])
+def test_pipeline_keeps_the_fused_swiglu_layout(references, stages, dwdp):
+    """Stages cut from a model in the fused-SwiGLU layout carry the layout with the weights (not re-permuted), also
+    with the experts split over DWDP ranks (the split is along experts, the permutation within each)."""
+    from jax_dwdp.model import fused_swiglu_enabled
 
     tokens, lengths, refs = references
-    model, ref_logits, _ = refs[6]
-    set_fused_swiglu(model, True)
-    try:
-        pipe = Pipeline.from_model(model, 2)
-        assert all(fused_swiglu_enabled(m) for m in pipe.models)
-        logits, _ = pipe.prefill(tokens, lengths, cache_len=72)
+    _, ref_logits, _ = refs[6]
+    model = init_model(model_with_layers(6), dtype=jnp.float32, seed=6, fused_swiglu=True)  # refs[6], permuted
+    pipe = Pipeline.from_model(model, stages, dwdp=dwdp)
+    assert all(fused_swiglu_enabled(m) for m in pipe.models)
+    for layerwise in (False, True):
+        logits, _ = pipe.prefill(tokens, lengths, cache_len=72, layerwise=layerwise)
         err = rel_err(logits, ref_logits)
-        print(f"P=2 from a fused-SwiGLU-layout model vs the unsplit checkpoint-layout model: {err:.1e}")
+        print(f"P={stages} N={dwdp} layerwise={layerwise} from a fused-SwiGLU-layout model vs the unsplit "
+              f"checkpoint-layout model: {err:.1e}")
         assert err <= 1e-4
-    finally:
-        set_fused_swiglu(model, False)
 
 
 def test_stage_cache_has_one_slot_per_own_linear_layer(references):

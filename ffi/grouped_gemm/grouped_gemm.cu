@@ -157,9 +157,8 @@ int sm_count_of(int device) {
   return c;
 }
 
-ffi::Error cuda_error(const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string("JaxDwdpGroupedGemm: ") + what + ": " + cudaGetErrorName(e) + " (" +
-                              cudaGetErrorString(e) + ")");
+ffi::Error cuda_error(const std::string& who, const char* what, cudaError_t e) {
+  return ffi::Error::Internal(who + ": " + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
 // kSwiglu: out [M, N / 2] = silu(gate) * up from w's interleaved gate/up rows (N % 16 == 0).
@@ -173,13 +172,13 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
   if (xd.size() != 2 || wd.size() != 3 || gd.size() != 1 || od.size() != 2)
     return ffi::Error::InvalidArgument(who + ": expects x [M, K], w [G, N, K], group_sizes [G], " + out_shape);
   const long long m = xd[0], k = xd[1], groups = wd[0], n = wd[1], n_out = kSwiglu ? n / 2 : n;
+  const int n_multiple = kSwiglu ? 16 : 8;  // SwiGLU: whole 8-row gate/up block pairs (I % 8 == 0)
+  if (k % 8 || n % n_multiple || k <= 0 || n <= 0)
+    return ffi::Error::InvalidArgument(who + ": K must be a positive multiple of 8 (16-byte TMA rows) and N a positive "
+                                       "multiple of " + std::to_string(n_multiple) + ", got K=" + std::to_string(k) +
+                                       " N=" + std::to_string(n));
   if (wd[2] != k || gd[0] != groups || od[0] != m || od[1] != n_out)
     return ffi::Error::InvalidArgument(who + ": shapes do not fit x [M, K], w [G, N, K], group_sizes [G], " + out_shape);
-  const int n_multiple = kSwiglu ? 16 : 8;  // SwiGLU: whole 8-row gate/up block pairs
-  if (k % 8 || n % n_multiple || k <= 0 || n <= 0)
-    return ffi::Error::InvalidArgument(who + ": K must be a positive multiple of 8 (16-byte TMA rows) and N of " +
-                                       std::to_string(n_multiple) + ", got K=" + std::to_string(k) +
-                                       " N=" + std::to_string(n));
   if (k > INT32_MAX || n > INT32_MAX || m > INT32_MAX || groups > INT32_MAX)
     return ffi::Error::InvalidArgument(who + ": dimensions exceed int32");
   const int num_configs = kSwiglu ? kNumSwigluConfigs : kNumConfigs;
@@ -189,7 +188,7 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
   auto* out_ptr = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
   if (groups == 0) {  // no group: every row is past the (empty) groups
     cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n_out * 2, stream);
-    return e == cudaSuccess ? ffi::Error::Success() : cuda_error("cudaMemsetAsync", e);
+    return e == cudaSuccess ? ffi::Error::Success() : cuda_error(who, "cudaMemsetAsync", e);
   }
   for (const void* p : {static_cast<const void*>(x.untyped_data()), static_cast<const void*>(w.untyped_data()),
                         static_cast<const void*>(out_ptr)})
@@ -199,9 +198,9 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
   // The stream's device, and make it current (kernels and cudaFuncSetAttribute act on the current device).
   int device = 0, current = 0;
   cudaError_t e = cudaStreamGetDevice(stream, &device);
-  if (e != cudaSuccess) return cuda_error("cudaStreamGetDevice", e);
-  if ((e = cudaGetDevice(&current)) != cudaSuccess) return cuda_error("cudaGetDevice", e);
-  if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error("cudaSetDevice", e);
+  if (e != cudaSuccess) return cuda_error(who, "cudaStreamGetDevice", e);
+  if ((e = cudaGetDevice(&current)) != cudaSuccess) return cuda_error(who, "cudaGetDevice", e);
+  if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error(who, "cudaSetDevice", e);
   const int sm_count = sm_count_of(device);
   if (sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
 
@@ -237,19 +236,19 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
       reinterpret_cast<const __nv_bfloat16*>(w.untyped_data()), out_ptr, a.ptr_a, a.ptr_b, a.ptr_d,
       static_cast<StrideT*>(a.stride_a), static_cast<StrideT*>(a.stride_b), static_cast<StrideT*>(a.stride_d),
       static_cast<ProblemShapeT*>(a.problem_shapes), total_rows);
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error("setup kernel launch", e);
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
 
   const long long vecs = m * n_out / 8;
   const int zero_blocks = static_cast<int>(std::min<long long>((vecs + 255) / 256, 2LL * sm_count));
   zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, static_cast<int>(n_out), out_ptr);
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error("zero-tail kernel launch", e);
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "zero-tail kernel launch", e);
 
   if (const char* msg = cfg.run(a)) {
     cudaError_t last = cudaGetLastError();
     return ffi::Error::Internal(who + " (" + cfg.name + "): " + msg +
                                 (last != cudaSuccess ? std::string("; CUDA: ") + cudaGetErrorString(last) : ""));
   }
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(cfg.name, e);
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, cfg.name, e);
   return ffi::Error::Success();
 }
 
@@ -275,7 +274,7 @@ JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i);
       .Arg<ffi::Buffer<ffi::BF16>>() /* x [M, K] */          \
       .Arg<ffi::Buffer<ffi::BF16>>() /* w [G, N, K] */       \
       .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [G] */   \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* out [M, N] */        \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* out [M, N] (SwiGLU: [M, N / 2]) */ \
       .Ret<ffi::Buffer<ffi::U8>>()   /* workspace */         \
       .Attr<int32_t>("config")
 

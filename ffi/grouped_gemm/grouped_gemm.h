@@ -17,10 +17,10 @@ struct GroupedArgs {
   void* problem_shapes = nullptr;  // cute::Shape<int, int, int>[groups]: (rows_g, N, K)
   const void** ptr_a = nullptr;    // x + start_g * K
   const void** ptr_b = nullptr;    // w + g * N * K
-  void** ptr_d = nullptr;          // out + start_g * N
+  void** ptr_d = nullptr;          // out + start_g * N_out (N_out = N, or N / 2 for the fused SwiGLU)
   void* stride_a = nullptr;        // cute::Stride<int64_t, _1, _0>[groups]: (K, 1, 0)
   void* stride_b = nullptr;        // (K, 1, 0)
-  void* stride_d = nullptr;        // (N, 1, 0)
+  void* stride_d = nullptr;        // (N_out, 1, 0)
   void* cutlass_workspace = nullptr;
   size_t cutlass_workspace_bytes = 0;
   int device = 0;

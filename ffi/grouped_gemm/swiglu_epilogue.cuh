@@ -27,28 +27,26 @@ namespace jax_dwdp_gmm {
 
 constexpr int kSwigluBlock = 8;  // rows per gate / up block in the interleaved weight (one wgmma column chunk)
 
+// The stock no-smem ptr-array epilogue whose interface (arguments, params, workspace, can_implement) this reuses.
+template <class StrideD>
+using SwigluEpilogueBase = cutlass::epilogue::collective::DefaultEpilogueArray<
+    void, StrideD, StrideD,
+    cutlass::epilogue::thread::LinearCombination<cutlass::bfloat16_t, 1, float, float,
+                                                 cutlass::epilogue::thread::ScaleType::OnlyAlphaScaling,
+                                                 cutlass::FloatRoundStyle::round_to_nearest, cutlass::bfloat16_t>,
+    cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>;
+
+// Wrapped by cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter (a CUTLASS detail type: the
+// build pins nvidia-cutlass==4.2.0.0 in ffi/build_backend.py; recheck on an upgrade).
 template <class StrideD>  // a pointer type: one stride per group
-class SwigluEpilogueArray
-    : public cutlass::epilogue::collective::DefaultEpilogueArray<
-          void, StrideD, StrideD,
-          cutlass::epilogue::thread::LinearCombination<cutlass::bfloat16_t, 1, float, float,
-                                                       cutlass::epilogue::thread::ScaleType::OnlyAlphaScaling,
-                                                       cutlass::FloatRoundStyle::round_to_nearest, cutlass::bfloat16_t>,
-          cutlass::epilogue::PtrArrayNoSmemWarpSpecialized> {
-  using Base = cutlass::epilogue::collective::DefaultEpilogueArray<
-      void, StrideD, StrideD,
-      cutlass::epilogue::thread::LinearCombination<cutlass::bfloat16_t, 1, float, float,
-                                                   cutlass::epilogue::thread::ScaleType::OnlyAlphaScaling,
-                                                   cutlass::FloatRoundStyle::round_to_nearest, cutlass::bfloat16_t>,
-      cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>;
+class SwigluEpilogueArray : public SwigluEpilogueBase<StrideD> {
+  using Base = SwigluEpilogueBase<StrideD>;
 
  public:
   using typename Base::InternalStrideD;
   using typename Base::Params;
 
   CUTLASS_HOST_DEVICE SwigluEpilogueArray(Params const& params) : Base(params), params_(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -88,6 +86,7 @@ class SwigluEpilogueArray
             auto crd = tCcD(make_coord(0, half, 2 * c), mm, mn);
             const int m = m0 + get<0>(crd);
             const int n = n0 + get<1>(crd);  // a gate column: n % 16 < 8, and n % 2 == 0
+            // N % 16 == 0 (checked by the handler), so n < N also puts n + 1 and the up columns n + 8, n + 9 inside.
             if (m < M && n < N) {
               const float g0 = accumulators(make_coord(0, half, 2 * c), mm, mn);
               const float g1 = accumulators(make_coord(1, half, 2 * c), mm, mn);
@@ -105,7 +104,7 @@ class SwigluEpilogueArray
   }
 
  private:
-  Params params_;
+  Params params_;  // the base keeps its own copy private
 };
 
 }  // namespace jax_dwdp_gmm

@@ -2,11 +2,13 @@
 gate_up projection with SiLU(gate) * up fused into its epilogue.
 
 The shared library `jax_dwdp/_lib/libjax_dwdp_gmm.so` (or the path in $JAX_DWDP_GMM_LIB) is loaded with ctypes on
-first use only, never when jax_dwdp is imported, and its handler is registered once for the CUDA platform.
+first use only, never when jax_dwdp is imported, and its two handlers are registered once for the CUDA platform.
 
 Switches (read at trace time):
-- $JAX_DWDP_GMM_CONFIG: a kernel configuration by name or index (see `config_names()`); default: chosen from the
-  average rows per group (`pick_config`: the cooperative 128x256 tile without a cluster from 32 rows per group).
+- $JAX_DWDP_GMM_CONFIG: a kernel configuration by name or by index into `config_names()`; default: chosen from the
+  average rows per group (`pick_config`: the cooperative 128x256 tile without a cluster from 64 rows per group).
+  The fused SwiGLU kernel is built for two of those tiles (`swiglu_config_names()`); for it, a forced name it lacks
+  keeps the automatic choice, with a warning. (The `config=` argument indexes the function's own list.)
 - $JAX_DWDP_GMM_CMD_BUFFER=1: register the handler with the command-buffer (CUDA graph) trait (off by default:
   inside XLA command buffers the launch failed with cudaErrorStreamCaptureUnsupported on an H200, 2026-11-30).
 """
@@ -17,6 +19,7 @@ import ctypes
 import functools
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -28,6 +31,7 @@ SWIGLU_TARGET = "jax_dwdp_grouped_gemm_swiglu"
 _LIB_NAME = "libjax_dwdp_gmm.so"
 _lock = threading.Lock()
 _registered: dict[str, object] = {}
+_warned: set[str] = set()
 
 
 class CutlassUnavailable(RuntimeError):
@@ -56,16 +60,21 @@ def _lib() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise CutlassUnavailable(f"cannot load {path}: {e}") from e
-    lib.JaxDwdpGroupedGemmWorkspaceBytes.restype = ctypes.c_size_t
-    lib.JaxDwdpGroupedGemmWorkspaceBytes.argtypes = [ctypes.c_int32, ctypes.c_int32]
-    lib.JaxDwdpGroupedGemmNumConfigs.restype = ctypes.c_int32
-    lib.JaxDwdpGroupedGemmNumConfigs.argtypes = []
-    lib.JaxDwdpGroupedGemmConfigName.restype = ctypes.c_char_p
-    lib.JaxDwdpGroupedGemmConfigName.argtypes = [ctypes.c_int32]
-    lib.JaxDwdpGroupedGemmSwigluNumConfigs.restype = ctypes.c_int32
-    lib.JaxDwdpGroupedGemmSwigluNumConfigs.argtypes = []
-    lib.JaxDwdpGroupedGemmSwigluConfigName.restype = ctypes.c_char_p
-    lib.JaxDwdpGroupedGemmSwigluConfigName.argtypes = [ctypes.c_int32]
+    try:
+        lib.JaxDwdpGroupedGemmWorkspaceBytes.restype = ctypes.c_size_t
+        lib.JaxDwdpGroupedGemmWorkspaceBytes.argtypes = [ctypes.c_int32, ctypes.c_int32]
+        for prefix in ("JaxDwdpGroupedGemm", "JaxDwdpGroupedGemmSwiglu"):
+            getattr(lib, prefix + "NumConfigs").restype = ctypes.c_int32
+            getattr(lib, prefix + "NumConfigs").argtypes = []
+            getattr(lib, prefix + "ConfigName").restype = ctypes.c_char_p
+            getattr(lib, prefix + "ConfigName").argtypes = [ctypes.c_int32]
+            getattr(lib, prefix)  # the handlers themselves
+            getattr(lib, prefix + "NoGraph")
+    except AttributeError as e:
+        raise CutlassUnavailable(
+            f"{path} lacks a symbol this jax_dwdp needs ({e}): it was built from older sources; rebuild it "
+            "(pip install -e ., or cmake from ffi/grouped_gemm)"
+        ) from e
     return lib
 
 
@@ -118,7 +127,10 @@ def pick_config(m: int, n: int, groups: int, names: list[str] | None = None) -> 
             return names.index(name)
         if name not in full:
             raise ValueError(f"JAX_DWDP_GMM_CONFIG={env!r} is none of {full}")
-        # a configuration without a fused SwiGLU build: the fused call keeps its automatic choice
+        if name not in _warned:  # a configuration without a fused SwiGLU build: keep the automatic choice
+            _warned.add(name)
+            warnings.warn(f"JAX_DWDP_GMM_CONFIG={env!r}: {name} has no fused SwiGLU build ({names}); the fused "
+                          "gate_up projection keeps its automatic choice", stacklevel=2)
     rows_per_group = m / max(groups, 1)
     # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30, fourth session) at 80-512 rows per group: the
     # cooperative 128x256 tile without a cluster was the fastest of the five configs on every uniform-routing case,
@@ -139,10 +151,12 @@ def _call(target: str, names: list[str], n_out: int, x, w, group_sizes, config) 
         cfg = pick_config(m, n, g, names)
     elif isinstance(config, str):
         if config not in names:
-            raise ValueError(f"unknown cutlass config {config!r}; one of {names}")
+            raise ValueError(f"cutlass config {config!r} is not built for this call; one of {names}")
         cfg = names.index(config)
     else:
         cfg = int(config)
+        if not 0 <= cfg < len(names):
+            raise ValueError(f"cutlass config index {cfg} is out of range for this call's configs {names}")
     ws = workspace_bytes(g, _max_sm_count())
     out, _ = jax.ffi.ffi_call(
         target,

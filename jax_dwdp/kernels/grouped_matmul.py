@@ -128,8 +128,8 @@ SWIGLU_BLOCK = 8  # gate / up rows per block of the interleaved layout: one wgmm
 
 
 def _check_gate_up(w, what: str) -> tuple[int, int]:
-    two_i = w.shape[-2]
-    if w.ndim < 2 or two_i % (2 * SWIGLU_BLOCK):
+    two_i = w.shape[-2] if w.ndim >= 2 else 1
+    if two_i % (2 * SWIGLU_BLOCK):
         raise ValueError(
             f"{what}: gate_up weight of shape {tuple(w.shape)} needs 2I = shape[-2] to be a multiple of "
             f"{2 * SWIGLU_BLOCK} (I a multiple of {SWIGLU_BLOCK}), got 2I={two_i}"

@@ -44,4 +44,4 @@ def init_model(
         model = Qwen35MoeForCausalLM(
             cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(seed)
         )
-        return set_fused_swiglu(model, fused_swiglu) if fused_swiglu else model
+        return set_fused_swiglu(model, True, donate=True) if fused_swiglu else model

@@ -120,8 +120,9 @@ class SparseMoe(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
 
     def __call__(self, x: jax.Array, experts: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-        """x [..., H]. `experts` = (gate_up_proj, down_proj) overrides this module's own expert weights; it may also
-        be a function of x returning them (DWDP's FFI path waits for the layer's expert copy there)."""
+        """x [..., H]. `experts` = (gate_up_proj, down_proj) overrides this module's own expert weights (gate_up in
+        this module's layout, `self.experts.gate_up_interleaved`); it may also be a function of x returning them
+        (DWDP's FFI path waits for the layer's expert copy there)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         if callable(experts):
@@ -150,28 +151,40 @@ def fused_swiglu_enabled(model) -> bool:
     return flags.pop() if flags else False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _permuter(interleave: bool, sharding):
     fn = kernels.interleave_gate_up if interleave else kernels.deinterleave_gate_up
     return jax.jit(fn, out_shardings=sharding)
 
 
-def set_fused_swiglu(model, enable: bool, *, permute: bool = True):
-    """Puts every layer's gate_up_proj into the interleaved layout (enable=True: gate and up rows in alternating
-    blocks of 8, which lets the CUTLASS kernel fuse SiLU(gate) * up into the projection's epilogue) or back into the
-    checkpoint's layout, in place. Opt-in: on an H200 the fused kernel measured at parity with the unfused path
-    (benchmarks/RESULTS.md, 2026-11-30 fifth session), so models keep the checkpoint layout by default. The rows are permuted on the weights' own devices with their shardings kept (one
-    layer's gate_up at a time of extra memory); the model computes the same function either way.
-    `permute=False` only marks the layout (for weights that are already in it). Returns the model."""
+def set_fused_swiglu(model, enable: bool, *, permute: bool = True, donate: bool = False):
+    """A model whose expert gate_up weights are in the interleaved layout (enable=True: gate and up rows in
+    alternating blocks of 8, which lets the CUTLASS kernel fuse SiLU(gate) * up into the projection's epilogue) or
+    in the checkpoint's. It computes the same function. Opt-in: on an H200 the fused kernel measured at parity with
+    the unfused path (benchmarks/RESULTS.md, 2026-11-30 fifth session), so models keep the checkpoint layout by
+    default.
+
+    Returns a new model that shares every other weight. `model` itself is left as it was, so programs already built
+    from it stay valid. The rows are permuted on the weights' own devices, with their shardings kept.
+    - `donate=True` frees each layer's old gate_up as soon as its permuted copy exists, so the peak is one layer's
+      gate_up, not all of them. `model` is then unusable: its gate_up arrays are deleted, and any use raises.
+    - `permute=False` only marks the layout, for weights that are already in it.
+    """
     experts = _experts_of(model)
-    if enable and experts and experts[0].gate_up_proj.get_value().shape[1] % (2 * SWIGLU_BLOCK):
+    if all(e.gate_up_interleaved == enable for e in experts):
+        return model
+    if enable and experts[0].gate_up_proj.get_value().shape[1] % (2 * SWIGLU_BLOCK):
         raise ValueError(f"set_fused_swiglu: the interleaved layout needs moe_intermediate_size % {SWIGLU_BLOCK} == 0, "
                          f"got gate_up_proj {tuple(experts[0].gate_up_proj.get_value().shape)}")
-    for e in experts:
+    graphdef, state = nnx.split(model)
+    new = nnx.merge(graphdef, state)  # new module objects: the flags below do not touch `model`'s graph
+    for e in _experts_of(new):
         if e.gate_up_interleaved == enable:
             continue
         if permute:
-            w = e.gate_up_proj[...]
-            e.gate_up_proj[...] = _permuter(enable, w.sharding)(w)
+            w = e.gate_up_proj.get_value()
+            e.gate_up_proj = nnx.Param(_permuter(enable, w.sharding)(w))  # a new Variable: `model`'s keeps its array
+            if donate:
+                w.delete()
         e.gate_up_interleaved = enable
-    return model
+    return new

@@ -113,12 +113,14 @@ class Pipeline:
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: ModelConfig, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
-               boundaries=None, devices=None) -> "Pipeline":
-        """Random weights drawn per stage on its own device (no stage ever holds another's weights)."""
+               boundaries=None, devices=None, fused_swiglu: bool = False) -> "Pipeline":
+        """Random weights drawn per stage on its own device (no stage ever holds another's weights).
+        `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(cfg, pipeline, boundaries)
         models = [init_model(cfg, dtype=dtype, seed=seed + st.stage, start_layer=st.start_layer,
-                             end_layer=st.end_layer, device=mesh.devices[st.stage, 0]) for st in stages]
+                             end_layer=st.end_layer, device=mesh.devices[st.stage, 0], fused_swiglu=fused_swiglu)
+                  for st in stages]
         return cls(cfg, stages, models, mesh)
 
     @classmethod
@@ -132,8 +134,10 @@ class Pipeline:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
-                        boundaries=None, devices=None, cfg: ModelConfig | None = None) -> "Pipeline":
-        """Each stage loads only its own layers (HF or Orbax folder), straight onto its device."""
+                        boundaries=None, devices=None, cfg: ModelConfig | None = None,
+                        fused_swiglu: bool = False) -> "Pipeline":
+        """Each stage loads only its own layers (HF or Orbax folder), straight onto its device.
+        `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
         from jax_dwdp.weights import load_checkpoint
         from jax_dwdp.weights.hf_loader import load_config
 
@@ -144,7 +148,8 @@ class Pipeline:
         for st in stages:
             sharding = jax.sharding.SingleDeviceSharding(mesh.devices[st.stage, 0])
             model, report = load_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=st.start_layer,
-                                            end_layer=st.end_layer, placement=lambda *_, sh=sharding: sh)
+                                            end_layer=st.end_layer, placement=lambda *_, sh=sharding: sh,
+                                            fused_swiglu=fused_swiglu)
             models.append(model)
             reports.append(report)
         pipe = cls(cfg, stages, models, mesh)

@@ -22,4 +22,4 @@ def load_checkpoint(directory: str | Path, *, cfg=None, dtype, start_layer: int 
 
         model, report = load_hf_checkpoint(directory, cfg=cfg, dtype=dtype, start_layer=start_layer,
                                            end_layer=end_layer, placement=placement)
-    return (set_fused_swiglu(model, True) if fused_swiglu else model), report
+    return (set_fused_swiglu(model, True, donate=True) if fused_swiglu else model), report
