@@ -10,7 +10,8 @@ Per (model, tokens, routing), side by side in one process, medians of --iters sa
   unfused path, same routing, same inputs.
 Also the relative error of fused vs unfused outputs (they differ by the bf16 rounding of gate and up before the
 activation, which the fused kernel skips). --breakdown also times the block's parts alone: the sort by expert, the
-inverse permutation (a second argsort, as before, vs the scatter of iota `routed_experts` now uses), the row
+inverse permutation (a second argsort, as before, vs the scatter of iota `routed_experts` now uses; and a
+candidate keys-only sort of packed unique keys), the row
 gather (plain bf16 elements, with promise_in_bounds, and as 32-bit words, which `routed_experts` now uses), the down
 projection and the un-permute (gather, routing-weight scale, top-k sum).
 """
@@ -48,6 +49,15 @@ def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
     sort = jax.jit(lambda i: sort_by_expert(i, experts))
     order, _ = sort(ids)
     n = order.shape[0]
+    assert experts * n < 2**31
+
+    @jax.jit
+    def sort_packed(i):  # candidate: one keys-only sort of unique int32 keys (expert-major, then position)
+        flat = i.reshape(-1)
+        return jnp.sort(flat * n + jnp.arange(n, dtype=jnp.int32)) % n
+
+    if not np.array_equal(np.asarray(sort_packed(ids)), np.asarray(order)):
+        raise AssertionError("the packed-key sort's order differs from the stable argsort's")
     inv_sort = jax.jit(jnp.argsort)
     inv_scatter = jax.jit(lambda o: jnp.zeros_like(o).at[o].set(jnp.arange(o.shape[0], dtype=o.dtype),
                                                                unique_indices=True))
@@ -64,7 +74,13 @@ def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
         out = y[inv] * w.reshape(-1)[:, None]
         return jnp.sum(out.reshape(m, top_k, -1).astype(jnp.float32), axis=1).astype(y.dtype)
 
+    @jax.jit
+    def unpermute_u32(y, inv, w):  # candidate: the un-permute's gather as 32-bit words too
+        out = gather_rows(y, inv) * w.reshape(-1)[:, None]
+        return jnp.sum(out.reshape(m, top_k, -1).astype(jnp.float32), axis=1).astype(y.dtype)
+
     record("part sort", lambda: sort(ids))
+    record("part sort packed keys", lambda: sort_packed(ids))
     record("part inverse argsort", lambda: inv_sort(order))
     record("part inverse scatter", lambda: inv_scatter(order))
     record("part gather", lambda: gather(xt, order))
@@ -74,6 +90,7 @@ def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
         raise AssertionError("the u32 row gather differs from the plain one")
     record("part down", lambda: down_mm(act, down, gs))
     record("part unpermute", lambda: unpermute(y, inverse, weights))
+    record("part unpermute u32", lambda: unpermute_u32(y, inverse, weights))
 
 
 def main(argv=None):
