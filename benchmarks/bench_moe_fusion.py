@@ -9,11 +9,15 @@ Per (model, tokens, routing), side by side in one process, medians of --iters sa
 - MoE block: `routed_experts` with the interleaved weights and the fused kernel vs the Hugging Face layout and the
   unfused path, same routing, same inputs.
 Also the relative error of fused vs unfused outputs (they differ by the bf16 rounding of gate and up before the
-activation, which the fused kernel skips). --breakdown also times the block's parts alone: the sort by expert, the
-inverse permutation (a second argsort, as before, vs the scatter of iota `routed_experts` now uses; and a
-candidate keys-only sort of packed unique keys), the row
-gather (plain bf16 elements, with promise_in_bounds, and as 32-bit words, which `routed_experts` now uses), the down
-projection and the un-permute (gather, routing-weight scale, top-k sum).
+activation, which the fused kernel skips).
+
+--breakdown also times the block's parts alone:
+- the sort by expert, and a candidate keys-only sort of packed unique keys (checked to give the same order);
+- the inverse permutation: a second argsort (before) vs the scatter of iota `routed_experts` now uses;
+- the row gather: plain bf16 elements, with promise_in_bounds, and as 32-bit words (what `routed_experts` uses);
+- with CUTLASS: the gate_up projection with the row gather inside its loads vs the gather then the projection
+  (checked bit for bit);
+- the down projection, and the un-permute (gather, routing-weight scale, top-k sum), also with a 32-bit gather.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import numpy as np
 
 from bench_grouped_matmul import case_args, group_sizes, reason, timed, torch_timed  # noqa: E402 (same folder)
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.model.moe import gather_rows, routed_experts, sort_by_expert
+from jax_dwdp.kernels.grouped_matmul import gather_rows
+from jax_dwdp.model.moe import routed_experts, sort_by_expert
 
 gm = importlib.import_module("jax_dwdp.kernels.grouped_matmul")
 
@@ -43,8 +48,9 @@ def routing_for(rng, tokens, experts, top_k, routing):
     return ids.reshape(tokens, top_k), weights, counts
 
 
-def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
-    """Times the routed-expert block's parts alone, as `routed_experts` runs them."""
+def breakdown(record, ids, weights, xt, gate_up, down, experts, top_k, gs):
+    """Times the routed-expert block's parts alone, as `routed_experts` runs them, and the candidates: the gate_up
+    projection with the row gather inside its loads (CUTLASS) vs the gather then the projection."""
     m = ids.shape[0]
     sort = jax.jit(lambda i: sort_by_expert(i, experts))
     order, _ = sort(ids)
@@ -89,6 +95,16 @@ def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
     if not np.array_equal(np.asarray(gather_u32(xt, order)), np.asarray(gather(xt, order))):
         raise AssertionError("the u32 row gather differs from the plain one")
     record("part down", lambda: down_mm(act, down, gs))
+    if gm.default_implementation(xt.dtype) == "cutlass":
+        rows = jax.jit(lambda o: o // top_k)(order)
+        separate = jax.jit(lambda x, r, w, g: gm.grouped_matmul_gathered(x, r, w, g, implementation="cutlass"))
+        in_loads = jax.jit(lambda x, r, w, g: gm.grouped_matmul_gathered(x, r, w, g, implementation="cutlass",
+                                                                         fused=True))
+        record("part gather + gate_up", lambda: separate(xt, rows, gate_up, gs))
+        record("part gate_up gathered in loads", lambda: in_loads(xt, rows, gate_up, gs))
+        if not np.array_equal(np.asarray(in_loads(xt, rows, gate_up, gs), np.float32),
+                              np.asarray(separate(xt, rows, gate_up, gs), np.float32)):
+            raise AssertionError("the gather in the loads differs from the gather then the matmul")
     record("part unpermute", lambda: unpermute(y, inverse, weights))
     record("part unpermute u32", lambda: unpermute_u32(y, inverse, weights))
 
@@ -179,7 +195,7 @@ def main(argv=None):
                     except Exception as ex:  # noqa: BLE001
                         row["notes"]["block compare"] = reason(ex)
                 if args.breakdown:
-                    breakdown(record, jnp.asarray(ids), jnp.asarray(weights, jnp.bfloat16), xt, down, e, k, gs)
+                    breakdown(record, jnp.asarray(ids), jnp.asarray(weights, jnp.bfloat16), xt, w_hf, down, e, k, gs)
                 tm = row["times_ms"]
 
                 def c(name):

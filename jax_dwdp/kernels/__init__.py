@@ -10,7 +10,9 @@ from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_
 from jax_dwdp.kernels.grouped_matmul import ROW_MULTIPLE as GROUPED_MATMUL_ROW_MULTIPLE
 from jax_dwdp.kernels.grouped_matmul import (
     deinterleave_gate_up,
+    gather_rows,
     grouped_matmul,
+    grouped_matmul_gathered,
     grouped_matmul_swiglu,
     interleave_gate_up,
 )
@@ -22,6 +24,8 @@ __all__ = [
     "recurrent_gated_delta_step",
     "grouped_matmul",
     "grouped_matmul_swiglu",
+    "grouped_matmul_gathered",
+    "gather_rows",
     "interleave_gate_up",
     "deinterleave_gate_up",
     "GROUPED_MATMUL_ROW_MULTIPLE",

@@ -35,16 +35,6 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
     return order, group_sizes
 
 
-def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
-    """x[index] for x [N, H]: rows of 2-byte elements move as 32-bit words (bit-identical). On an H200, XLA's row
-    gather ran 1.31-1.57x faster that way on the MoE shapes (benchmarks/RESULTS.md, 2026-11-30 fifth session)."""
-    n, h = x.shape
-    if x.dtype.itemsize != 2 or h % 2:
-        return x[index]
-    words = jax.lax.bitcast_convert_type(x.reshape(n, h // 2, 2), jnp.uint32)
-    return jax.lax.bitcast_convert_type(words[index], x.dtype).reshape(index.shape[0], h)
-
-
 def routed_experts(
     x: jax.Array,
     expert_ids: jax.Array,
@@ -68,7 +58,7 @@ def routed_experts(
     # Row count padded to the kernels' row multiple inside the gather itself (no extra copy); the padded rows
     # belong to no group and are dropped by the final gather.
     pad = (-m * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
-    rows = gather_rows(x, jnp.pad(order, (0, pad)) // k)  # [M*k + pad, H]
+    rows = kernels.gather_rows(x, jnp.pad(order, (0, pad)) // k)  # [M*k + pad, H]
     if gate_up_interleaved:
         act = kernels.grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
     else:
