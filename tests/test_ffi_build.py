@@ -33,7 +33,9 @@ def test_grouped_gemm_library_is_built():
     path = ROOT / "jax_dwdp" / "_lib" / "libjax_dwdp_gmm.so"
     assert path.is_file(), f"{path} missing: `pip install -e .` builds it with the nvidia-cutlass headers"
     data = path.read_bytes()
-    for symbol in (b"JaxDwdpGroupedGemm", b"JaxDwdpGroupedGemmNoGraph", b"JaxDwdpGroupedGemmWorkspaceBytes"):
+    for symbol in (b"JaxDwdpGroupedGemm", b"JaxDwdpGroupedGemmNoGraph", b"JaxDwdpGroupedGemmWorkspaceBytes",
+                   b"JaxDwdpGroupedGemmSwiglu", b"JaxDwdpGroupedGemmSwigluNoGraph", b"JaxDwdpGroupedGemmGather",
+                   b"JaxDwdpGroupedGemmGatherNoGraph"):
         assert symbol in data, symbol
 
 

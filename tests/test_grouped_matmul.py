@@ -120,6 +120,31 @@ def test_cutlass_without_gpu_fails_clearly(rng, tmp_path, monkeypatch):
         _cutlass._lib.cache_clear()
 
 
+def test_stale_cutlass_library_is_a_clear_error(tmp_path, monkeypatch):
+    """A library built from older sources (here: a shared library with only the oldest entry points) is refused
+    with a 'rebuild it' error, not a ctypes AttributeError from deep inside."""
+    import shutil
+    import subprocess
+
+    from jax_dwdp.kernels import _cutlass
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a stand-in library")
+    src = tmp_path / "old.c"
+    src.write_text("int JaxDwdpGroupedGemmNumConfigs(void) { return 0; }\n"
+                   "const char* JaxDwdpGroupedGemmConfigName(int i) { return 0; }\n"
+                   "unsigned long JaxDwdpGroupedGemmWorkspaceBytes(int g, int s) { return 0; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "old.so"), str(src)], check=True)
+    monkeypatch.setenv("JAX_DWDP_GMM_LIB", str(tmp_path / "old.so"))
+    _cutlass._lib.cache_clear()
+    try:
+        with pytest.raises(_cutlass.CutlassUnavailable, match="lacks a symbol .* rebuild it"):
+            _cutlass.config_names()
+    finally:
+        _cutlass._lib.cache_clear()
+
+
 def test_cutlass_config_choice(monkeypatch):
     """pick_config (no library needed): the no-cluster cooperative 128x256 tile from 64 rows per group (measured
     fastest at 80-512), the no-cluster 64x128 ping-pong below it and for narrow N; $JAX_DWDP_GMM_CONFIG wins."""

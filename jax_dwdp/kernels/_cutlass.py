@@ -1,8 +1,9 @@
-"""The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind XLA FFI custom calls: the plain grouped matmul and the
-gate_up projection with SiLU(gate) * up fused into its epilogue.
+"""The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind XLA FFI custom calls: the plain grouped matmul, the
+gate_up projection with SiLU(gate) * up fused into its epilogue, and the grouped matmul whose A rows are gathered by
+index inside its loads.
 
 The shared library `jax_dwdp/_lib/libjax_dwdp_gmm.so` (or the path in $JAX_DWDP_GMM_LIB) is loaded with ctypes on
-first use only, never when jax_dwdp is imported, and its two handlers are registered once for the CUDA platform.
+first use only, never when jax_dwdp is imported, and its three handlers are registered once for the CUDA platform.
 
 Switches (read at trace time):
 - $JAX_DWDP_GMM_CONFIG: a kernel configuration by name or by index into `config_names()`; default: chosen from the
