@@ -12,12 +12,12 @@ Also the relative error of fused vs unfused outputs (they differ by the bf16 rou
 activation, which the fused kernel skips).
 
 --breakdown also times the block's parts alone:
-- the sort by expert, and a candidate keys-only sort of packed unique keys (checked to give the same order);
+- the sort by expert;
 - the inverse permutation: a second argsort (before) vs the scatter of iota `routed_experts` now uses;
 - the row gather: plain bf16 elements, with promise_in_bounds, and as 32-bit words (what `routed_experts` uses);
-- with CUTLASS: the gate_up projection with the row gather inside its loads vs the gather then the projection
-  (checked bit for bit);
-- the down projection, and the un-permute (gather, routing-weight scale, top-k sum), also with a 32-bit gather.
+- the down projection, and the un-permute (gather, routing-weight scale, top-k sum).
+(Candidates measured and dropped, benchmarks/RESULTS.md, fifth session: a keys-only sort of packed keys, a 32-bit
+un-permute gather, and the gather inside the GEMM's A loads.)
 """
 
 from __future__ import annotations
@@ -48,22 +48,12 @@ def routing_for(rng, tokens, experts, top_k, routing):
     return ids.reshape(tokens, top_k), weights, counts
 
 
-def breakdown(record, ids, weights, xt, gate_up, down, experts, top_k, gs):
-    """Times the routed-expert block's parts alone, as `routed_experts` runs them, and the candidates: the gate_up
-    projection with the row gather inside its loads (CUTLASS) vs the gather then the projection."""
+def breakdown(record, ids, weights, xt, down, experts, top_k, gs):
+    """Times the routed-expert block's parts alone, as `routed_experts` runs them."""
     m = ids.shape[0]
     sort = jax.jit(lambda i: sort_by_expert(i, experts))
     order, _ = sort(ids)
     n = order.shape[0]
-    assert experts * n < 2**31
-
-    @jax.jit
-    def sort_packed(i):  # candidate: one keys-only sort of unique int32 keys (expert-major, then position)
-        flat = i.reshape(-1)
-        return jnp.sort(flat * n + jnp.arange(n, dtype=jnp.int32)) % n
-
-    if not np.array_equal(np.asarray(sort_packed(ids)), np.asarray(order)):
-        raise AssertionError("the packed-key sort's order differs from the stable argsort's")
     inv_sort = jax.jit(jnp.argsort)
     inv_scatter = jax.jit(lambda o: jnp.zeros_like(o).at[o].set(jnp.arange(o.shape[0], dtype=o.dtype),
                                                                unique_indices=True))
@@ -80,13 +70,7 @@ def breakdown(record, ids, weights, xt, gate_up, down, experts, top_k, gs):
         out = y[inv] * w.reshape(-1)[:, None]
         return jnp.sum(out.reshape(m, top_k, -1).astype(jnp.float32), axis=1).astype(y.dtype)
 
-    @jax.jit
-    def unpermute_u32(y, inv, w):  # candidate: the un-permute's gather as 32-bit words too
-        out = gather_rows(y, inv) * w.reshape(-1)[:, None]
-        return jnp.sum(out.reshape(m, top_k, -1).astype(jnp.float32), axis=1).astype(y.dtype)
-
     record("part sort", lambda: sort(ids))
-    record("part sort packed keys", lambda: sort_packed(ids))
     record("part inverse argsort", lambda: inv_sort(order))
     record("part inverse scatter", lambda: inv_scatter(order))
     record("part gather", lambda: gather(xt, order))
@@ -95,18 +79,7 @@ def breakdown(record, ids, weights, xt, gate_up, down, experts, top_k, gs):
     if not np.array_equal(np.asarray(gather_u32(xt, order)), np.asarray(gather(xt, order))):
         raise AssertionError("the u32 row gather differs from the plain one")
     record("part down", lambda: down_mm(act, down, gs))
-    if gm.default_implementation(xt.dtype) == "cutlass":
-        rows = jax.jit(lambda o: o // top_k)(order)
-        separate = jax.jit(lambda x, r, w, g: gm.grouped_matmul_gathered(x, r, w, g, implementation="cutlass"))
-        in_loads = jax.jit(lambda x, r, w, g: gm.grouped_matmul_gathered(x, r, w, g, implementation="cutlass",
-                                                                         fused=True))
-        record("part gather + gate_up", lambda: separate(xt, rows, gate_up, gs))
-        record("part gate_up gathered in loads", lambda: in_loads(xt, rows, gate_up, gs))
-        if not np.array_equal(np.asarray(in_loads(xt, rows, gate_up, gs), np.float32),
-                              np.asarray(separate(xt, rows, gate_up, gs), np.float32)):
-            raise AssertionError("the gather in the loads differs from the gather then the matmul")
     record("part unpermute", lambda: unpermute(y, inverse, weights))
-    record("part unpermute u32", lambda: unpermute_u32(y, inverse, weights))
 
 
 def main(argv=None):
@@ -195,7 +168,7 @@ def main(argv=None):
                     except Exception as ex:  # noqa: BLE001
                         row["notes"]["block compare"] = reason(ex)
                 if args.breakdown:
-                    breakdown(record, jnp.asarray(ids), jnp.asarray(weights, jnp.bfloat16), xt, w_hf, down, e, k, gs)
+                    breakdown(record, jnp.asarray(ids), jnp.asarray(weights, jnp.bfloat16), xt, down, e, k, gs)
                 tm = row["times_ms"]
 
                 def c(name):

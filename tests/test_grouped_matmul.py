@@ -202,26 +202,6 @@ def test_gather_rows_is_bit_identical(rng):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
-@pytest.mark.parametrize("m,t,g,n,k,empty,slack", [
-    (300, 97, 5, 48, 64, (1,), 0),
-    (520, 130, 3, 16, 40, (0, 2), 23),
-])
-def test_gathered_path_matches_fp64(rng, m, t, g, n, k, empty, slack):
-    """grouped_matmul_gathered (portable path): x[rows] per group, rows drawn with repeats as top-k routing has."""
-    x_tok, w, sizes = make_case(rng, t, g, n, k)
-    _, _, sizes = make_case(rng, m, g, n, k, empty=empty, slack=slack)
-    rows = rng.integers(0, t, m).astype(np.int32)
-    out = gm.grouped_matmul_gathered(x_tok, jnp.asarray(rows), w, jnp.asarray(sizes, jnp.int32), implementation="xla")
-    ref = reference(np.asarray(x_tok, np.float64)[rows], w, sizes)
-    total = int(sizes.sum())
-    err = rel_err(out[:total], ref[:total])
-    print(f"xla gathered grouped matmul m={m} t={t}: bf16 rel err {err:.2e} (bound {BF16_BOUND})")
-    assert out.shape == (m, n) and err <= BF16_BOUND
-    assert np.all(np.asarray(out[total:], np.float32) == 0)
-    with pytest.raises(ValueError, match="do not fit"):
-        gm.grouped_matmul_gathered(x_tok, jnp.asarray(rows)[:, None], w, jnp.asarray(sizes, jnp.int32))
-
-
 # --- GPU: the CUTLASS kernel ---------------------------------------------------------------------------------------
 
 
@@ -448,49 +428,3 @@ def test_cutlass_swiglu_edge_sizes_and_unfused_agreement(rng):
         err = rel_err(np.asarray(out[:total], np.float32), ref[:total]) if total else 0.0
         print(f"  fused vs unfused cutlass ({label}): {err:.2e}")
         assert err <= BF16_BOUND
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, 0, 1])
-@pytest.mark.parametrize("n,k", [(1024, 2048), (264, 136)])  # 35B gate_up; N and K not tile multiples
-def test_cutlass_gather_equals_gather_then_matmul(rng, n, k, config):
-    """The row gather inside the A loads gives exactly (bit for bit) the same output as gathering first and running
-    the same tile; rows past the sum are zeros; a row index outside [0, T) reads a zero row. Output buffers
-    poisoned with NaN first."""
-    _gpu_only()
-    cutlass = _require_library()
-    g, m, t = 16, 3000, 700
-    x_tok, w, _ = make_case(rng, t, g, n, k)
-    _, _, sizes = make_case(rng, m, g, n, k, empty=(0, 7, g - 1), slack=61)
-    assert sizes.max() > 256
-    rows = rng.integers(0, t, m).astype(np.int32)
-    names = cutlass.gather_config_names()
-    name = names[config] if config is not None else names[cutlass.pick_config(m, n, g, names)]
-    gs = jnp.asarray(sizes, jnp.int32)
-    poison = [jnp.full((m, n), jnp.nan, jnp.bfloat16) for _ in range(4)]
-    jax.block_until_ready(poison)
-    del poison
-    fused = cutlass.grouped_matmul_gather(x_tok, jnp.asarray(rows), w, gs, config=config)
-    _check(fused, np.asarray(x_tok)[rows], w, sizes, f"gather in loads n={n} k={k} config={name}")
-    unfused = cutlass.grouped_matmul(jnp.asarray(x_tok)[jnp.asarray(rows)], w, gs, config=name)
-    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(unfused, np.float32))
-    bad = rows.copy()
-    bad[5], bad[17] = t + 3, -1  # out of range: zero rows in, zero rows out
-    out = np.asarray(cutlass.grouped_matmul_gather(x_tok, jnp.asarray(bad), w, gs, config=config), np.float32)
-    assert np.all(out[[5, 17]] == 0) and np.isfinite(out).all()
-    np.testing.assert_array_equal(np.delete(out, [5, 17], axis=0),
-                                  np.delete(np.asarray(unfused, np.float32), [5, 17], axis=0))
-
-
-@pytest.mark.gpu
-def test_cutlass_gather_public_path_inside_jit(rng):
-    _gpu_only()
-    _require_library()
-    g, n, k, m, t = 8, 256, 128, 1000, 300
-    x_tok, w, _ = make_case(rng, t, g, n, k)
-    rows = jnp.asarray(rng.integers(0, t, m), jnp.int32)
-    f = jax.jit(lambda a, r, b, s: gm.grouped_matmul_gathered(a, r, b, s, implementation="cutlass", fused=True))
-    for label, sizes in {"all empty": np.zeros(g, np.int64), "single rows": np.ones(g, np.int64),
-                         "full": np.array([0, 129, 1, 0, 500, 127, 243, 0])}.items():
-        out = f(x_tok, rows, w, jnp.asarray(sizes, jnp.int32))
-        _check(out, np.asarray(x_tok)[np.asarray(rows)], w, sizes, f"gather in loads, jit, {label}")

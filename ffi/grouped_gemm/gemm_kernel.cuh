@@ -1,7 +1,6 @@
 // One CUTLASS 3.x sm90 grouped GEMM (ptr-array, TMA, warp-specialized) for the MoE expert matmul:
 //   D_g[M_g, N] = A_g[M_g, K] @ B_g[N, K]^T, bf16 in/out, fp32 accumulation,
 // or, with kSwiglu, the fused gate_up projection D_g[M_g, N / 2] = silu(gate) * up (swiglu_epilogue.cuh),
-// and, with kGather, A's rows gathered from an unsorted x by a row index inside the loads (gather_mainloop.cuh),
 // with per-group shapes and pointers read on the device (host problem shapes = nullptr: no host sync).
 // Included by one gemm_cfg_*.cu per configuration, so that each heavy instantiation compiles in parallel.
 #pragma once
@@ -19,7 +18,6 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "grouped_gemm.h"
-#include "gather_mainloop.cuh"
 #include "swiglu_epilogue.cuh"
 
 namespace jax_dwdp_gmm {
@@ -27,8 +25,7 @@ namespace jax_dwdp_gmm {
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
 using StrideRowMajor = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
 
-template <bool kPingpong, int kTileM, int kTileN, int kTileK, int kClusterM, bool kSwiglu = false,
-          bool kGather = false>
+template <bool kPingpong, int kTileM, int kTileN, int kTileK, int kClusterM, bool kSwiglu = false>
 struct GroupedGemm {
   using Element = cutlass::bfloat16_t;
   using Accum = float;
@@ -58,7 +55,7 @@ struct GroupedGemm {
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwigluEpilogueArray<StrideRowMajor*>>;
   using CollectiveEpilogue = std::conditional_t<kSwiglu, SwigluEpilogue, TmaEpilogue>;
 
-  using StockMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, LayoutA*, kAlign,
       Element, LayoutB*, kAlign,
@@ -66,8 +63,6 @@ struct GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-
-  using CollectiveMainloop = std::conditional_t<kGather, GatherAMainloop<StockMainloop>, StockMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -83,21 +78,11 @@ struct GroupedGemm {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = a.device;
     hw.sm_count = a.sm_count;
-    typename CollectiveMainloop::Arguments mainloop{};
-    static_cast<typename StockMainloop::Arguments&>(mainloop) = {
-        reinterpret_cast<const Element**>(a.ptr_a), static_cast<StrideRowMajor*>(a.stride_a),
-        reinterpret_cast<const Element**>(a.ptr_b), static_cast<StrideRowMajor*>(a.stride_b)};
-    if constexpr (kGather) {
-      mainloop.gather_x = a.gather_x;
-      mainloop.gather_rows = a.gather_rows;
-      mainloop.gather_k = a.k;
-      mainloop.gather_index = a.gather_index;
-      mainloop.group_row_start = a.group_row_start;
-    }
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {a.groups, static_cast<typename ProblemShape::UnderlyingProblemShape*>(a.problem_shapes), nullptr},
-        mainloop,
+        {reinterpret_cast<const Element**>(a.ptr_a), static_cast<StrideRowMajor*>(a.stride_a),
+         reinterpret_cast<const Element**>(a.ptr_b), static_cast<StrideRowMajor*>(a.stride_b)},
         {{}, nullptr, nullptr, reinterpret_cast<Element**>(a.ptr_d), static_cast<StrideRowMajor*>(a.stride_d)},
         hw};
     if constexpr (!kSwiglu) {

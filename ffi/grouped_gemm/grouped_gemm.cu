@@ -3,10 +3,7 @@
 //   out[rows of group g] = x[rows of group g] @ w[g]^T     (x [M, K] bf16, w [G, N, K] bf16, out [M, N] bf16)
 //
 // and "JaxDwdpGroupedGemmSwiglu", the gate_up projection with SiLU(gate) * up fused into the epilogue: w's rows
-// interleaved in blocks of 8 gate / 8 up rows (swiglu_epilogue.cuh), out [M, N / 2] bf16;
-// and "JaxDwdpGroupedGemmGather", the token permutation fused into the A loads: x [T, K] unsorted, rows [M] int32
-// (token row of each sorted row), out[r] = x[rows[r]] @ w[g]^T for the sorted rows r of group g
-// (gather_mainloop.cuh). Row indices outside [0, T) read zeros (TMA bounds), never other memory.
+// interleaved in blocks of 8 gate / 8 up rows (swiglu_epilogue.cuh), out [M, N / 2] bf16.
 //
 // Rows of x are sorted by group; group_sizes [G] int32 stays on the device. Each call, on XLA's stream:
 //   1. a one-block setup kernel prefix-sums group_sizes and writes, per group, the problem shape (rows_g, N, K),
@@ -47,7 +44,7 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // Workspace layout; identical on the host (sizing) and in the handler (carving).
 struct Layout {
-  size_t ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, shapes, row_start, total, cutlass, bytes;
+  size_t ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, shapes, total, cutlass, bytes;
   static Layout make(int groups, size_t cutlass_bytes) {
     Layout l{};
     size_t off = 0;
@@ -64,7 +61,6 @@ struct Layout {
     l.stride_b = take(g * sizeof(StrideT));
     l.stride_d = take(g * sizeof(StrideT));
     l.shapes = take(g * sizeof(ProblemShapeT));
-    l.row_start = take(g * sizeof(long long));
     l.total = take(sizeof(long long));
     l.cutlass = take(cutlass_bytes);
     l.bytes = off + kAlign;  // slack to align the base pointer XLA hands us
@@ -77,14 +73,11 @@ const GemmConfig* const kConfigs[] = {&kCoop128x256x64C2, &kPingpong64x128x128C2
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
 const GemmConfig* const kSwigluConfigs[] = {&kCoop128x256x64C1Swiglu, &kPingpong64x128x128C1Swiglu};
 constexpr int kNumSwigluConfigs = sizeof(kSwigluConfigs) / sizeof(kSwigluConfigs[0]);
-const GemmConfig* const kGatherConfigs[] = {&kCoop128x256x64C1Gather, &kPingpong64x128x128C1Gather};
-constexpr int kNumGatherConfigs = sizeof(kGatherConfigs) / sizeof(kGatherConfigs[0]);
 
 size_t cutlass_bytes_all_configs(int groups, int sm_count) {
   size_t b = 0;
   for (const GemmConfig* c : kConfigs) b = std::max(b, c->workspace_bytes(groups, sm_count));
   for (const GemmConfig* c : kSwigluConfigs) b = std::max(b, c->workspace_bytes(groups, sm_count));
-  for (const GemmConfig* c : kGatherConfigs) b = std::max(b, c->workspace_bytes(groups, sm_count));
   return b;
 }
 
@@ -115,7 +108,7 @@ __global__ void __launch_bounds__(kSetupThreads)
     setup_groups_kernel(const int32_t* __restrict__ group_sizes, int groups, long long m, int n, int k, int n_out,
                         const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* out, const void** ptr_a,
                         const void** ptr_b, void** ptr_d, StrideT* stride_a, StrideT* stride_b, StrideT* stride_d,
-                        ProblemShapeT* shapes, long long* row_start, bool gather, long long* total_rows) {
+                        ProblemShapeT* shapes, long long* total_rows) {
   __shared__ long long warp_sums[32];
   __shared__ long long carry;
   if (threadIdx.x == 0) carry = 0;
@@ -129,8 +122,7 @@ __global__ void __launch_bounds__(kSetupThreads)
       const long long start = min(c + incl - size, m);
       const long long rows = min(c + incl, m) - start;
       shapes[g] = ProblemShapeT(static_cast<int>(rows), n, k);
-      ptr_a[g] = gather ? x : x + start * k;  // gather: A's tensor maps go unread (rows come by index)
-      row_start[g] = start;
+      ptr_a[g] = x + start * k;
       ptr_b[g] = w + static_cast<long long>(g) * n * k;
       ptr_d[g] = out + start * n_out;
       stride_a[g] = StrideT(k, cute::Int<1>{}, cute::Int<0>{});
@@ -169,37 +161,27 @@ ffi::Error cuda_error(const std::string& who, const char* what, cudaError_t e) {
   return ffi::Error::Internal(who + ": " + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
-enum class Mode { kPlain, kSwiglu, kGather };
-
 // kSwiglu: out [M, N / 2] = silu(gate) * up from w's interleaved gate/up rows (N % 16 == 0).
-// kGather: A's sorted rows are x[rows[r]] (x [T, K], rows [M]); otherwise x is A itself [M, K].
-template <Mode kMode>
-ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, const ffi::Buffer<ffi::S32>* rows_index,
-                             ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> group_sizes,
-                             ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
-  constexpr bool kSwiglu = kMode == Mode::kSwiglu, kGather = kMode == Mode::kGather;
-  const std::string who = kSwiglu ? "JaxDwdpGroupedGemmSwiglu" : kGather ? "JaxDwdpGroupedGemmGather" : "JaxDwdpGroupedGemm";
-  const std::string out_shape = std::string(kGather ? "rows [M], " : "") + (kSwiglu ? "out [M, N / 2]" : "out [M, N]");
-  const char* x_shape = kGather ? "x [T, K]" : "x [M, K]";
+template <bool kSwiglu>
+ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::BF16> out,
+                             ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
+  const std::string who = kSwiglu ? "JaxDwdpGroupedGemmSwiglu" : "JaxDwdpGroupedGemm";
+  const char* out_shape = kSwiglu ? "out [M, N / 2]" : "out [M, N]";
   auto xd = x.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || gd.size() != 1 || od.size() != 2 ||
-      (kGather && rows_index->dimensions().size() != 1))
-    return ffi::Error::InvalidArgument(who + ": expects " + x_shape + ", w [G, N, K], group_sizes [G], " + out_shape);
-  const long long x_rows = xd[0], m = kGather ? rows_index->dimensions()[0] : x_rows;
-  const long long k = xd[1], groups = wd[0], n = wd[1], n_out = kSwiglu ? n / 2 : n;
+  if (xd.size() != 2 || wd.size() != 3 || gd.size() != 1 || od.size() != 2)
+    return ffi::Error::InvalidArgument(who + ": expects x [M, K], w [G, N, K], group_sizes [G], " + out_shape);
+  const long long m = xd[0], k = xd[1], groups = wd[0], n = wd[1], n_out = kSwiglu ? n / 2 : n;
   const int n_multiple = kSwiglu ? 16 : 8;  // SwiGLU: whole 8-row gate/up block pairs (I % 8 == 0)
   if (k % 8 || n % n_multiple || k <= 0 || n <= 0)
     return ffi::Error::InvalidArgument(who + ": K must be a positive multiple of 8 (16-byte TMA rows) and N a positive "
                                        "multiple of " + std::to_string(n_multiple) + ", got K=" + std::to_string(k) +
                                        " N=" + std::to_string(n));
   if (wd[2] != k || gd[0] != groups || od[0] != m || od[1] != n_out)
-    return ffi::Error::InvalidArgument(who + ": shapes do not fit " + x_shape + ", w [G, N, K], group_sizes [G], " +
-                                       out_shape);
-  if (k > INT32_MAX || n > INT32_MAX || m > INT32_MAX || x_rows > INT32_MAX || groups > INT32_MAX)
+    return ffi::Error::InvalidArgument(who + ": shapes do not fit x [M, K], w [G, N, K], group_sizes [G], " + out_shape);
+  if (k > INT32_MAX || n > INT32_MAX || m > INT32_MAX || groups > INT32_MAX)
     return ffi::Error::InvalidArgument(who + ": dimensions exceed int32");
-  if (kGather && m > 0 && x_rows == 0)
-    return ffi::Error::InvalidArgument(who + ": x has no rows to gather from");
-  const int num_configs = kSwiglu ? kNumSwigluConfigs : kGather ? kNumGatherConfigs : kNumConfigs;
+  const int num_configs = kSwiglu ? kNumSwigluConfigs : kNumConfigs;
   if (config < 0 || config >= num_configs)
     return ffi::Error::InvalidArgument(who + ": unknown config " + std::to_string(config));
   if (m == 0) return ffi::Error::Success();
@@ -222,7 +204,7 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, cons
   const int sm_count = sm_count_of(device);
   if (sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
 
-  const GemmConfig& cfg = kSwiglu ? *kSwigluConfigs[config] : kGather ? *kGatherConfigs[config] : *kConfigs[config];
+  const GemmConfig& cfg = kSwiglu ? *kSwigluConfigs[config] : *kConfigs[config];
   const size_t cutlass_bytes = cfg.workspace_bytes(static_cast<int>(groups), sm_count);
   const Layout lay = Layout::make(static_cast<int>(groups), cutlass_bytes);
   const size_t ws_bytes = workspace->size_bytes();
@@ -248,19 +230,12 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, cons
   a.sm_count = sm_count;
   a.stream = stream;
   auto* total_rows = reinterpret_cast<long long*>(ws + lay.total);
-  auto* row_start = reinterpret_cast<long long*>(ws + lay.row_start);
-  if (kGather) {
-    a.gather_x = x.untyped_data();
-    a.gather_rows = x_rows;
-    a.gather_index = rows_index->typed_data();
-    a.group_row_start = row_start;
-  }
 
   setup_groups_kernel<<<1, kSetupThreads, 0, stream>>>(
       group_sizes.typed_data(), a.groups, m, a.n, a.k, static_cast<int>(n_out), reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
       reinterpret_cast<const __nv_bfloat16*>(w.untyped_data()), out_ptr, a.ptr_a, a.ptr_b, a.ptr_d,
       static_cast<StrideT*>(a.stride_a), static_cast<StrideT*>(a.stride_b), static_cast<StrideT*>(a.stride_d),
-      static_cast<ProblemShapeT*>(a.problem_shapes), row_start, kGather, total_rows);
+      static_cast<ProblemShapeT*>(a.problem_shapes), total_rows);
   if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
 
   const long long vecs = m * n_out / 8;
@@ -292,10 +267,6 @@ JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmSwiglu(XLA_FFI_CallFrame* c
 JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmSwigluNoGraph(XLA_FFI_CallFrame* call_frame);
 JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGroupedGemmSwigluNumConfigs();
 JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i);
-JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmGather(XLA_FFI_CallFrame* call_frame);
-JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmGatherNoGraph(XLA_FFI_CallFrame* call_frame);
-JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGroupedGemmGatherNumConfigs();
-JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmGatherConfigName(int32_t i);
 
 #define JAX_DWDP_GMM_BINDING                                 \
   ffi::Ffi::Bind()                                           \
@@ -308,47 +279,15 @@ JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmGatherConfigName(int32_t i);
       .Attr<int32_t>("config")
 
 // Recordable into XLA command buffers (CUDA graphs): only stream work, nothing on the host reads the data.
-namespace jax_dwdp_gmm {
-namespace {
-template <Mode kMode>
-ffi::Error dense_rows(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                      ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::BF16> out,
-                      ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
-  return grouped_gemm_impl<kMode>(stream, x, nullptr, w, group_sizes, out, workspace, config);
-}
-ffi::Error gathered_rows(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> rows,
-                         ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::BF16> out,
-                         ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
-  return grouped_gemm_impl<Mode::kGather>(stream, x, &rows, w, group_sizes, out, workspace, config);
-}
-}  // namespace
-}  // namespace jax_dwdp_gmm
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemm, jax_dwdp_gmm::dense_rows<jax_dwdp_gmm::Mode::kPlain>,
-                              JAX_DWDP_GMM_BINDING, {ffi::Traits::kCmdBufferCompatible});
-// The same handler without the trait: XLA then runs it outside command buffers (a fallback switch).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmNoGraph, jax_dwdp_gmm::dense_rows<jax_dwdp_gmm::Mode::kPlain>,
-                              JAX_DWDP_GMM_BINDING);
-// The fused gate_up + SwiGLU projection (out [M, N / 2]), with and without the trait.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwiglu, jax_dwdp_gmm::dense_rows<jax_dwdp_gmm::Mode::kSwiglu>,
-                              JAX_DWDP_GMM_BINDING, {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwigluNoGraph, jax_dwdp_gmm::dense_rows<jax_dwdp_gmm::Mode::kSwiglu>,
-                              JAX_DWDP_GMM_BINDING);
-// The token gather fused into the A loads: x [T, K], rows [M], w, group_sizes -> out [M, N].
-#define JAX_DWDP_GMM_GATHER_BINDING                          \
-  ffi::Ffi::Bind()                                           \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()              \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* x [T, K] */          \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* rows [M] */          \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* w [G, N, K] */       \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [G] */   \
-      .Ret<ffi::Buffer<ffi::BF16>>() /* out [M, N] */        \
-      .Ret<ffi::Buffer<ffi::U8>>()   /* workspace */         \
-      .Attr<int32_t>("config")
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmGather, jax_dwdp_gmm::gathered_rows, JAX_DWDP_GMM_GATHER_BINDING,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemm, jax_dwdp_gmm::grouped_gemm_impl<false>, JAX_DWDP_GMM_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmGatherNoGraph, jax_dwdp_gmm::gathered_rows,
-                              JAX_DWDP_GMM_GATHER_BINDING);
+// The same handler without the trait: XLA then runs it outside command buffers (a fallback switch).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmNoGraph, jax_dwdp_gmm::grouped_gemm_impl<false>, JAX_DWDP_GMM_BINDING);
+// The fused gate_up + SwiGLU projection (out [M, N / 2]), with and without the trait.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwiglu, jax_dwdp_gmm::grouped_gemm_impl<true>, JAX_DWDP_GMM_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwigluNoGraph, jax_dwdp_gmm::grouped_gemm_impl<true>,
+                              JAX_DWDP_GMM_BINDING);
 
 extern "C" {
 
@@ -370,12 +309,6 @@ int32_t JaxDwdpGroupedGemmSwigluNumConfigs() { return jax_dwdp_gmm::kNumSwigluCo
 
 const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i) {
   return i >= 0 && i < jax_dwdp_gmm::kNumSwigluConfigs ? jax_dwdp_gmm::kSwigluConfigs[i]->name : nullptr;
-}
-
-int32_t JaxDwdpGroupedGemmGatherNumConfigs() { return jax_dwdp_gmm::kNumGatherConfigs; }
-
-const char* JaxDwdpGroupedGemmGatherConfigName(int32_t i) {
-  return i >= 0 && i < jax_dwdp_gmm::kNumGatherConfigs ? jax_dwdp_gmm::kGatherConfigs[i]->name : nullptr;
 }
 
 }  // extern "C"

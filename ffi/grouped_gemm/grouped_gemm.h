@@ -26,11 +26,6 @@ struct GroupedArgs {
   int device = 0;
   int sm_count = 0;
   cudaStream_t stream = nullptr;
-  // Row gather (JaxDwdpGroupedGemmGather): A's sorted row r of group g is x[gather_index[group_row_start[g] + r]].
-  const void* gather_x = nullptr;  // [gather_rows, K]
-  long long gather_rows = 0;
-  const int32_t* gather_index = nullptr;      // [M]
-  const long long* group_row_start = nullptr;  // [G]
 };
 
 // One compiled CUTLASS kernel. `run` returns nullptr on success, else a static message naming the failed step.
@@ -49,8 +44,5 @@ extern const GemmConfig kPingpong64x128x128C1;
 // The same tiles with the fused SwiGLU epilogue (out has N / 2 columns; swiglu_epilogue.cuh).
 extern const GemmConfig kCoop128x256x64C1Swiglu;
 extern const GemmConfig kPingpong64x128x128C1Swiglu;
-// The same tiles with the token gather in the A loads (gather_mainloop.cuh).
-extern const GemmConfig kCoop128x256x64C1Gather;
-extern const GemmConfig kPingpong64x128x128C1Gather;
 
 }  // namespace jax_dwdp_gmm

@@ -12,7 +12,6 @@ from jax_dwdp.kernels.grouped_matmul import (
     deinterleave_gate_up,
     gather_rows,
     grouped_matmul,
-    grouped_matmul_gathered,
     grouped_matmul_swiglu,
     interleave_gate_up,
 )
@@ -24,7 +23,6 @@ __all__ = [
     "recurrent_gated_delta_step",
     "grouped_matmul",
     "grouped_matmul_swiglu",
-    "grouped_matmul_gathered",
     "gather_rows",
     "interleave_gate_up",
     "deinterleave_gate_up",

@@ -1,9 +1,8 @@
-"""The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind XLA FFI custom calls: the plain grouped matmul, the
-gate_up projection with SiLU(gate) * up fused into its epilogue, and the grouped matmul whose A rows are gathered by
-index inside its loads.
+"""The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind XLA FFI custom calls: the plain grouped matmul and the
+gate_up projection with SiLU(gate) * up fused into its epilogue.
 
 The shared library `jax_dwdp/_lib/libjax_dwdp_gmm.so` (or the path in $JAX_DWDP_GMM_LIB) is loaded with ctypes on
-first use only, never when jax_dwdp is imported, and its three handlers are registered once for the CUDA platform.
+first use only, never when jax_dwdp is imported, and its two handlers are registered once for the CUDA platform.
 
 Switches (read at trace time):
 - $JAX_DWDP_GMM_CONFIG: a kernel configuration by name or by index into `config_names()`; default: chosen from the
@@ -29,7 +28,6 @@ import numpy as np
 
 TARGET = "jax_dwdp_grouped_gemm"
 SWIGLU_TARGET = "jax_dwdp_grouped_gemm_swiglu"
-GATHER_TARGET = "jax_dwdp_grouped_gemm_gather"
 _LIB_NAME = "libjax_dwdp_gmm.so"
 _lock = threading.Lock()
 _registered: dict[str, object] = {}
@@ -65,7 +63,7 @@ def _lib() -> ctypes.CDLL:
     try:
         lib.JaxDwdpGroupedGemmWorkspaceBytes.restype = ctypes.c_size_t
         lib.JaxDwdpGroupedGemmWorkspaceBytes.argtypes = [ctypes.c_int32, ctypes.c_int32]
-        for prefix in ("JaxDwdpGroupedGemm", "JaxDwdpGroupedGemmSwiglu", "JaxDwdpGroupedGemmGather"):
+        for prefix in ("JaxDwdpGroupedGemm", "JaxDwdpGroupedGemmSwiglu"):
             getattr(lib, prefix + "NumConfigs").restype = ctypes.c_int32
             getattr(lib, prefix + "NumConfigs").argtypes = []
             getattr(lib, prefix + "ConfigName").restype = ctypes.c_char_p
@@ -91,12 +89,6 @@ def swiglu_config_names() -> list[str]:
     return [lib.JaxDwdpGroupedGemmSwigluConfigName(i).decode() for i in range(lib.JaxDwdpGroupedGemmSwigluNumConfigs())]
 
 
-def gather_config_names() -> list[str]:
-    """The configurations compiled with the row gather in the A loads (a subset of `config_names()`' tiles)."""
-    lib = _lib()
-    return [lib.JaxDwdpGroupedGemmGatherConfigName(i).decode() for i in range(lib.JaxDwdpGroupedGemmGatherNumConfigs())]
-
-
 def _register() -> None:
     with _lock:
         if TARGET in _registered:
@@ -108,8 +100,7 @@ def _register() -> None:
         lib = _lib()
         graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # capture failed on H200 (cudaErrorStreamCaptureUnsupported)
         for target, fn in ((TARGET, lib.JaxDwdpGroupedGemm if graphs else lib.JaxDwdpGroupedGemmNoGraph),
-                           (SWIGLU_TARGET, lib.JaxDwdpGroupedGemmSwiglu if graphs else lib.JaxDwdpGroupedGemmSwigluNoGraph),
-                           (GATHER_TARGET, lib.JaxDwdpGroupedGemmGather if graphs else lib.JaxDwdpGroupedGemmGatherNoGraph)):
+                           (SWIGLU_TARGET, lib.JaxDwdpGroupedGemmSwiglu if graphs else lib.JaxDwdpGroupedGemmSwigluNoGraph)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="CUDA")
             _registered[target] = fn
 
@@ -150,8 +141,8 @@ def pick_config(m: int, n: int, groups: int, names: list[str] | None = None) -> 
     return names.index("pingpong_64x128x128_c1x1" if small else "coop_128x256x64_c1x1")
 
 
-def _call(target: str, names: list[str], n_out: int, x, w, group_sizes, config, rows=None) -> jax.Array:
-    m = x.shape[0] if rows is None else rows.shape[0]
+def _call(target: str, names: list[str], n_out: int, x, w, group_sizes, config) -> jax.Array:
+    m, k = x.shape
     g, n, _ = w.shape
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         raise ValueError(f"cutlass grouped matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
@@ -167,12 +158,11 @@ def _call(target: str, names: list[str], n_out: int, x, w, group_sizes, config, 
         if not 0 <= cfg < len(names):
             raise ValueError(f"cutlass config index {cfg} is out of range for this call's configs {names}")
     ws = workspace_bytes(g, _max_sm_count())
-    operands = (x, w) if rows is None else (x, rows.astype(jnp.int32), w)
     out, _ = jax.ffi.ffi_call(
         target,
         (jax.ShapeDtypeStruct((m, n_out), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
         vmap_method="sequential",
-    )(*operands, group_sizes.astype(jnp.int32), config=np.int32(cfg))
+    )(x, w, group_sizes.astype(jnp.int32), config=np.int32(cfg))
     return out
 
 
@@ -199,19 +189,3 @@ def grouped_matmul_swiglu(
     if k % 8 or n % 16:
         raise ValueError(f"cutlass fused SwiGLU grouped matmul needs K % 8 == 0 and 2I % 16 == 0, got K={k} 2I={n}")
     return _call(SWIGLU_TARGET, swiglu_config_names(), n // 2, x, w, group_sizes, config)
-
-
-def grouped_matmul_gather(
-    x: jax.Array, rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: int | str | None = None
-) -> jax.Array:
-    """x[rows] per group times w[g]^T, with the row gather inside the GEMM's A loads: x [T, K] bf16 (unsorted token
-    rows); rows [M] int32, the token row of each sorted row; w [G, N, K] bf16; group_sizes [G]. Returns [M, N] bf16,
-    equal to `grouped_matmul(x[rows], w, group_sizes)` without materialising x[rows]. Rows past sum(group_sizes) are
-    zeros; a row index outside [0, T) reads zeros. Needs K % 8 == 0 and N % 8 == 0.
-    """
-    k, n = x.shape[1], w.shape[1]
-    if x.ndim != 2 or rows.ndim != 1:
-        raise ValueError(f"cutlass gathered grouped matmul takes x [T, K] and rows [M], got {x.shape} and {rows.shape}")
-    if k % 8 or n % 8:
-        raise ValueError(f"cutlass grouped matmul needs K % 8 == 0 and N % 8 == 0, got K={k} N={n}")
-    return _call(GATHER_TARGET, gather_config_names(), n, x, w, group_sizes, config, rows=rows)

@@ -187,7 +187,7 @@ def grouped_matmul_swiglu(
     return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=impl), x.dtype)
 
 
-# --- The token permutation: rows gathered into expert order, or gathered inside the GEMM's loads -----------------
+# --- The token permutation: rows gathered into expert order ---------------------------------------------------------
 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -198,29 +198,3 @@ def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
         return x[index]
     words = jax.lax.bitcast_convert_type(x.reshape(n, h // 2, 2), jnp.uint32)
     return jax.lax.bitcast_convert_type(words[index], x.dtype).reshape(index.shape[0], h)
-
-
-
-def grouped_matmul_gathered(
-    x: jax.Array, rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None,
-    fused: bool = False,
-) -> jax.Array:
-    """grouped_matmul(x[rows], w, group_sizes): x [T, K] unsorted token rows, rows [M] int32 the token row of each
-    row sorted by group, w [G, N, K], group_sizes [G]. Returns [M, N].
-
-    With "cutlass" and `fused=True` the gather happens inside the GEMM's A loads (one TMA row copy per row; the
-    [M, K] gathered matrix is never written). Opt-in: not yet timed on a GPU (benchmarks/bench_moe_fusion.py
-    --breakdown measures it). Otherwise the rows are gathered first (`gather_rows`).
-    """
-    if x.ndim != 2 or rows.ndim != 1 or w.ndim != 3 or x.shape[1] != w.shape[2] or group_sizes.shape != (w.shape[0],):
-        raise ValueError(
-            f"grouped_matmul_gathered: x {x.shape}, rows {rows.shape}, w {w.shape}, group_sizes {group_sizes.shape} "
-            "do not fit x [T, K], rows [M], w [G, N, K], group_sizes [G]"
-        )
-    impl = implementation or default_implementation(x.dtype)
-    if impl == "cutlass" and fused:
-        from jax_dwdp.kernels import _cutlass as cutlass
-
-        with jax.named_scope("grouped_matmul_gather_cutlass"):
-            return cutlass.grouped_matmul_gather(x, rows, w.astype(x.dtype), group_sizes)
-    return grouped_matmul(gather_rows(x, rows), w, group_sizes, implementation=impl)
