@@ -5,6 +5,7 @@ GPU tests run only with JAX_DWDP_TEST_GPU=1 on a machine with a CUDA GPU (and th
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -106,18 +107,25 @@ def test_bad_implementation_and_shapes(rng):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error without a GPU")
-def test_cutlass_without_gpu_fails_clearly(rng, tmp_path, monkeypatch):
+@contextlib.contextmanager
+def gmm_library_at(path, monkeypatch):
+    """$JAX_DWDP_GMM_LIB pointed at `path`, with the loaded-library cache cleared on entry and exit."""
     from jax_dwdp.kernels import _cutlass
 
-    x, w, sizes = make_case(rng, 32, 2, 16, 16)
-    monkeypatch.setenv("JAX_DWDP_GMM_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setenv("JAX_DWDP_GMM_LIB", str(path))
     _cutlass._lib.cache_clear()
     try:
+        yield _cutlass
+    finally:
+        _cutlass._lib.cache_clear()
+
+
+def test_cutlass_without_gpu_fails_clearly(rng, tmp_path, monkeypatch):
+    x, w, sizes = make_case(rng, 32, 2, 16, 16)
+    with gmm_library_at(tmp_path / "missing.so", monkeypatch) as _cutlass:
         assert not _cutlass.available()
         with pytest.raises(_cutlass.CutlassUnavailable, match="not built|needs a CUDA GPU"):
             gm.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), implementation="cutlass")
-    finally:
-        _cutlass._lib.cache_clear()
 
 
 def test_stale_cutlass_library_is_a_clear_error(tmp_path, monkeypatch):
@@ -125,8 +133,6 @@ def test_stale_cutlass_library_is_a_clear_error(tmp_path, monkeypatch):
     with a 'rebuild it' error, not a ctypes AttributeError from deep inside."""
     import shutil
     import subprocess
-
-    from jax_dwdp.kernels import _cutlass
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -136,13 +142,9 @@ def test_stale_cutlass_library_is_a_clear_error(tmp_path, monkeypatch):
                    "const char* JaxDwdpGroupedGemmConfigName(int i) { return 0; }\n"
                    "unsigned long JaxDwdpGroupedGemmWorkspaceBytes(int g, int s) { return 0; }\n")
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "old.so"), str(src)], check=True)
-    monkeypatch.setenv("JAX_DWDP_GMM_LIB", str(tmp_path / "old.so"))
-    _cutlass._lib.cache_clear()
-    try:
+    with gmm_library_at(tmp_path / "old.so", monkeypatch) as _cutlass:
         with pytest.raises(_cutlass.CutlassUnavailable, match="lacks a symbol .* rebuild it"):
             _cutlass.config_names()
-    finally:
-        _cutlass._lib.cache_clear()
 
 
 def test_cutlass_config_choice(monkeypatch):
