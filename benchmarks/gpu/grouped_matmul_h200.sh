@@ -14,6 +14,13 @@ T0=$(date +%s)
 step() { echo; echo "=== step $1 ($(( $(date +%s) - T0 )) s)"; }
 result() { echo "=== result $1: $2 ($(( $(date +%s) - T0 )) s)"; }
 want() { [[ " ${STEPS:-0 1 2 3 4} " == *" $1 "* ]]; }  # STEPS="2 3" runs only those steps
+# bench NAME TIMEOUT SCRIPT JSON LOG [ARGS...]: a benchmark script with its JSON under $OUT, output filtered and logged.
+bench() {
+  local name=$1 limit=$2 script=$3 json=$4 log=$5; shift 5
+  timeout "$limit" python3 "$script" --out "$OUT/$json" "$@" 2>&1 | grep -v "^\s*$\|slow_operation\|Very slow" \
+    | tee "$OUT/$log"
+  result "$name" "rc=${PIPESTATUS[0]} (124: timed out; the JSON has the rows finished)"
+}
 [ -n "${GMM_LIB_DIR:-}" ] && export JAX_DWDP_GMM_LIB=$GMM_LIB_DIR/libjax_dwdp_gmm.so
 
 if want 0; then
@@ -107,9 +114,7 @@ result tests "rc=${PIPESTATUS[0]} (0: all passed; 5: nothing ran)"
 fi
 if want 4; then
 step "4: benchmark"
-timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_grouped_matmul.py --out "$OUT/bench_grouped_matmul.json" ${BENCH_ARGS:-} \
-  2>&1 | grep -v "^\s*$\|slow_operation\|Very slow" | tee "$OUT/bench.log"
-result bench "rc=${PIPESTATUS[0]} (124: timed out; partial JSON is still written after every row)"
+bench bench "${BENCH_TIMEOUT:-330}" benchmarks/bench_grouped_matmul.py bench_grouped_matmul.json bench.log ${BENCH_ARGS:-}
 fi
 if want 5; then
 step "5: GEMM kernel alone, every config vs torch's (ncu gpu__time_duration, clocks left alone)"
@@ -122,8 +127,6 @@ result ncu "rc=$rc (124: timed out; the report covers the cases finished)"
 fi
 if want 6; then
 step "6: fused SwiGLU epilogue vs unfused vs torch, gate_up stage and whole routed-expert block"
-timeout ${FUSION_TIMEOUT:-300} python3 benchmarks/bench_moe_fusion.py --out "$OUT/bench_moe_fusion.json" ${FUSION_ARGS:-} \
-  2>&1 | grep -v "^\s*$\|slow_operation\|Very slow" | tee "$OUT/fusion.log"
-result fusion "rc=${PIPESTATUS[0]} (124: timed out; the JSON has the rows finished)"
+bench fusion "${FUSION_TIMEOUT:-300}" benchmarks/bench_moe_fusion.py bench_moe_fusion.json fusion.log ${FUSION_ARGS:-}
 fi
 echo "=== total $(( $(date +%s) - T0 )) s"
