@@ -154,12 +154,16 @@ def deinterleave_gate_up(w):
     return w.reshape(*lead, i // b, 2, b, k).swapaxes(-4, -3).reshape(*lead, 2 * i, k)
 
 
+def swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+    """silu(gate) * up in fp32, cast to dtype (the MoE experts' and the shared expert's activation)."""
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+
+
 def swiglu_of_interleaved(y: jax.Array, dtype) -> jax.Array:
     """[M, 2I] outputs of an interleaved gate_up projection -> silu(gate) * up [M, I] in fp32, cast to dtype."""
     m, two_i = y.shape
     y = y.reshape(m, two_i // (2 * SWIGLU_BLOCK), 2, SWIGLU_BLOCK)
-    gate, up = y[:, :, 0].reshape(m, -1), y[:, :, 1].reshape(m, -1)
-    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    return swiglu(y[:, :, 0].reshape(m, -1), y[:, :, 1].reshape(m, -1), dtype)
 
 
 def grouped_matmul_swiglu(

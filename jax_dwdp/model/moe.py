@@ -14,7 +14,7 @@ from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK
+from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK, swiglu
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
 
 
@@ -63,8 +63,7 @@ def routed_experts(
         act = kernels.grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
     else:
         gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
-        gate, up = gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :]
-        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
     out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
     # Back to (token, slot) order. The inverse permutation is a scatter of iota (no second sort).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
@@ -97,8 +96,7 @@ class SharedExpert(nnx.Module):
         self.down_proj = Linear(i, h, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        act = jax.nn.silu(self.gate_proj(x).astype(jnp.float32)) * self.up_proj(x).astype(jnp.float32)
-        return self.down_proj(act.astype(x.dtype))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), x.dtype))
 
 
 class SparseMoe(nnx.Module):
