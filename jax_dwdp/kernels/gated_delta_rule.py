@@ -1,28 +1,100 @@
-"""The gated delta rule of Gated DeltaNet, in fp32: chunked (WY) form for prefill, step form for decode.
+"""The gated delta rule of Gated DeltaNet: chunked form for prefill, step form for decode.
 
-Per value head, with state S [dk, dv] and zero initial state:
+Per value head, with state S [dk, dv] (zero, or the state a previous prefill left):
     S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
-q and k are l2-normalised over the head dim and q is scaled by dk^-0.5 here (as the reference does).
+q and k are l2-normalised over the head dim and q is scaled by dk^-0.5 here (as the reference does). Key heads
+are shared by groups of value heads (value head h reads key head h // (HV / HK)).
 
-The chunked form splits T into chunks of C = 64 (T padded with zeros to a multiple of C; padded steps have
-g = beta = 0, so they leave the state unchanged). Inside a chunk the C delta updates collapse into a unit
-lower-triangular solve (the UT/WY transform); only the [dk, dv] state crosses chunk boundaries, so the sequential
-part is a scan over T/C steps of two small matmuls, and the outputs are computed for all chunks at once afterwards.
+Two implementations of the prefill form, chosen by `default_implementation` (or $JAX_DWDP_GDN=xla|pallas):
+- "xla" (`chunk_gated_delta_rule_xla`, below): the fp32 reference and the CPU path. T is split into chunks of
+  C = 64 (padded with zeros to a multiple of C; padded steps have g = beta = 0, so they leave the state unchanged).
+  Inside a chunk the C delta updates collapse into a unit lower-triangular solve (the UT/WY transform); only the
+  [dk, dv] state crosses chunk boundaries, so the sequential part is a scan over T/C steps of two small matmuls,
+  and the outputs are computed for all chunks at once afterwards.
+- "pallas" (`gdn_pallas.py`): the same chunked form as three Pallas Triton kernels with bf16 tensor-core operands
+  and an fp32 state; the GPU default for bf16/fp16 inputs.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
+from jax_dwdp.kernels._backend import on_gpu
+
 _HI = jax.lax.Precision.HIGHEST  # fp32 state math: never let the GPU drop these matmuls to TF32.
+ENV_IMPLEMENTATION = "JAX_DWDP_GDN"
+IMPLEMENTATIONS = ("xla", "pallas")
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def default_implementation(dtype, dk: int, dv: int) -> str:
+    """"xla" on the CPU and for fp32 inputs (the reference precision); on the GPU "pallas" for bf16/fp16 inputs with
+    power-of-two head dims >= 16. $JAX_DWDP_GDN forces either (an unsupported shape still raises)."""
+    env = os.environ.get(ENV_IMPLEMENTATION)
+    if env:
+        if env not in IMPLEMENTATIONS:
+            raise ValueError(f"{ENV_IMPLEMENTATION}={env!r} is none of {IMPLEMENTATIONS}")
+        return env
+    if not on_gpu() or dtype not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    from jax_dwdp.kernels import gdn_pallas
+
+    return "pallas" if gdn_pallas.supported(dk, dv) else "xla"
+
+
 def chunk_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    lengths: jax.Array | None = None,
+    initial_state: jax.Array | None = None,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """q, k: [B, T, HK, dk]; v: [B, T, HV, dv] with HV a multiple of HK; g (log decay, <= 0), beta: [B, T, HV];
+    lengths [B] (right-padded batch; default T): steps at or past a sequence's length leave its state unchanged;
+    initial_state [B, HV, dk, dv] (default zero).
+
+    Returns (o [B, T, HV, dv] in v's dtype, final state [B, HV, dk, dv] fp32). o past a sequence's length is
+    unspecified (finite).
+    """
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if k.shape != q.shape or v.shape[:2] != (b, t) or hv % hk or g.shape != (b, t, hv) or beta.shape != g.shape:
+        raise ValueError(
+            f"chunk_gated_delta_rule: q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, beta {beta.shape} do not "
+            "fit q, k [B, T, HK, dk], v [B, T, HV, dv] (HV a multiple of HK), g, beta [B, T, HV]"
+        )
+    if initial_state is not None and initial_state.shape != (b, hv, dk, dv):
+        raise ValueError(f"chunk_gated_delta_rule: initial_state {initial_state.shape}, expected {(b, hv, dk, dv)}")
+    if lengths is None:
+        lengths = jnp.full((b,), t, jnp.int32)
+    impl = implementation or default_implementation(v.dtype, dk, dv)
+    if impl == "pallas":
+        from jax_dwdp.kernels import gdn_pallas
+
+        if not gdn_pallas.supported(dk, dv):
+            raise ValueError(f"chunk_gated_delta_rule: the pallas kernel needs power-of-two dk, dv >= 16, got {dk}, {dv}")
+        return gdn_pallas.chunk_gated_delta_rule_pallas(q, k, v, g, beta, lengths, initial_state)
+    if impl != "xla":
+        raise ValueError(f"unknown gated delta rule implementation {impl!r}; one of {IMPLEMENTATIONS}")
+    valid = jnp.arange(t)[None, :, None] < lengths[:, None, None]
+    g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+    rep = hv // hk
+    q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+    o, state = chunk_gated_delta_rule_xla(q, k, v, g, beta, initial_state=initial_state)
+    return o.astype(v.dtype), state
+
+
+def chunk_gated_delta_rule_xla(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,

@@ -56,12 +56,11 @@ class GatedDeltaNet(nnx.Module):
         return g, beta
 
     def _split_heads(self, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """[..., C] -> q, k [..., HV, dk] (key heads repeated to value heads), v [..., HV, dv]."""
+        """[..., C] -> q, k [..., HK, dk], v [..., HV, dv] (the kernels share each key head among HV/HK value heads)."""
         lead = mixed.shape[:-1]
         q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
-        rep = self.num_v_heads // self.num_k_heads
-        q = jnp.repeat(q.reshape(*lead, self.num_k_heads, self.head_k_dim), rep, axis=-2)
-        k = jnp.repeat(k.reshape(*lead, self.num_k_heads, self.head_k_dim), rep, axis=-2)
+        q = q.reshape(*lead, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(*lead, self.num_k_heads, self.head_k_dim)
         return q, k, v.reshape(*lead, self.num_v_heads, self.head_v_dim)
 
     def _output(self, core: jax.Array, x: jax.Array) -> jax.Array:
@@ -72,15 +71,12 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x: jax.Array, lengths: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Prefill x [B, T, H] (right-padded to T, valid lengths [B]). Returns output and (conv, recurrent) state."""
-        b, t, _ = x.shape
         mixed = self.in_proj_qkv(x)  # [B, T, C]
         conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1)
         conv_out = jax.nn.silu(causal_depthwise_conv(mixed, self.conv1d.weight[...])).astype(x.dtype)
         q, k, v = self._split_heads(conv_out)
         g, beta = self._gates(x)
-        valid = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]
-        g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
-        core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta)
+        core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths)
         return self._output(core, x), (conv_state, state)
 
     def decode(
@@ -92,6 +88,8 @@ class GatedDeltaNet(nnx.Module):
         conv_out = jax.nn.silu(causal_depthwise_conv(mixed, self.conv1d.weight[...], history)).astype(x.dtype)
         new_conv_state = jnp.swapaxes(jnp.concatenate([history, mixed.astype(history.dtype)], axis=1)[:, 1:], 1, 2)
         q, k, v = self._split_heads(conv_out[:, 0])
+        rep = self.num_v_heads // self.num_k_heads
+        q, k = jnp.repeat(q, rep, axis=-2), jnp.repeat(k, rep, axis=-2)
         g, beta = self._gates(x[:, 0])
         core, state = kernels.recurrent_gated_delta_step(q, k, v, g, beta, state)
         return self._output(core[:, None], x), (new_conv_state, state)

@@ -1,0 +1,236 @@
+"""Gated DeltaNet prefill core on one GPU: jax_dwdp's Pallas kernels vs flash-linear-attention, side by side.
+
+Both run in this process on identical inputs (bf16 q, k, v; fp32 g, beta; l2 norm of q and k inside the kernels;
+the final state returned). fla's `chunk_gated_delta_rule` takes the key heads as they are (its grouped-value
+layout, HV > HK, is its native one) and packs the variable-length batch with `cu_seqlens`; jax_dwdp runs the same
+sequences as a right-padded batch with lengths. Times are the wall time of 10 back-to-back calls divided by 10
+(median of 5), for both frameworks, so launch overheads count the same way; fla's own `do_bench` figure (CUDA
+events, L2 flushed) is printed beside it.
+
+    python benchmarks/bench_gdn.py --out results/gdn.json [--sweep] [--mixer]
+
+--sweep times launch parameters of the three kernels at 16K tokens first and uses the fastest per head layout;
+--mixer times the parts of a whole Gated DeltaNet mixer (35b-a3b) at 16K, to decide which fusions around the core
+would pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def wall_ms(fn, sync, calls: int = 10, reps: int = 5) -> float:
+    out = fn()
+    sync(out)
+    for _ in range(2):
+        sync(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        sync(out)
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--heads", nargs="+", default=["16/32", "16/64"], help="key/value heads")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--mixer", action="store_true")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_dwdp.kernels import gdn_pallas
+    from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule
+    from tests.gdn_cases import gdn_inputs, rel_err
+
+    torch = fla = None
+    if not args.no_fla:
+        import torch
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+
+    dk = dv = 128
+    rng = np.random.default_rng(0)
+    jsync = jax.block_until_ready
+    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": [], "sweep": [], "mixer": {}}
+
+    def to_torch(x):
+        return torch.from_dlpack(x) if x is not None else None
+
+    def run_fla(q, k, v, g, beta, cu=None):
+        return fla(q, k, v, g, beta, scale=dk**-0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                   cu_seqlens=cu)
+
+    def tsync(out):
+        torch.cuda.synchronize()
+
+    tunings = {}
+    for heads in args.heads:
+        hk, hv = map(int, heads.split("/"))
+        tunings[heads] = gdn_pallas.Tuning()
+        if not args.sweep:
+            continue
+        t = 16384
+        q, k, v, g, beta, _ = gdn_inputs(rng, 1, t, hk, hv, dk, dv, initial=False)
+        lengths = jnp.array([t], jnp.int32)
+        best = None
+        grid = [(bv, w2, s2, 4) for bv, w2, s2 in itertools.product([16, 32, 64], [2, 4, 8], [2, 3])]
+        for case in grid + [None]:
+            bv, w2, s2, w13 = case or (None, None, None, None)
+            if case is None:  # then 8 warps for the parallel kernels, with the best recurrence found
+                bv, w2, s2, w13 = best[1].block_v, best[1].num_warps[1], best[1].num_stages[1], 8
+            tuning = gdn_pallas.Tuning(block_v=bv, num_warps=(w13, w2, w13), num_stages=(2, s2, 2))
+            try:
+                ms = wall_ms(lambda: gdn_pallas.chunk_gated_delta_rule_pallas(q, k, v, g, beta, lengths,
+                                                                              tuning=tuning), jsync, reps=3)
+            except Exception as e:  # a launch configuration Triton cannot compile is skipped, and said so
+                print(f"sweep {heads} {tuning}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
+                continue
+            results["sweep"].append({"heads": heads, "block_v": bv, "warps": [w13, w2, w13], "stages2": s2,
+                                     "ms": ms})
+            print(f"sweep {heads} bv={bv} warps=({w13},{w2},{w13}) stages2={s2}: {ms:.3f} ms", flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, tuning)
+        tunings[heads] = best[1]
+        print(f"best {heads}: {best[1]} {best[0]:.3f} ms", flush=True)
+
+    for heads in args.heads:
+        hk, hv = map(int, heads.split("/"))
+        tuning = tunings[heads]
+        for t in args.seq_lens:
+            q, k, v, g, beta, _ = gdn_inputs(rng, 1, t, hk, hv, dk, dv, initial=False)
+            lengths = jnp.array([t], jnp.int32)
+            row = {"heads": heads, "tokens": t, "batch": 1, "tuning": str(tuning)}
+            kernel = jax.jit(lambda *a: gdn_pallas.chunk_gated_delta_rule_pallas(*a, tuning=tuning))
+            row["pallas_ms"] = wall_ms(lambda: kernel(q, k, v, g, beta, lengths), jsync)
+            # The three kernels alone (inputs prepared once).
+            qp, kp, vp, gp, bp, lp = gdn_pallas.pad_inputs(q, k, v, g, beta, lengths)
+            rep = hv // hk
+            prep = jax.jit(lambda *a: gdn_pallas.prepare(*a, rep=rep, tuning=tuning))
+            w, u, kg = prep(lp, kp, vp, gp, bp)
+            rec = jax.jit(lambda *a: gdn_pallas.recurrence(*a, tuning=tuning))
+            states, v_new, _ = rec(lp, w, u, kg, gp)
+            outk = jax.jit(lambda *a: gdn_pallas.output(*a, rep=rep, tuning=tuning))
+            row["prep_ms"] = wall_ms(lambda: prep(lp, kp, vp, gp, bp), jsync)
+            row["recurrence_ms"] = wall_ms(lambda: rec(lp, w, u, kg, gp), jsync)
+            row["output_ms"] = wall_ms(lambda: outk(lp, qp, kp, gp, states, v_new), jsync)
+            del w, u, kg, states, v_new
+            if t <= 16384:  # the XLA reference path (the previous default) for the before/after ratio
+                xla = jax.jit(lambda *a: chunk_gated_delta_rule(*a, implementation="xla"))
+                row["xla_ms"] = wall_ms(lambda: xla(q, k, v, g, beta), jsync, calls=3, reps=3)
+            o, s = kernel(q, k, v, g, beta, lengths)
+            if fla is not None:
+                tq, tk, tv, tg, tb = (to_torch(x) for x in (q, k, v, g, beta))
+                row["fla_ms"] = wall_ms(lambda: run_fla(tq, tk, tv, tg, tb), tsync)
+                from triton.testing import do_bench
+
+                row["fla_do_bench_ms"] = do_bench(lambda: run_fla(tq, tk, tv, tg, tb), return_mode="median")
+                fo, fs = run_fla(tq, tk, tv, tg, tb)
+                row["vs_fla_output_rel_diff"] = rel_err(np.asarray(o.astype(jnp.float32)),
+                                                        fo.float().cpu().numpy())
+                row["vs_fla_state_rel_diff"] = rel_err(np.asarray(s), fs.float().cpu().numpy())
+                row["speedup_vs_fla"] = row["fla_ms"] / row["pallas_ms"]
+                del tq, tk, tv, tg, tb, fo, fs
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            del q, k, v, g, beta, o, s
+
+        # Variable lengths: 4 sequences of 1K-8K tokens (fixed seed).
+        lens = np.random.default_rng(7).integers(1024, 8193, 4).astype(np.int32)
+        tmax, total = int(lens.max()), int(lens.sum())
+        q, k, v, g, beta, _ = gdn_inputs(rng, 4, tmax, hk, hv, dk, dv, initial=False)
+        lengths = jnp.asarray(lens)
+        kernel = jax.jit(lambda *a: gdn_pallas.chunk_gated_delta_rule_pallas(*a, tuning=tuning))
+        row = {"heads": heads, "tokens": total, "batch": 4, "lengths": lens.tolist(),
+               "pallas_ms": wall_ms(lambda: kernel(q, k, v, g, beta, lengths), jsync)}
+        if fla is not None:
+            packed = [jnp.concatenate([x[i, : lens[i]] for i in range(4)])[None] for x in (q, k, v, g, beta)]
+            tq, tk, tv, tg, tb = (to_torch(x) for x in packed)
+            cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.long, device=tq.device)
+            row["fla_ms"] = wall_ms(lambda: run_fla(tq, tk, tv, tg, tb, cu), tsync)
+            row["speedup_vs_fla"] = row["fla_ms"] / row["pallas_ms"]
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, g, beta
+
+    if args.mixer:
+        results["mixer"] = mixer_parts(jsync, rng)
+        print(json.dumps(results["mixer"]), flush=True)
+
+    print("\n| heads | tokens | batch | pallas ms | fla ms | vs fla | xla ms | prep | recurrence | output |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results["rows"]:
+        f = lambda key: f"{r[key]:.3f}" if key in r else "-"  # noqa: E731
+        ratio = f"{r['speedup_vs_fla']:.2f}x" if "speedup_vs_fla" in r else "-"
+        print(f"| {r['heads']} | {r['tokens']} | {r['batch']} | {f('pallas_ms')} | {f('fla_ms')} | {ratio} | "
+              f"{f('xla_ms')} | {f('prep_ms')} | {f('recurrence_ms')} | {f('output_ms')} |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+def mixer_parts(jsync, rng, t: int = 16384) -> dict:
+    """The Gated DeltaNet mixer of 35b-a3b at t tokens, and its parts each jitted alone (ms)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_dwdp import kernels
+    from jax_dwdp.config import ModelConfig
+    from jax_dwdp.model.gated_deltanet import GatedDeltaNet, causal_depthwise_conv
+
+    cfg = ModelConfig.preset("35b-a3b")
+    mixer = GatedDeltaNet(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((1, t, cfg.hidden_size)) * 0.5, jnp.bfloat16)
+    lengths = jnp.array([t], jnp.int32)
+    graph, state = nnx.split(mixer)
+
+    def call(method):
+        return jax.jit(lambda s, *a: method(nnx.merge(graph, s), *a))
+
+    whole = call(lambda m, x, n: m(x, n))
+    proj = call(lambda m, x: m.in_proj_qkv(x))
+    conv = call(lambda m, mixed: jax.nn.silu(causal_depthwise_conv(mixed, m.conv1d.weight[...])).astype(x.dtype))
+    gates = call(lambda m, x: m._gates(x))
+    core = jax.jit(lambda q, k, v, g, b, n: kernels.chunk_gated_delta_rule(q, k, v, g, b, lengths=n))
+    out = call(lambda m, core, x: m._output(core, x))
+    z_proj = call(lambda m, x: m.in_proj_z(x).reshape(1, t, m.num_v_heads, m.head_v_dim))
+    norm = call(lambda m, core, z: m.norm(core, z))
+    mixed = proj(state, x)
+    conv_out = conv(state, mixed)
+    q, k, v = mixer._split_heads(conv_out)
+    g, beta = gates(state, x)
+    o, _ = core(q, k, v, g, beta, lengths)
+    z = z_proj(state, x)
+    parts = {
+        "tokens": t,
+        "mixer_ms": wall_ms(lambda: whole(state, x, lengths), jsync),
+        "in_proj_qkv_ms": wall_ms(lambda: proj(state, x), jsync),
+        "conv_silu_ms": wall_ms(lambda: conv(state, mixed), jsync),
+        "gates_ms": wall_ms(lambda: gates(state, x), jsync),
+        "core_ms": wall_ms(lambda: core(q, k, v, g, beta, lengths), jsync),
+        "z_norm_out_proj_ms": wall_ms(lambda: out(state, o, x), jsync),
+        "gated_norm_ms": wall_ms(lambda: norm(state, o, z), jsync),
+    }
+    return parts
+
+
+if __name__ == "__main__":
+    main()

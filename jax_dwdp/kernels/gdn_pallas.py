@@ -1,0 +1,339 @@
+"""Chunked gated delta rule on the GPU: three Pallas (Triton) kernels.
+
+The math is the chunked WY form of `gated_delta_rule.chunk_gated_delta_rule` (the fp32 reference), with chunk
+C = 64 split into four sub-blocks of 16 for the triangular solve:
+
+1. `_prep_kernel`, one program per (sequence, value head, chunk), all in parallel. From k, v, g, beta of the chunk:
+   the l2 norms of k, the in-chunk cumulative log-decay `cum`, the unit lower-triangular system
+   L = I + strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)) and its inverse (16x16 diagonal blocks by forward
+   substitution, off-diagonal blocks by block products, all fp32), then
+     w = L^-1 (beta k exp(cum))    keys that read the state entering the chunk,
+     u = L^-1 (beta v)             the chunk's values before the state's correction,
+     kg = k exp(cum_last - cum)    keys decayed to the chunk's end (they write the state).
+2. `_recurrence_kernel`, one program per (sequence, value head, block of dv columns): the only sequential part, a
+   loop over the chunks carrying the [dk, BV] state S in fp32:
+     v_new = u - w @ S;   S <- exp(cum_last) S + kg^T @ v_new,
+   writing the state entering each chunk (bf16) and v_new (bf16); the final state stays fp32.
+3. `_output_kernel`, one program per (sequence, value head, chunk), in parallel:
+     o = (q exp(cum)) @ S_chunk + causal(q.k exp(cum_i - cum_j)) @ v_new.
+
+q and k are l2-normalised inside the kernels (q also scaled by dk^-0.5). Raw bf16 q and k enter the tensor-core
+dot products and their norms are applied to the fp32 results, which rounds less than normalising first. Key heads
+are shared by groups of value heads through the BlockSpec index maps: the repeat is never materialised.
+Sequences of a right-padded batch stop at their own length: chunks past it are skipped (their outputs are
+zeros), and padded steps inside the last chunk get g = beta = 0, which leaves the state as it is, so each
+sequence's output and final state are those of the sequence alone. An initial state [B, HV, dk, dv] continues a
+prefill from an earlier one's cache.
+
+Tensor-core dot products take bf16 operands with fp32 accumulation (the state is rounded to bf16 only where it
+enters a dot; it is accumulated in fp32), as flash-linear-attention does; the triangular inverse is fp32 (IEEE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+CHUNK = 64
+SUB = 16  # sub-block of the triangular solve
+EPS = 1e-6  # l2 norm epsilon, as the reference
+_F32 = jnp.float32
+_EXACT = lax.Precision.HIGHEST  # fp32 FMA dot products for the 16x16 inverse blocks
+
+
+def supported(dk: int, dv: int) -> bool:
+    """Triton tiles need power-of-two sizes of at least 16."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _inverse_unit_lower(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for a strictly lower-triangular [S, S] tile, by forward substitution over its rows."""
+    s = a.shape[0]
+    rows, cols = _iota((s, s), 0), _iota((s, s), 1)
+    col = _iota((s,), 0)
+    x = (rows == cols).astype(_F32)
+    for i in range(1, s):
+        a_row = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :], zero from column i on
+        # x[i, :] = e_i - sum_j a[i, j] x[j, :]; rows j < i of x are final.
+        new_row = jnp.where(col == i, 1.0, 0.0) - jnp.sum(a_row[:, None] * x, axis=0)
+        x = jnp.where(rows == i, new_row[None, :], x)
+    return x
+
+
+def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref):
+    b, n = pl.program_id(0), pl.program_id(2)
+    nb = CHUNK // SUB
+
+    @pl.when(n * CHUNK < len_ref[b])
+    def _():
+        ks, kns, cums, betas, vbs = [], [], [], [], []
+        total = jnp.zeros((), _F32)
+        for a in range(nb):
+            rows = pl.ds(a * SUB, SUB)
+            k_a = k_ref[rows, :]
+            kf = k_a.astype(_F32)
+            rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
+            g_a, beta_a = g_ref[rows], beta_ref[rows]
+            cum = jnp.cumsum(g_a) + total
+            total = total + jnp.sum(g_a)
+            ks.append((k_a, rk))
+            kns.append(kf * rk[:, None])
+            cums.append(cum)
+            betas.append(beta_a)
+            vbs.append(v_ref[rows, :].astype(_F32) * beta_a[:, None])
+        rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+
+        # Blocks of the strictly lower system A (a >= c), from raw bf16 k on the tensor cores.
+        system = {}
+        for a in range(nb):
+            for c in range(a + 1):
+                (k_a, rk_a), (k_c, rk_c) = ks[a], ks[c]
+                dots = plgpu.dot(k_a, k_c, trans_b=True)
+                arg = cums[a][:, None] - cums[c][None, :]
+                blk = dots * (betas[a] * rk_a)[:, None] * rk_c[None, :]
+                if a == c:
+                    lower = rows > cols
+                    blk = jnp.where(lower, blk * jnp.exp(jnp.where(lower, arg, 0.0)), 0.0)
+                else:
+                    blk = blk * jnp.exp(arg)
+                system[a, c] = blk
+
+        # L^-1 by blocks: diagonal blocks by substitution, X[a, c] = -D_a sum_{m=c}^{a-1} A[a, m] X[m, c].
+        inv = {}
+        for a in range(nb):
+            inv[a, a] = _inverse_unit_lower(system[a, a])
+            for c in range(a):
+                acc = sum(plgpu.dot(system[a, m], inv[m, c], precision=_EXACT) for m in range(c, a))
+                inv[a, c] = -plgpu.dot(inv[a, a], acc, precision=_EXACT)
+
+        for a in range(nb):
+            rows_a = pl.ds(a * SUB, SUB)
+            w = sum(
+                plgpu.dot(inv[a, c].astype(jnp.bfloat16),
+                          (kns[c] * (betas[c] * jnp.exp(cums[c]))[:, None]).astype(jnp.bfloat16))
+                for c in range(a + 1)
+            )
+            u = sum(plgpu.dot(inv[a, c].astype(jnp.bfloat16), vbs[c].astype(jnp.bfloat16)) for c in range(a + 1))
+            w_ref[rows_a, :] = w.astype(w_ref.dtype)
+            u_ref[rows_a, :] = u.astype(u_ref.dtype)
+            kg_ref[rows_a, :] = (kns[a] * jnp.exp(total - cums[a])[:, None]).astype(kg_ref.dtype)
+
+
+def _recurrence_kernel(len_ref, w_ref, u_ref, kg_ref, g_ref, *rest, has_initial: bool):
+    if has_initial:
+        h0_ref, hs_ref, vn_ref, ht_ref = rest
+    else:
+        hs_ref, vn_ref, ht_ref = rest
+    b = pl.program_id(0)
+    num_chunks = (len_ref[b] + CHUNK - 1) // CHUNK
+    state = h0_ref[...].astype(_F32) if has_initial else jnp.zeros(ht_ref.shape, _F32)
+
+    def chunk(n, state):
+        rows = pl.ds(n * CHUNK, CHUNK)
+        hs_ref[n] = state.astype(hs_ref.dtype)
+        w = w_ref[rows, :]
+        v_new = u_ref[rows, :].astype(_F32) - plgpu.dot(w, state.astype(w.dtype))
+        v_new = v_new.astype(vn_ref.dtype)
+        vn_ref[rows, :] = v_new
+        decay = jnp.exp(jnp.sum(g_ref[rows]))
+        return state * decay + plgpu.dot(kg_ref[rows, :], v_new, trans_a=True)
+
+    ht_ref[...] = lax.fori_loop(0, num_chunks, chunk, state)
+
+
+def _output_kernel(len_ref, q_ref, k_ref, g_ref, hs_ref, vn_ref, *rest, scale: float):
+    o_ref = rest[-1]  # rest is (o,) or, with a buffer to write into, (that buffer as input, o): the same memory
+    b, n = pl.program_id(0), pl.program_id(2)
+    inside = n * CHUNK < len_ref[b]
+
+    @pl.when(inside)
+    def _():
+        q, k = q_ref[...], k_ref[...]
+        qf, kf = q.astype(_F32), k.astype(_F32)
+        rq = lax.rsqrt(jnp.sum(qf * qf, axis=1) + EPS) * scale
+        rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
+        cum = jnp.cumsum(g_ref[...])
+        rows, cols = _iota((CHUNK, CHUNK), 0), _iota((CHUNK, CHUNK), 1)
+        causal = rows >= cols
+        decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0))
+        scores = plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :]
+        scores = jnp.where(causal, scores * decay, 0.0)
+        inter = plgpu.dot(q, hs_ref[...]) * (rq * jnp.exp(cum))[:, None]
+        intra = plgpu.dot(scores.astype(vn_ref.dtype), vn_ref[...])
+        valid = n * CHUNK + _iota((CHUNK, 1), 0) < len_ref[b]  # zeros past the sequence's end
+        o_ref[...] = jnp.where(valid, inter + intra, 0.0).astype(o_ref.dtype)
+
+    @pl.when(jnp.logical_not(inside))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def _block_v(batch: int, heads: int, dv: int) -> int:
+    """Columns of the state per recurrence program: about one program per multiprocessor, at least 16 columns."""
+    bv = dv
+    while bv > 16 and batch * heads * (dv // bv) < 128:
+        bv //= 2
+    return bv
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch parameters of the three kernels (prep, recurrence, output); block_v None picks `_block_v`."""
+
+    block_v: int | None = None
+    num_warps: tuple[int, int, int] = (4, 4, 4)
+    num_stages: tuple[int, int, int] = (2, 3, 2)
+
+    def params(self, i: int) -> plgpu.CompilerParams:
+        return plgpu.CompilerParams(num_warps=self.num_warps[i], num_stages=self.num_stages[i])
+
+
+def _per_chunk(d: int) -> pl.BlockSpec:
+    """[B, HV, T, d] arrays, one chunk of one value head per program of a (B, HV, T/C) grid."""
+    return pl.BlockSpec((None, None, CHUNK, d), lambda i, h, n: (i, h, n, 0))
+
+
+def _key_chunk(dk: int, rep: int) -> pl.BlockSpec:
+    """[B, T, HK, dk] q or k: the key head of value head h is h // rep."""
+    return pl.BlockSpec((None, CHUNK, None, dk), lambda i, h, n: (i, n, h // rep, 0))
+
+
+_GATES = pl.BlockSpec((None, None, CHUNK), lambda i, h, n: (i, h, n))
+
+
+def prepare(lengths, k, v, g, beta, *, rep: int, tuning: Tuning = Tuning(), interpret: bool = False):
+    """Kernel 1. k [B, T, HK, dk], v [B, T, HV, dv] (T a multiple of CHUNK); g, beta [B, HV, T] fp32 with padded
+    steps zeroed. Returns w, u, kg [B, HV, T, d] in v's dtype (chunks past a sequence's length unwritten)."""
+    b, tp, hv, dv = v.shape
+    dk = k.shape[-1]
+    return pl.pallas_call(
+        _prep_kernel,
+        grid=(b, hv, tp // CHUNK),
+        in_specs=[pl.BlockSpec(lengths.shape, lambda *_: (0,)), _key_chunk(dk, rep), _per_chunk_v(dv), _GATES,
+                  _GATES],
+        out_specs=[_per_chunk(dk), _per_chunk(dv), _per_chunk(dk)],
+        out_shape=[jax.ShapeDtypeStruct((b, hv, tp, d), v.dtype) for d in (dk, dv, dk)],
+        compiler_params=tuning.params(0),
+        interpret=interpret,
+        name="gdn_prep",
+    )(lengths, k, v, g, beta)
+
+
+def _per_chunk_v(dv: int) -> pl.BlockSpec:
+    """[B, T, HV, dv] v: value head h's chunk."""
+    return pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
+
+
+def recurrence(lengths, w, u, kg, g, initial_state=None, *, tuning: Tuning = Tuning(), interpret: bool = False):
+    """Kernel 2. Returns (states entering each chunk [B, HV, T/C, dk, dv] in u's dtype, v_new [B, HV, T, dv] in
+    u's dtype, final state [B, HV, dk, dv] fp32)."""
+    b, hv, tp, dk = w.shape
+    dv = u.shape[-1]
+    nt = tp // CHUNK
+    bv = tuning.block_v or _block_v(b, hv, dv)
+    has_initial = initial_state is not None
+
+    def whole_sequence(d, cols):
+        return pl.BlockSpec((None, None, tp, cols), lambda i, h, j: (i, h, 0, j if cols != d else 0))
+
+    state_block = pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j))
+    in_specs = [pl.BlockSpec(lengths.shape, lambda *_: (0,)), whole_sequence(dk, dk), whole_sequence(dv, bv),
+                whole_sequence(dk, dk), pl.BlockSpec((None, None, tp), lambda i, h, j: (i, h, 0))]
+    args = [lengths, w, u, kg, g]
+    if has_initial:
+        in_specs.append(state_block)
+        args.append(initial_state.astype(_F32))
+    return pl.pallas_call(
+        functools.partial(_recurrence_kernel, has_initial=has_initial),
+        grid=(b, hv, dv // bv),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, nt, dk, bv), lambda i, h, j: (i, h, 0, 0, j)),
+            whole_sequence(dv, bv),
+            state_block,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hv, nt, dk, dv), u.dtype),
+            jax.ShapeDtypeStruct((b, hv, tp, dv), u.dtype),
+            jax.ShapeDtypeStruct((b, hv, dk, dv), _F32),
+        ],
+        compiler_params=tuning.params(1),
+        interpret=interpret,
+        name="gdn_recurrence",
+    )(*args)
+
+
+def output(lengths, q, k, g, states, v_new, out=None, *, rep: int, tuning: Tuning = Tuning(),
+           interpret: bool = False):
+    """Kernel 3. Returns o [B, T, HV, dv] in v_new's dtype, zero past each sequence's length. `out`, if given, is
+    the buffer written in place (tests fill it with NaN to prove every element is written)."""
+    b, hv, tp, dv = v_new.shape
+    dk = q.shape[-1]
+    args = [lengths, q, k, g, states, v_new]
+    spec = pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
+    in_specs = [pl.BlockSpec(lengths.shape, lambda *_: (0,)), _key_chunk(dk, rep), _key_chunk(dk, rep), _GATES,
+                pl.BlockSpec((None, None, None, dk, dv), lambda i, h, n: (i, h, n, 0, 0)), _per_chunk(dv)]
+    if out is not None:
+        args.append(out)
+        in_specs.append(spec)
+    return pl.pallas_call(
+        functools.partial(_output_kernel, scale=dk**-0.5),
+        grid=(b, hv, tp // CHUNK),
+        in_specs=in_specs,
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct((b, tp, hv, dv), v_new.dtype),
+        input_output_aliases={len(args) - 1: 0} if out is not None else {},
+        compiler_params=tuning.params(2),
+        interpret=interpret,
+        name="gdn_output",
+    )(*args)
+
+
+def pad_inputs(q, k, v, g, beta, lengths):
+    """Pads T to a multiple of CHUNK, casts q, k, v to one half type, zeroes g and beta past each length and lays the
+    gates out as [B, HV, T]. Returns (q, k, v, g, beta, lengths clipped to T)."""
+    t = q.shape[1]
+    pad = (-t) % CHUNK
+    dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+    q, k, v = (jnp.pad(x.astype(dtype), ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    valid = jnp.arange(t + pad)[None, :, None] < lengths[:, None, None]
+    g, beta = (jnp.where(valid, jnp.pad(x.astype(_F32), ((0, 0), (0, pad), (0, 0))), 0.0).transpose(0, 2, 1)
+               for x in (g, beta))
+    return q, k, v, g, beta, jnp.minimum(lengths.astype(jnp.int32), t)
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def chunk_gated_delta_rule_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    lengths: jax.Array,
+    initial_state: jax.Array | None = None,
+    out: jax.Array | None = None,
+    *,
+    tuning: Tuning = Tuning(),
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """q, k [B, T, HK, dk]; v [B, T, HV, dv] (HV a multiple of HK); g, beta [B, T, HV]; lengths [B] int32;
+    initial_state [B, HV, dk, dv] or None; `out` an optional [B, T', HV, dv] buffer (T' = T rounded up to CHUNK)
+    that o is written into. Returns (o [B, T, HV, dv] in v's dtype (bf16 unless fp16), zero at and past each
+    sequence's length, final state [B, HV, dk, dv] fp32)."""
+    t = q.shape[1]
+    rep = v.shape[2] // q.shape[2]
+    q, k, v, g, beta, lengths = pad_inputs(q, k, v, g, beta, lengths)
+    w, u, kg = prepare(lengths, k, v, g, beta, rep=rep, tuning=tuning, interpret=interpret)
+    states, v_new, final = recurrence(lengths, w, u, kg, g, initial_state, tuning=tuning, interpret=interpret)
+    o = output(lengths, q, k, g, states, v_new, out, rep=rep, tuning=tuning, interpret=interpret)
+    return o[:, :t] if o.shape[1] != t else o, final

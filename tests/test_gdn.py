@@ -1,0 +1,80 @@
+"""The gated delta rule: the Pallas kernels (in interpret mode on the CPU) against the fp32 reference, the
+reference's variable lengths and initial state, and the implementation switch."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dwdp.kernels import gated_delta_rule as gdr
+from jax_dwdp.kernels.gdn_pallas import Tuning, chunk_gated_delta_rule_pallas
+from tests.gdn_cases import check_against_reference, gdn_inputs, poisoned, reference_per_sequence, rel_err
+
+# bf16 inputs; the kernels round w, u, the decayed keys, the per-chunk states, v_new and the intra-chunk scores to
+# bf16 (unit roundoff 2^-9 = 2e-3) before the tensor-core products, and accumulate in fp32: a few roundings in a
+# row give a few 1e-3 (measured 3-4e-3 on random inputs), so 1e-2 leaves room without hiding a wrong term
+# (a missing decay, block or sequence gives errors of order 1).
+BOUND = 1e-2
+
+
+@pytest.mark.parametrize("hk,hv", [(2, 4), (1, 4)])
+@pytest.mark.parametrize("initial", [False, True])
+def test_pallas_kernels_match_reference_interpreted(rng, hk, hv, initial):
+    """Lengths 1, 63, 64, 65 and 130 in one right-padded batch; each sequence's output and final state equal the
+    reference run on it alone; every output element is written (NaN-poisoned buffer), zero past each length."""
+    lengths = np.array([130, 1, 63, 64, 65], np.int32)
+    q, k, v, g, beta, h0 = gdn_inputs(rng, len(lengths), 130, hk, hv, 16, 32, initial=initial)
+    o, state = chunk_gated_delta_rule_pallas(q, k, v, g, beta, jnp.asarray(lengths), h0,
+                                             poisoned(len(lengths), 130, hv, 32), tuning=Tuning(block_v=16),
+                                             interpret=True)
+    ref = reference_per_sequence(q, k, v, g, beta, lengths, h0)
+    check_against_reference(o, state, ref, lengths, f"pallas (interpret) {hk}/{hv} heads", BOUND)
+
+
+def test_reference_batch_equals_sequences_alone(rng):
+    lengths = np.array([100, 37, 64], np.int32)
+    q, k, v, g, beta, h0 = gdn_inputs(rng, 3, 100, 2, 4, 16, 16, initial=True, dtype=jnp.float32)
+    o, state = gdr.chunk_gated_delta_rule(q, k, v, g, beta, lengths=jnp.asarray(lengths), initial_state=h0,
+                                          implementation="xla")
+    for i, (ro, rs) in enumerate(reference_per_sequence(q, k, v, g, beta, lengths, h0)):
+        n = lengths[i]
+        err = max(rel_err(o[i, :n], ro), rel_err(state[i], rs))
+        print(f"batched vs alone, seq {i}: {err:.2e}")
+        assert err <= 1e-6
+
+
+def test_reference_in_two_pieces_equals_one(rng):
+    """The second piece continues from the first's final state: the same outputs and final state as one call."""
+    q, k, v, g, beta, _ = gdn_inputs(rng, 2, 200, 2, 4, 16, 16, initial=False, dtype=jnp.float32)
+    o, state = gdr.chunk_gated_delta_rule(q, k, v, g, beta, implementation="xla")
+    cut = 77
+    o1, s1 = gdr.chunk_gated_delta_rule(*(x[:, :cut] for x in (q, k, v, g, beta)), implementation="xla")
+    o2, s2 = gdr.chunk_gated_delta_rule(*(x[:, cut:] for x in (q, k, v, g, beta)), initial_state=s1,
+                                        implementation="xla")
+    err_o = rel_err(jnp.concatenate([o1, o2], axis=1), o)
+    err_s = rel_err(s2, state)
+    print(f"two pieces vs one: output {err_o:.2e}, state {err_s:.2e}")
+    assert err_o <= 1e-5 and err_s <= 1e-5
+
+
+def test_implementation_switch(monkeypatch):
+    monkeypatch.delenv(gdr.ENV_IMPLEMENTATION, raising=False)
+    assert gdr.default_implementation(jnp.bfloat16, 128, 128) == "xla"  # the CPU
+    monkeypatch.setenv(gdr.ENV_IMPLEMENTATION, "pallas")
+    assert gdr.default_implementation(jnp.float32, 128, 128) == "pallas"
+    monkeypatch.setenv(gdr.ENV_IMPLEMENTATION, "fast")
+    with pytest.raises(ValueError, match="JAX_DWDP_GDN='fast'"):
+        gdr.default_implementation(jnp.bfloat16, 128, 128)
+
+
+def test_shape_errors_name_the_inputs():
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="HV a multiple of HK"):
+        gdr.chunk_gated_delta_rule(q, q, jnp.zeros((1, 8, 3, 16)), jnp.zeros((1, 8, 3)), jnp.zeros((1, 8, 3)))
+    with pytest.raises(ValueError, match="initial_state"):
+        gdr.chunk_gated_delta_rule(q, q, jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 4)), jnp.zeros((1, 8, 4)),
+                                   initial_state=jnp.zeros((1, 4, 16, 8)))
+    with pytest.raises(ValueError, match="power-of-two"):
+        gdr.chunk_gated_delta_rule(jnp.zeros((1, 8, 2, 24)), jnp.zeros((1, 8, 2, 24)), jnp.zeros((1, 8, 4, 16)),
+                                   jnp.zeros((1, 8, 4)), jnp.zeros((1, 8, 4)), implementation="pallas")
