@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One H200: the Pallas gated delta rule's GPU tests, then the kernel benchmark against flash-linear-attention 0.6
-# (carried as wheels in .whl/: flash-linear-attention, fla-core). Logs and JSON under $OUT.
+# One H200: the Pallas gated delta rule's GPU tests (and the bf16 model test that checks the model calls it), the
+# kernel benchmark against flash-linear-attention 0.6 (carried as wheels in .whl/: flash-linear-attention, fla-core),
+# then an 8-layer 35b-a3b prefill at 16K tokens with the XLA and the Pallas gated delta rule. Logs, JSON under $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -8,12 +9,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+quiet() { grep -v "^\s*@\|^E1130\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(\|^variant"; }
 if [ "${GDN_TESTS:-1}" = 1 ]; then
-  JAX_DWDP_TEST_GPU=1 timeout ${GPU_TEST_TIMEOUT:-300} python3 -m pytest tests/test_gpu_gdn.py -q -s -x \
-    -p no:cacheprovider ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gdn_tests.log" | grep -E "seq 0|T=|pieces|passed|failed|Error" \
-    | tail -${GPU_TEST_LINES:-30}
+  JAX_DWDP_TEST_GPU=1 timeout ${GPU_TEST_TIMEOUT:-150} python3 -m pytest tests/test_gpu_gdn.py \
+    tests/test_gpu.py::test_gpu_bf16_prefill_runs_the_fast_kernels -q -s -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gdn_tests.log" | grep -E "seq 0|T=|pieces|vs fp32|passed|failed|Error" | tail -${GPU_TEST_LINES:-30}
 fi
-timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_gdn.py ${BENCH_ARGS:---sweep --mixer} --out "$OUT/gdn_h200.json" \
-  2>&1 | tee "$OUT/bench_gdn.log" | grep -v "^\s*@\|^E1130\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(" \
-  | grep -v "^sweep" | tail -40
-grep "^best" "$OUT/bench_gdn.log"
+timeout ${BENCH_TIMEOUT:-160} python3 benchmarks/bench_gdn.py ${BENCH_ARGS:---variants --no-xla} \
+  --out "$OUT/gdn_h200.json" 2>&1 | tee "$OUT/bench_gdn.log" | quiet | grep "^|\|^best\|rror" | tail -20
+if [ "${MODEL:-1}" = 1 ]; then
+  for impl in xla pallas; do
+    JAX_DWDP_GDN=$impl timeout ${MODEL_TIMEOUT:-60} python3 benchmarks/bench_prefill.py --preset 35b-a3b \
+      --num-layers ${MODEL_LAYERS:-8} --seq-lens 16384 --layerwise --iters 3 --out "$OUT/prefill_gdn_$impl.json" \
+      2>&1 | quiet | tail -3 | sed "s/^/gdn=$impl: /"
+  done
+fi

@@ -44,7 +44,7 @@ CHUNK = 64
 SUB = 16  # sub-block of the triangular solve
 EPS = 1e-6  # l2 norm epsilon, as the reference
 _F32 = jnp.float32
-_EXACT = lax.Precision.HIGHEST  # fp32 FMA dot products for the 16x16 inverse blocks
+_MERGE_PRECISION = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}  # fp32 dots of the inverse
 
 
 def supported(dk: int, dv: int) -> bool:
@@ -70,7 +70,22 @@ def _inverse_unit_lower(a: jax.Array) -> jax.Array:
     return x
 
 
-def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref):
+def _inverse_unit_lower_doubling(a: jax.Array, precision) -> jax.Array:
+    """(I + a)^-1 = (I - a)(I + a^2)(I + a^4)(I + a^8) for a strictly lower-triangular 16x16 tile (a^16 = 0):
+    six fp32 products instead of fifteen dependent row reductions."""
+    s = a.shape[0]
+    eye = (_iota((s, s), 0) == _iota((s, s), 1)).astype(_F32)
+    x, power = eye - a, a
+    p = 2
+    while p < s:
+        power = plgpu.dot(power, power, precision=precision)
+        x = x + plgpu.dot(x, power, precision=precision)
+        p *= 2
+    return x
+
+
+def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, *, inverse: str,
+                 merge_precision: str):
     b, n = pl.program_id(0), pl.program_id(2)
     nb = CHUNK // SUB
 
@@ -108,13 +123,17 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref):
                     blk = blk * jnp.exp(arg)
                 system[a, c] = blk
 
-        # L^-1 by blocks: diagonal blocks by substitution, X[a, c] = -D_a sum_{m=c}^{a-1} A[a, m] X[m, c].
+        # L^-1 by blocks: diagonal blocks D_a alone, then X[a, c] = -D_a sum_{m=c}^{a-1} A[a, m] X[m, c].
+        precision = _MERGE_PRECISION[merge_precision]
         inv = {}
         for a in range(nb):
-            inv[a, a] = _inverse_unit_lower(system[a, a])
+            if inverse == "doubling":
+                inv[a, a] = _inverse_unit_lower_doubling(system[a, a], precision)
+            else:
+                inv[a, a] = _inverse_unit_lower(system[a, a])
             for c in range(a):
-                acc = sum(plgpu.dot(system[a, m], inv[m, c], precision=_EXACT) for m in range(c, a))
-                inv[a, c] = -plgpu.dot(inv[a, a], acc, precision=_EXACT)
+                acc = sum(plgpu.dot(system[a, m], inv[m, c], precision=precision) for m in range(c, a))
+                inv[a, c] = -plgpu.dot(inv[a, a], acc, precision=precision)
 
         for a in range(nb):
             rows_a = pl.ds(a * SUB, SUB)
@@ -127,9 +146,13 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref):
             w_ref[rows_a, :] = w.astype(w_ref.dtype)
             u_ref[rows_a, :] = u.astype(u_ref.dtype)
             kg_ref[rows_a, :] = (kns[a] * jnp.exp(total - cums[a])[:, None]).astype(kg_ref.dtype)
+            cum_ref[rows_a] = cums[a]
 
 
-def _recurrence_kernel(len_ref, w_ref, u_ref, kg_ref, g_ref, *rest, has_initial: bool):
+def _recurrence_kernel(len_ref, w_ref, u_ref, kg_ref, cum_ref, *rest, has_initial: bool):
+    """The loop over chunks, the state [dk, BV] in fp32 registers. (Carrying it transposed, so that it and v_new
+    enter the products as left operands from registers, measured no faster on an H200: 0.42-0.47 vs 0.46 ms at
+    16K tokens, and the transposed stores slowed the prep kernel; benchmarks/RESULTS.md.)"""
     if has_initial:
         h0_ref, hs_ref, vn_ref, ht_ref = rest
     else:
@@ -142,16 +165,16 @@ def _recurrence_kernel(len_ref, w_ref, u_ref, kg_ref, g_ref, *rest, has_initial:
         rows = pl.ds(n * CHUNK, CHUNK)
         hs_ref[n] = state.astype(hs_ref.dtype)
         w = w_ref[rows, :]
+        decay = jnp.exp(cum_ref[n * CHUNK + CHUNK - 1])
         v_new = u_ref[rows, :].astype(_F32) - plgpu.dot(w, state.astype(w.dtype))
         v_new = v_new.astype(vn_ref.dtype)
         vn_ref[rows, :] = v_new
-        decay = jnp.exp(jnp.sum(g_ref[rows]))
         return state * decay + plgpu.dot(kg_ref[rows, :], v_new, trans_a=True)
 
     ht_ref[...] = lax.fori_loop(0, num_chunks, chunk, state)
 
 
-def _output_kernel(len_ref, q_ref, k_ref, g_ref, hs_ref, vn_ref, *rest, scale: float):
+def _output_kernel(len_ref, q_ref, k_ref, cum_ref, hs_ref, vn_ref, *rest, scale: float):
     o_ref = rest[-1]  # rest is (o,) or, with a buffer to write into, (that buffer as input, o): the same memory
     b, n = pl.program_id(0), pl.program_id(2)
     inside = n * CHUNK < len_ref[b]
@@ -162,14 +185,14 @@ def _output_kernel(len_ref, q_ref, k_ref, g_ref, hs_ref, vn_ref, *rest, scale: f
         qf, kf = q.astype(_F32), k.astype(_F32)
         rq = lax.rsqrt(jnp.sum(qf * qf, axis=1) + EPS) * scale
         rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
-        cum = jnp.cumsum(g_ref[...])
+        cum = cum_ref[...]
         rows, cols = _iota((CHUNK, CHUNK), 0), _iota((CHUNK, CHUNK), 1)
         causal = rows >= cols
         decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0))
         scores = plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :]
-        scores = jnp.where(causal, scores * decay, 0.0)
+        scores = jnp.where(causal, scores * decay, 0.0).astype(vn_ref.dtype)
         inter = plgpu.dot(q, hs_ref[...]) * (rq * jnp.exp(cum))[:, None]
-        intra = plgpu.dot(scores.astype(vn_ref.dtype), vn_ref[...])
+        intra = plgpu.dot(scores, vn_ref[...])
         valid = n * CHUNK + _iota((CHUNK, 1), 0) < len_ref[b]  # zeros past the sequence's end
         o_ref[...] = jnp.where(valid, inter + intra, 0.0).astype(o_ref.dtype)
 
@@ -188,11 +211,15 @@ def _block_v(batch: int, heads: int, dv: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch parameters of the three kernels (prep, recurrence, output); block_v None picks `_block_v`."""
+    """Launch parameters of the three kernels (prep, recurrence, output); block_v None picks `_block_v`;
+    `inverse` "substitution" | "doubling" for the 16x16 diagonal blocks, `merge_precision` "ieee" | "tf32" for the
+    fp32 products of the inverse."""
 
     block_v: int | None = None
-    num_warps: tuple[int, int, int] = (4, 4, 4)
+    num_warps: tuple[int, int, int] = (2, 4, 4)
     num_stages: tuple[int, int, int] = (2, 3, 2)
+    inverse: str = "doubling"
+    merge_precision: str = "ieee"
 
     def params(self, i: int) -> plgpu.CompilerParams:
         return plgpu.CompilerParams(num_warps=self.num_warps[i], num_stages=self.num_stages[i])
@@ -211,45 +238,47 @@ def _key_chunk(dk: int, rep: int) -> pl.BlockSpec:
 _GATES = pl.BlockSpec((None, None, CHUNK), lambda i, h, n: (i, h, n))
 
 
+def _whole(lengths) -> pl.BlockSpec:
+    return pl.BlockSpec(lengths.shape, lambda *_: (0,))
+
+
 def prepare(lengths, k, v, g, beta, *, rep: int, tuning: Tuning = Tuning(), interpret: bool = False):
     """Kernel 1. k [B, T, HK, dk], v [B, T, HV, dv] (T a multiple of CHUNK); g, beta [B, HV, T] fp32 with padded
-    steps zeroed. Returns w, u, kg [B, HV, T, d] in v's dtype (chunks past a sequence's length unwritten)."""
+    steps zeroed. Returns w, u, kg [B, HV, T, d] in v's dtype and the in-chunk cumulative log-decay [B, HV, T]
+    fp32 (chunks past a sequence's length unwritten)."""
     b, tp, hv, dv = v.shape
     dk = k.shape[-1]
     return pl.pallas_call(
-        _prep_kernel,
+        functools.partial(_prep_kernel, inverse=tuning.inverse, merge_precision=tuning.merge_precision),
         grid=(b, hv, tp // CHUNK),
-        in_specs=[pl.BlockSpec(lengths.shape, lambda *_: (0,)), _key_chunk(dk, rep), _per_chunk_v(dv), _GATES,
-                  _GATES],
-        out_specs=[_per_chunk(dk), _per_chunk(dv), _per_chunk(dk)],
-        out_shape=[jax.ShapeDtypeStruct((b, hv, tp, d), v.dtype) for d in (dk, dv, dk)],
+        in_specs=[_whole(lengths), _key_chunk(dk, rep),
+                  pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0)), _GATES, _GATES],
+        out_specs=[_per_chunk(dk), _per_chunk(dv), _per_chunk(dk), _GATES],
+        out_shape=[jax.ShapeDtypeStruct((b, hv, tp, d), v.dtype) for d in (dk, dv, dk)]
+        + [jax.ShapeDtypeStruct((b, hv, tp), _F32)],
         compiler_params=tuning.params(0),
         interpret=interpret,
         name="gdn_prep",
     )(lengths, k, v, g, beta)
 
 
-def _per_chunk_v(dv: int) -> pl.BlockSpec:
-    """[B, T, HV, dv] v: value head h's chunk."""
-    return pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
-
-
-def recurrence(lengths, w, u, kg, g, initial_state=None, *, tuning: Tuning = Tuning(), interpret: bool = False):
+def recurrence(lengths, w, u, kg, cum, initial_state=None, *, tuning: Tuning = Tuning(), interpret: bool = False):
     """Kernel 2. Returns (states entering each chunk [B, HV, T/C, dk, dv] in u's dtype, v_new [B, HV, T, dv] in
     u's dtype, final state [B, HV, dk, dv] fp32)."""
     b, hv, tp, dk = w.shape
-    dv = u.shape[-1]
+    dv = u.shape[3]
     nt = tp // CHUNK
-    bv = tuning.block_v or _block_v(b, hv, dv)
+    bv = min(tuning.block_v or _block_v(b, hv, dv), dv)
     has_initial = initial_state is not None
 
-    def whole_sequence(d, cols):
-        return pl.BlockSpec((None, None, tp, cols), lambda i, h, j: (i, h, 0, j if cols != d else 0))
+    def whole_sequence(d):
+        return pl.BlockSpec((None, None, tp, d), lambda i, h, j: (i, h, 0, 0))
 
+    values = pl.BlockSpec((None, None, tp, bv), lambda i, h, j: (i, h, 0, j))
     state_block = pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j))
-    in_specs = [pl.BlockSpec(lengths.shape, lambda *_: (0,)), whole_sequence(dk, dk), whole_sequence(dv, bv),
-                whole_sequence(dk, dk), pl.BlockSpec((None, None, tp), lambda i, h, j: (i, h, 0))]
-    args = [lengths, w, u, kg, g]
+    in_specs = [_whole(lengths), whole_sequence(dk), values, whole_sequence(dk),
+                pl.BlockSpec((None, None, tp), lambda i, h, j: (i, h, 0))]
+    args = [lengths, w, u, kg, cum]
     if has_initial:
         in_specs.append(state_block)
         args.append(initial_state.astype(_F32))
@@ -257,31 +286,24 @@ def recurrence(lengths, w, u, kg, g, initial_state=None, *, tuning: Tuning = Tun
         functools.partial(_recurrence_kernel, has_initial=has_initial),
         grid=(b, hv, dv // bv),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, nt, dk, bv), lambda i, h, j: (i, h, 0, 0, j)),
-            whole_sequence(dv, bv),
-            state_block,
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hv, nt, dk, dv), u.dtype),
-            jax.ShapeDtypeStruct((b, hv, tp, dv), u.dtype),
-            jax.ShapeDtypeStruct((b, hv, dk, dv), _F32),
-        ],
+        out_specs=[pl.BlockSpec((None, None, nt, dk, bv), lambda i, h, j: (i, h, 0, 0, j)), values, state_block],
+        out_shape=[jax.ShapeDtypeStruct((b, hv, nt, dk, dv), u.dtype), jax.ShapeDtypeStruct((b, hv, tp, dv), u.dtype),
+                   jax.ShapeDtypeStruct((b, hv, dk, dv), _F32)],
         compiler_params=tuning.params(1),
         interpret=interpret,
         name="gdn_recurrence",
     )(*args)
 
 
-def output(lengths, q, k, g, states, v_new, out=None, *, rep: int, tuning: Tuning = Tuning(),
+def output(lengths, q, k, cum, states, v_new, out=None, *, rep: int, tuning: Tuning = Tuning(),
            interpret: bool = False):
     """Kernel 3. Returns o [B, T, HV, dv] in v_new's dtype, zero past each sequence's length. `out`, if given, is
     the buffer written in place (tests fill it with NaN to prove every element is written)."""
     b, hv, tp, dv = v_new.shape
     dk = q.shape[-1]
-    args = [lengths, q, k, g, states, v_new]
+    args = [lengths, q, k, cum, states, v_new]
     spec = pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
-    in_specs = [pl.BlockSpec(lengths.shape, lambda *_: (0,)), _key_chunk(dk, rep), _key_chunk(dk, rep), _GATES,
+    in_specs = [_whole(lengths), _key_chunk(dk, rep), _key_chunk(dk, rep), _GATES,
                 pl.BlockSpec((None, None, None, dk, dv), lambda i, h, n: (i, h, n, 0, 0)), _per_chunk(dv)]
     if out is not None:
         args.append(out)
@@ -333,7 +355,7 @@ def chunk_gated_delta_rule_pallas(
     t = q.shape[1]
     rep = v.shape[2] // q.shape[2]
     q, k, v, g, beta, lengths = pad_inputs(q, k, v, g, beta, lengths)
-    w, u, kg = prepare(lengths, k, v, g, beta, rep=rep, tuning=tuning, interpret=interpret)
-    states, v_new, final = recurrence(lengths, w, u, kg, g, initial_state, tuning=tuning, interpret=interpret)
-    o = output(lengths, q, k, g, states, v_new, out, rep=rep, tuning=tuning, interpret=interpret)
+    w, u, kg, cum = prepare(lengths, k, v, g, beta, rep=rep, tuning=tuning, interpret=interpret)
+    states, v_new, final = recurrence(lengths, w, u, kg, cum, initial_state, tuning=tuning, interpret=interpret)
+    o = output(lengths, q, k, cum, states, v_new, out, rep=rep, tuning=tuning, interpret=interpret)
     return o[:, :t] if o.shape[1] != t else o, final
