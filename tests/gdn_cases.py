@@ -21,10 +21,18 @@ def gdn_inputs(rng, b, t, hk, hv, dk, dv, *, initial: bool, dtype=jnp.bfloat16):
     return q, k, v, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32), h0
 
 
-def reference_per_sequence(q, k, v, g, beta, lengths, h0):
-    """The fp32 XLA reference run on each sequence alone, cut at its length: [(o [L, HV, dv], state), ...]."""
+def reference_per_sequence(q, k, v, g, beta, lengths, h0, *, batched: bool = False):
+    """The fp32 XLA reference for each sequence, cut at its length: [(o [L, HV, dv], state), ...]. Each sequence
+    runs alone, or (batched) the right-padded batch runs once with its lengths, which the CPU tests prove equal to
+    running alone (test_reference_batch_equals_sequences_alone): one compilation instead of one per length."""
+    lengths = np.asarray(lengths)
+    if batched:
+        args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
+        o, s = chunk_gated_delta_rule(*args, lengths=jnp.asarray(lengths), initial_state=h0, implementation="xla")
+        o, s = np.asarray(o), np.asarray(s)
+        return [(o[i, : int(n)], s[i]) for i, n in enumerate(lengths)]
     out = []
-    for i, n in enumerate(np.asarray(lengths)):
+    for i, n in enumerate(lengths):
         n = int(n)
         args = [jnp.asarray(x[i : i + 1, :n], jnp.float32) for x in (q, k, v, g, beta)]
         o, s = chunk_gated_delta_rule(*args, initial_state=None if h0 is None else h0[i : i + 1],

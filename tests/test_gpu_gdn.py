@@ -26,7 +26,7 @@ def test_kernel_matches_reference(rng, hk, hv, initial):
     b, t = len(lengths), int(lengths.max())
     q, k, v, g, beta, h0 = gdn_inputs(rng, b, t, hk, hv, 128, 128, initial=initial)
     o, state = chunk_gated_delta_rule_pallas(q, k, v, g, beta, jnp.asarray(lengths), h0, poisoned(b, t, hv, 128))
-    ref = reference_per_sequence(q, k, v, g, beta, lengths, h0)
+    ref = reference_per_sequence(q, k, v, g, beta, lengths, h0, batched=True)
     check_against_reference(o, state, ref, lengths, f"pallas {hk}/{hv} heads, initial {initial}", BOUND)
 
 
