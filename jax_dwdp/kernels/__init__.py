@@ -5,7 +5,7 @@ CPU (portable XLA paths, the numerical reference) and on the GPU (cuDNN flash at
 matmul). Later work swaps an implementation here without touching the model.
 """
 
-from jax_dwdp.kernels.attention import causal_attention, decode_attention
+from jax_dwdp.kernels.attention import cached_attention, causal_attention, decode_attention
 from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
 from jax_dwdp.kernels.grouped_matmul import ROW_MULTIPLE as GROUPED_MATMUL_ROW_MULTIPLE
 from jax_dwdp.kernels.grouped_matmul import (
@@ -18,6 +18,7 @@ from jax_dwdp.kernels.grouped_matmul import (
 
 __all__ = [
     "causal_attention",
+    "cached_attention",
     "decode_attention",
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_step",

@@ -22,6 +22,20 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) 
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
 
 
+def cached_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, *, scale: float
+) -> jax.Array:
+    """Queries at positions q_positions [B, T] against a KV cache [B, S, Hkv, D] that already holds their own keys:
+    query (b, t) attends to cache positions <= q_positions[b, t] (a prefill that continues an earlier one).
+
+    q: [B, T, Hq, D]. The mask is explicit ([B, 1, T, S]); JAX picks cuDNN where it takes such a mask, else XLA.
+    """
+    mask = jnp.arange(k_cache.shape[1])[None, None, :] <= q_positions[:, :, None]
+    impl = None if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    return jax.nn.dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask=mask[:, None],
+                                        scale=scale, implementation=impl)
+
+
 def decode_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, valid_len: jax.Array, *, scale: float
 ) -> jax.Array:

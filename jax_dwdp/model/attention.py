@@ -35,11 +35,25 @@ class GatedAttention(nnx.Module):
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta)
         return apply_rope(q, cos, sin), gate, apply_rope(k, cos, sin), v
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """Prefill. Returns the output and this layer's (K, V) cache entries [B, T, nkv, hd]."""
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array] | None = None
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Prefill. Returns the output and this layer's (K, V) cache entries [B, T, nkv, hd].
+
+        With `cache` (K, V [B, S, nkv, hd] holding each sequence's earlier positions) the tokens continue those
+        sequences at `positions` [B, T]: their K and V are written into the cache at their positions (those past S
+        are dropped) and each query attends to every cached position up to its own. Returns the updated cache.
+        """
         b, t, _ = x.shape
         q, gate, k, v = self._project(x, positions)
-        attn = kernels.causal_attention(q, k, v, scale=self.head_dim**-0.5)
+        if cache is None:
+            attn = kernels.causal_attention(q, k, v, scale=self.head_dim**-0.5)
+        else:
+            rows = jnp.arange(b)[:, None]
+            k_cache = cache[0].at[rows, positions].set(k.astype(cache[0].dtype), mode="drop")
+            v_cache = cache[1].at[rows, positions].set(v.astype(cache[1].dtype), mode="drop")
+            attn = kernels.cached_attention(q, k_cache, v_cache, positions, scale=self.head_dim**-0.5)
+            k, v = k_cache, v_cache
         out = attn.reshape(b, t, -1) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
         return self.o_proj(out), (k, v)
 

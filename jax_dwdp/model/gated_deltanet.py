@@ -69,14 +69,23 @@ class GatedDeltaNet(nnx.Module):
         y = self.norm(core.astype(x.dtype), z)
         return self.out_proj(y.reshape(*lead, self.value_dim))
 
-    def __call__(self, x: jax.Array, lengths: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """Prefill x [B, T, H] (right-padded to T, valid lengths [B]). Returns output and (conv, recurrent) state."""
+    def __call__(
+        self, x: jax.Array, lengths: jax.Array, cache: tuple[jax.Array, jax.Array] | None = None
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Prefill x [B, T, H] (right-padded to T, valid lengths [B]). Returns output and (conv, recurrent) state.
+
+        With `cache` (conv state [B, C, K-1], recurrent state [B, HV, dk, dv], what an earlier prefill of the same
+        sequences left) the tokens continue those sequences: the conv reads the cached inputs before t = 0 and the
+        delta rule starts from the cached state. A sequence with length 0 keeps its cache as it was.
+        """
         mixed = self.in_proj_qkv(x)  # [B, T, C]
-        conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1)
-        conv_out = jax.nn.silu(causal_depthwise_conv(mixed, self.conv1d.weight[...])).astype(x.dtype)
+        history = None if cache is None else jnp.swapaxes(cache[0], 1, 2)  # [B, K-1, C]
+        conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1, history)
+        conv_out = jax.nn.silu(causal_depthwise_conv(mixed, self.conv1d.weight[...], history)).astype(x.dtype)
         q, k, v = self._split_heads(conv_out)
         g, beta = self._gates(x)
-        core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths)
+        core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths,
+                                                     initial_state=None if cache is None else cache[1])
         return self._output(core, x), (conv_state, state)
 
     def decode(
@@ -102,9 +111,13 @@ class _Conv1dWeight(nnx.Module):
         self.weight = nnx.Param(normal_init(rngs, (channels, 1, kernel), dtype, kernel**-0.5))
 
 
-def _last_inputs(x: jax.Array, lengths: jax.Array, n: int) -> jax.Array:
-    """x [B, T, C] -> the n inputs before each sequence's length, [B, C, n], zeros where the sequence is shorter."""
-    padded = jnp.pad(x, ((0, 0), (n, 0), (0, 0)))
+def _last_inputs(x: jax.Array, lengths: jax.Array, n: int, history: jax.Array | None = None) -> jax.Array:
+    """x [B, T, C] -> the n inputs before each sequence's length, [B, C, n]; before t = 0 they come from `history`
+    [B, n, C] (the inputs of an earlier piece of the sequence), or are zeros."""
+    if history is None:
+        padded = jnp.pad(x, ((0, 0), (n, 0), (0, 0)))
+    else:
+        padded = jnp.concatenate([history.astype(x.dtype), x], axis=1)
     # Original positions [len - n, len) sit at padded positions [len, len + n).
     window = jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, n, axis=0))(padded, lengths)
     return jnp.swapaxes(window, 1, 2)
