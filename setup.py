@@ -74,6 +74,6 @@ class CMakeFfiBuild(build_ext):
 
 setup(
     # One placeholder extension: CMake builds every library of ffi/ into jax_dwdp/_lib/ next to it.
-    ext_modules=[Extension("jax_dwdp._lib._placeholder", sources=["ffi/dwdp_store.cc"])],
+    ext_modules=[Extension("jax_dwdp._lib._placeholder", sources=["ffi/dwdp_store/c_api.cc"])],
     cmdclass={"build_ext": CMakeFfiBuild},
 )

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_dwdp.parallel.dwdp as dwdp_module
 import jax_dwdp.prefill as prefill_module
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
@@ -50,21 +49,21 @@ def timed_call(name, fn):
 
 
 def instrument(ranks: IndependentRanks) -> list:
-    """Wraps, in place, every call IndependentRanks.prefill makes that can take host time; returns what to restore."""
+    """Wraps every call IndependentRanks.prefill makes that can take host time; returns the module functions to
+    restore (the driver's own attributes stay wrapped until it is closed)."""
     undo = []
-    for module, name in [(prefill_module, "_embed"), (prefill_module, "_head"), (prefill_module, "check_tokens"),
-                         (dwdp_module, "_layer_with_experts"), (jax, "device_put"), (jnp, "pad"), (jnp, "stack"),
+    for module, name in [(prefill_module, "check_tokens"), (jax, "device_put"), (jnp, "pad"), (jnp, "stack"),
                          (jnp, "zeros")]:
         undo.append((module, name, getattr(module, name)))
         setattr(module, name, timed_call(name, getattr(module, name)))
-    ranks._wait = timed_call("cpu_barrier wait (identity on GPUs)", ranks._wait)
-    fetch = ranks._fetch
-    ranks._fetch = timed_call("_fetch (peer blocks device_put)", fetch)
-    program = ranks._ffi_program
+    for runner in ranks.runners:
+        runner._barrier = timed_call("cpu_barrier wait (identity on GPUs)", runner._barrier)
+        program = runner.program
 
-    def ffi_program(kind, key):
-        return timed_call(f"ffi {kind} program", program(kind, key))
-    ranks._ffi_program = ffi_program
+        def timed_program(kind, *key, program=program):
+            return timed_call(f"{kind} program", program(kind, *key))
+        runner.program = timed_program
+    ranks.source.prefetch = timed_call("expert prefetch (peer copies or store program)", ranks.source.prefetch)
     return undo
 
 
@@ -85,7 +84,7 @@ def main(argv=None) -> dict:
     print(f"{cfg.summary()} on {devices[0].device_kind} x 2, backend {args.backend}", flush=True)
     model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=0, device=devices[0])
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, args.seq_len)).astype(np.int32)
-    with IndependentRanks(model, devices, backend=args.backend) as ranks:
+    with IndependentRanks(model, devices, experts=args.backend) as ranks:
         jax.block_until_ready(ranks.prefill(0, tokens, logits="last"))  # compile and warm up
         undo = instrument(ranks)
         TIMES.clear()

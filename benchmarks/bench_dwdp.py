@@ -3,13 +3,12 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_dwdp.py --num-layers 16 --seq-lens 16384 32768
 
 Every rank prefills its own sequence of T tokens (batch 1 per rank; the ranks share no tokens):
-- (a) LayerwiseDwdp(backend="ffi"): each rank stores 1/N of every layer's experts in CUDA VMM memory; layer l+1's
-  experts are copied from the peers over NVLink on a side stream while layer l computes.
-- (b) LayerwiseDwdp(backend="xla"): the same program structure, layer l+1's experts all-gathered inside layer l's
-  program.
-- (c) replicated: LayerwiseDwdp(backend="replicated"): every GPU holds all experts and runs its own sequence in
-  the same SPMD program structure (no communication: the bound).
-All three use one compiled program per layer type. Per layer it reports the FFI copy time (CUDA events on the copy
+- (a) `Store` experts: each rank stores 1/N of every layer's experts in CUDA VMM memory; layer l+1's experts are
+  copied from the peers over NVLink on a side stream while layer l computes.
+- (b) `Gather` experts: the same program structure, layer l+1's experts all-gathered inside layer l's program.
+- (c) replicated: `Local` experts, every GPU holding all of them and running its own sequence in the same SPMD
+  program structure (no communication: the bound).
+All three are one StageRunner over the 'dwdp' mesh, layer-wise (one compiled program per layer type). Per layer it reports the FFI copy time (CUDA events on the copy
 stream), the MoE compute time (the MoE block alone, same tokens), and the fraction of copy time hidden:
 1 - max(0, t_ffi - t_replicated) / total copy time. The XLA allocator must not preallocate (the store allocates
 outside XLA's pool), hence XLA_PYTHON_CLIENT_PREALLOCATE=false for all three.
@@ -27,9 +26,11 @@ import numpy as np
 
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
-from jax_dwdp.parallel.dwdp import LayerwiseDwdp, shard_model
+from jax_dwdp.parallel.dwdp import expert_blocks, place_model
 from jax_dwdp.parallel.expert_layout import ExpertLayout, rank_memory
+from jax_dwdp.parallel.experts import AXIS, Gather, Local, Store
 from jax_dwdp.parallel.mesh import make_mesh
+from jax_dwdp.parallel.runner import StageRunner
 from jax_dwdp.timing import median_seconds, save_rows
 
 
@@ -59,23 +60,29 @@ def _moe_ms(cfg, seq, device, iters):
 
 def bench(cfg, ranks, seqs, iters, variants):
     devices = jax.devices()[:ranks]
-    mesh = jax.sharding.Mesh(make_mesh(1, ranks, devices).devices[0], ("dwdp",))
+    mesh = jax.sharding.Mesh(make_mesh(1, ranks, devices).devices[0], (AXIS,))
     rows = {seq: {"seq_len_per_rank": seq, "ranks": ranks, "layers": cfg.num_hidden_layers} for seq in seqs}
 
     for variant in variants:
         t0 = time.perf_counter()
         model = init_model(cfg, dtype=jnp.bfloat16, seed=1, device=devices[0])
-        sharded = shard_model(model, mesh)
+        placed = place_model(model, mesh, split_experts=variant != "replicated")
         del model
         gc.collect()
-        program = LayerwiseDwdp(nnx_model(sharded), mesh, backend=variant, logits="last", sharded=sharded,
-                                timing=True)
-        del sharded
+        store = None
+        if variant == "ffi":  # timed copies: store.copy_ms() reads each layer's copy time
+            from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+
+            store = ExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, timing=True)
+            source = Store(store, mesh)
+        else:
+            source = Gather(expert_blocks(placed), mesh) if variant == "xla" else Local()
+        program = StageRunner(placed, source, mesh=mesh)
+        del placed, source
 
         def make_run(seq):
             tokens, lengths = _tokens(cfg, ranks, seq)
-            return lambda: program(jnp.asarray(tokens), jnp.asarray(lengths))
-        close = program.close
+            return lambda: program(tokens, lengths, logits="last")
         setup_s = time.perf_counter() - t0
         for seq in seqs:
             run = make_run(seq)
@@ -87,21 +94,22 @@ def bench(cfg, ranks, seqs, iters, variants):
             row[f"{variant}_ms"] = round(ms, 2)
             row[f"{variant}_first_call_s"] = round(first_s, 1)
             row[f"{variant}_setup_s"] = round(setup_s, 1)
-            if variant == "ffi":
-                copy = program.store.copy_ms()  # [ranks, layers], of the last timed run
+            if store is not None:
+                copy = store.copy_ms()  # [ranks, layers], of the last timed run
                 row["ffi_copy_ms_per_layer"] = round(float(np.nanmean(copy)), 3)
                 row["ffi_copy_ms_total"] = round(float(np.nanmean(copy.sum(axis=1))), 2)
-                row["store"] = program.store.info()
-                program.copy_only(_tokens(cfg, ranks, seq)[0])
-                idle = program.store.copy_ms()
+                row["store"] = store.info()
+                copy_only(program, store, _tokens(cfg, ranks, seq)[0])
+                idle = store.copy_ms()
                 row["ffi_copy_ms_per_layer_idle"] = round(float(np.nanmean(idle)), 3)
                 peer = rank_memory(cfg, ExpertLayout(cfg.num_experts, ranks), 0, 1,
-                                   program.store.dtype.itemsize)["peer_bytes_per_layer"]  # rank 0's
+                                   store.dtype.itemsize)["peer_bytes_per_layer"]  # rank 0's
                 row["ffi_peer_gib_per_layer"] = round(peer / 2**30, 3)
             print(f"{variant:>10} T={seq:>6}: {ms:9.2f} ms (first call {first_s:.1f} s)", flush=True)
-        close()
+        if store is not None:
+            store.close()
         del make_run
-        program = None
+        program = store = None
         gc.collect()
 
     for seq in seqs:
@@ -122,11 +130,12 @@ def bench(cfg, ranks, seqs, iters, variants):
     return list(rows.values())
 
 
-def nnx_model(sharded):
-    from flax import nnx
-
-    graphdef, state, _ = sharded
-    return nnx.merge(graphdef, state)
+def copy_only(runner: StageRunner, store, tokens) -> None:
+    """Every layer's prefetch with no compute around it; store.copy_ms() then holds the copy times of an idle GPU."""
+    h = runner.program("embed")(runner.state, runner.place(tokens))
+    for i in range(store.num_layers):
+        jax.block_until_ready(runner.source.prefetch(i, h))
+        store.sync()  # nobody waits for these copies: finish them before their outputs are freed
 
 
 def main() -> None:

@@ -47,12 +47,12 @@ def main() -> None:
         if p * n > jax.device_count():
             rows.append({"layout": layout, "skipped": f"needs {p * n} devices, {jax.device_count()} present"})
             continue
-        with Pipeline.random(cfg, p, dwdp=n, dtype=jnp.bfloat16, seed=1) as pipe:
+        with Pipeline.random(cfg, p, dwdp=n, dtype=jnp.bfloat16, seed=1,
+                             experts=backend if n > 1 else "local") as pipe:
             micro = args.sequences // n
 
             def run():
-                return pipe.prefill(tokens, microbatches=micro, logits="last", layerwise=True,
-                                    dwdp_backend=backend if n > 1 else "xla")
+                return pipe.prefill(tokens, microbatches=micro, logits="last", layerwise=True)
             jax.block_until_ready(run())
             seconds, _ = median_seconds(run, args.iters)
         gpus = p * n

@@ -44,15 +44,14 @@ def bench_pipeline(cfg, args) -> list[dict]:
         tokens = tokens_all[:m]
         t_one = timed(lambda: one.prefill(tokens, microbatches=m, logits="last", layerwise=True), args.iters)
         t_pipe = timed(lambda: pipe.prefill(tokens, microbatches=m, logits="last", layerwise=True), args.iters)
-        progs = pipe.programs("last", None, True)
         stage_t = []
         x = jnp.asarray(tokens[:1])
         lens = jnp.full((1,), args.seq_len, jnp.int32)
-        for s, prog in enumerate(progs):
+        for s, runner in enumerate(pipe.runners):
             x = jax.device_put(x, pipe.input_shardings[s])
             ln = jax.device_put(lens, pipe.input_shardings[s])
-            stage_t.append(timed(lambda prog=prog, x=x, ln=ln: prog(x, ln), args.iters))
-            x, _ = prog(x, ln)
+            stage_t.append(timed(lambda runner=runner, x=x, ln=ln: runner(x, ln, logits="last"), args.iters))
+            x, _ = runner(x, ln, logits="last")
         idle = [round(1 - m * t / t_pipe, 3) for t in stage_t]
         row = dict(microbatches=m, tokens=m * args.seq_len, one_device_ms=round(t_one * 1e3, 2),
                    pipeline_ms=round(t_pipe * 1e3, 2), speedup=round(t_one / t_pipe, 3),
@@ -94,7 +93,7 @@ def bench_dwdp(cfg, args) -> list[dict]:
                independent_threads_ms=round(t_thr * 1e3, 2), independent_threads_vs_one_rank=round(t_thr / t_one, 3))
     print(json.dumps(row), flush=True)
     if args.ffi:  # the same independent ranks with peer experts read through the CUDA VMM store
-        with IndependentRanks(model, devices, backend="ffi") as ffi_ranks:
+        with IndependentRanks(model, devices, experts="ffi") as ffi_ranks:
             t_ffi = timed(lambda: [ffi_ranks.prefill(r, tokens[r:r + 1], lens[r:r + 1], logits="last")
                                    for r in range(n)], args.iters)
             t_ffi_thr = timed(lambda: ffi_ranks.prefill_all(work, logits="last"), args.iters)

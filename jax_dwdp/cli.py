@@ -10,6 +10,7 @@ Bad input ends with one line on stderr starting with "error:" and a non-zero exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
     p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (one mesh row each)")
     p.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (experts split over them)")
-    p.add_argument("--dwdp-backend", default="xla", help="xla (all-gather, every platform) or ffi (CUDA VMM)")
+    p.add_argument("--dwdp-backend", default="xla",
+                   help="with --dwdp N > 1: xla (all-gather, every platform) or ffi (CUDA VMM store, GPUs)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches pushed through the pipeline")
     p.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     p.add_argument("--layerwise", action="store_true",
@@ -72,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _boundaries(args) -> list[int] | None:
     if not args.stage_boundaries:
         return None
+    if args.pipeline == 1:
+        raise UsageError("--stage-boundaries needs --pipeline P with P >= 2 stages")
     try:
         return [int(x) for x in args.stage_boundaries.split(",")]
     except ValueError:
@@ -120,8 +124,11 @@ def _load_tokens(args, vocab_size: int):
     return rng.integers(0, vocab_size, (args.batch, args.seq_len)).astype(np.int32)
 
 
-def _build_runner(args, cfg, dtype, mode):
-    """Returns (prefill(tokens, lengths) -> (logits, caches), compile(tokens, lengths), description)."""
+def _build_runner(args, cfg, dtype, mode, batch, resources):
+    """Returns (prefill(tokens, lengths) -> (logits, caches), compile(tokens, lengths), description); what it opens
+    (an FFI pipeline's expert stores) is entered into `resources` (an ExitStack), which closes it."""
+    from jax_dwdp.parallel.expert_layout import ExpertLayout
+    from jax_dwdp.parallel.pipeline import check_layout
     from jax_dwdp.prefill import jit_prefill
 
     if min(args.pipeline, args.microbatches, args.dwdp) < 1:
@@ -140,23 +147,29 @@ def _build_runner(args, cfg, dtype, mode):
             load_library()
         except FfiUnavailable as e:
             raise UsageError(f"--dwdp-backend ffi: {e}") from None
+    try:  # the layout against the batch and the experts, before any weights are made
+        check_layout(batch, args.microbatches, args.dwdp)
+        ExpertLayout(cfg.num_experts, args.dwdp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    boundaries = _boundaries(args)
     if args.pipeline > 1 or args.microbatches > 1 or args.dwdp > 1:
         from jax_dwdp.parallel import Pipeline
 
-        boundaries = _boundaries(args)
+        experts = args.dwdp_backend if args.dwdp > 1 else "local"
         try:
             if args.checkpoint is not None:
                 pipe = Pipeline.from_checkpoint(args.checkpoint, args.pipeline, dwdp=args.dwdp, dtype=dtype, cfg=cfg,
-                                                boundaries=boundaries, fused_swiglu=args.fused_swiglu)
+                                                boundaries=boundaries, fused_swiglu=args.fused_swiglu, experts=experts)
             else:
                 pipe = Pipeline.random(cfg, args.pipeline, dwdp=args.dwdp, dtype=dtype, seed=args.seed,
-                                       boundaries=boundaries, fused_swiglu=args.fused_swiglu)
+                                       boundaries=boundaries, fused_swiglu=args.fused_swiglu, experts=experts)
         except ValueError as e:  # layout and mesh problems (too many stages, too few devices)
             raise UsageError(str(e)) from None
+        resources.enter_context(pipe)
 
         def run(tokens, lengths):
-            return pipe.prefill(tokens, lengths, microbatches=args.microbatches, logits=mode, layerwise=args.layerwise,
-                                dwdp_backend=args.dwdp_backend)
+            return pipe.prefill(tokens, lengths, microbatches=args.microbatches, logits=mode, layerwise=args.layerwise)
 
         stages = ", ".join(f"[{s.start_layer},{s.end_layer})" for s in pipe.stages)
         return run, run, (f"pipeline {args.pipeline} stages {stages}, dwdp {args.dwdp} ranks per stage, "
@@ -195,10 +208,8 @@ def _save_npy_atomically(path: Path, array) -> None:
 
 def cmd_prefill(args) -> dict:
     import jax
-    import numpy as np
 
     from jax_dwdp.prefill import check_tokens
-    from jax_dwdp.timing import median_seconds
 
     dtype = _dtype(args.dtype)
     if args.iters < 1:
@@ -210,7 +221,17 @@ def cmd_prefill(args) -> dict:
     cfg = _model_config(args)
     tokens, lengths = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
     mode = "all" if args.logits_out is not None else "last"
-    run, compile_fn, source = _build_runner(args, cfg, dtype, mode)
+    with contextlib.ExitStack() as resources:
+        return _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources)
+
+
+def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
+    import jax
+    import numpy as np
+
+    from jax_dwdp.timing import median_seconds
+
+    run, compile_fn, source = _build_runner(args, cfg, dtype, mode, tokens.shape[0], resources)
 
     t0 = time.perf_counter()
     compile_fn(tokens, lengths)

@@ -101,9 +101,9 @@ def test_eager_layer_inputs_live_on_the_ranks_device(setup):
     h = jax.device_put(jnp.ones((2, 9, CFG.hidden_size), jnp.float32), dev)
     seen = []
 
-    def run_layer(layer, h, positions, lens, experts):
+    def run_layer(index, layer, h, positions, lens):
         seen.append(positions)
-        return layer(h, positions, lens, experts)
+        return layer(h, positions, lens)
 
     out, cache = model.forward_layers(h, jax.device_put(np.array([9, 4], np.int32), dev), run_layer=run_layer)
     assert len(seen) == CFG.num_hidden_layers
@@ -111,7 +111,7 @@ def test_eager_layer_inputs_live_on_the_ranks_device(setup):
         assert isinstance(p, jax.Array) and p.devices() == {dev}, p
         np.testing.assert_array_equal(np.asarray(p), np.broadcast_to(np.arange(9), (2, 9)))
     assert out.devices() == {dev} and cache.key.devices() == cache.recurrent.devices() == {dev}
-    # Sharded over a mesh (LayerwiseDwdp): positions come with h's batch sharding.
+    # Sharded over a mesh (a DWDP StageRunner): positions come with h's batch sharding.
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
@@ -155,15 +155,19 @@ def test_independent_ranks_run_their_own_batches_and_lengths(setup):
     with pytest.raises(ValueError, match="rank 5 is not one of"):
         ranks.prefill_all({5: work[0]})
     # Each rank keeps only its own expert blocks resident.
-    for r, rank in enumerate(ranks.ranks):
-        for layer_id, (gate_up, down) in rank["blocks"].items():
+    for layer in ranks.source.blocks:
+        for r, (gate_up, down) in enumerate(layer):
             assert gate_up.shape[0] == down.shape[0] == 3 and gate_up.devices() == {jax.devices()[r]}
+    # ... and its runner holds no expert weights of its own, only placeholders.
+    for r, runner in enumerate(ranks.runners):
+        experts = runner.stage.layers[0].mlp.experts
+        assert experts.gate_up_proj[...].shape == () and experts.gate_up_proj[...].devices() == {jax.devices()[r]}
 
 
 @pytest.mark.parametrize("pipeline,dwdp", [(1, 2), (1, 4), (2, 2)])
 def test_layerwise_dwdp_equals_whole_program(setup, pipeline, dwdp):
-    """LayerwiseDwdp (XLA backend: one program per layer type, next layer's gather inside each) against the
-    whole-program DwdpProgram and against one device on the same per-rank batches (the FFI path's structure)."""
+    """Layer-wise DWDP (Gather experts: one program per layer type, the next layer's gather inside each) against the
+    whole-stage program and against one device on the same per-rank batches (the FFI path's structure)."""
     model, tokens, lengths, *_ = setup
     pipe = Pipeline.from_model(model, pipeline, dwdp=dwdp)
     whole, whole_caches = pipe.prefill(tokens, lengths, cache_len=70)
@@ -183,17 +187,18 @@ def test_ffi_backend_without_gpu_is_a_clear_error(setup):
 
     model, tokens, lengths, *_ = setup
     with pytest.raises(FfiUnavailable, match="needs CUDA GPUs; these devices are \\['cpu'\\]"):
-        Pipeline.from_model(model, 1, dwdp=2).prefill(tokens, lengths, dwdp_backend="ffi")
+        Pipeline.from_model(model, 1, dwdp=2, experts="ffi")
     with pytest.raises(ValueError, match="needs DWDP ranks > 1"):
-        Pipeline.from_model(model, 1).prefill(tokens, lengths, dwdp_backend="ffi")
+        Pipeline.from_model(model, 1, experts="ffi")
     with pytest.raises(FfiUnavailable, match="needs CUDA GPUs"):
-        IndependentRanks(model, jax.devices()[:2], backend="ffi")
+        IndependentRanks(model, jax.devices()[:2], experts="ffi")
 
 
 def test_prefill_all_threads_map_results_and_errors(setup, monkeypatch):
     """The threaded branch of prefill_all (GPUs) with each rank's prefill stubbed (real threads deadlock XLA's CPU
     client): results come back per rank, inputs are checked before any rank starts, a failing rank's error is
-    raised after the others finish, and the FFI store is drained once, not by the failing rank itself."""
+    raised after the others finish, and the expert source (the FFI store) is aborted once, not by the failing rank
+    itself."""
     import threading
     import time
 
@@ -214,16 +219,15 @@ def test_prefill_all_threads_map_results_and_errors(setup, monkeypatch):
     assert out == {0: ("logits 0", "cache 0"), 1: ("logits 1", "cache 1")}
     assert all(name.startswith("dwdp-rank") and not sync for _, name, _, sync in seen)
 
-    class Store:
-        syncs = 0
+    class Source:
+        aborts = 0
 
-        def sync(self):
-            Store.syncs += 1
-    ranks.store, seen[:], finished[:] = Store(), [], []
+        def abort(self):
+            Source.aborts += 1
+    ranks.source, seen[:], finished[:] = Source(), [], []
     with pytest.raises(RuntimeError, match="rank 0 failed"):
         ranks.prefill_all({0: (tokens[:3], None), 1: (tokens[3:4], None)}, threads=True)
-    assert finished == [1] and Store.syncs == 1  # rank 1 ran to the end, then one drain
-    ranks.store = None
+    assert finished == [1] and Source.aborts == 1  # rank 1 ran to the end, then one drain
     seen[:] = []
     with pytest.raises(ValueError, match="cache_len 40 is shorter than rank 1's prompt"):
         ranks.prefill_all({0: (tokens[:2, :30], None), 1: (tokens[2:3], None)}, cache_len=40, threads=True)
@@ -242,12 +246,58 @@ def test_dispatch_benchmark_accounts_for_the_layers():
     spec = importlib.util.spec_from_file_location("bench_dispatch", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from jax_dwdp.parallel import dwdp
+    from jax_dwdp import prefill
 
-    device_put, layer_fn = jax.device_put, dwdp._layer_with_experts
+    device_put, check = jax.device_put, prefill.check_tokens
     result = bench.main(["--preset", "tiny", "--num-layers", "3", "--seq-len", "16", "--iters", "2",
                          "--dtype", "float32"])
-    assert result["calls"]["_layer_with_experts"]["calls_per_prefill"] == 3
-    assert result["calls"]["_fetch (peer blocks device_put)"]["calls_per_prefill"] == 3
+    assert result["calls"]["layer program"]["calls_per_prefill"] == 3
+    assert result["calls"]["expert prefetch (peer copies or store program)"]["calls_per_prefill"] == 3
     assert 0 < sum(c["host_ms_per_prefill"] for c in result["calls"].values()) <= result["dispatch_ms"] * 1.05
-    assert jax.device_put is device_put and dwdp._layer_with_experts is layer_fn
+    assert jax.device_put is device_put and prefill.check_tokens is check
+
+
+def test_stage_runner_shares_its_programs_across_logits_modes_and_cache_lengths(setup):
+    """A DWDP stage runner compiles its layer programs once: other logits modes and cache lengths reuse them (the
+    head compiles per mode), with the same numbers as the one-device prefill."""
+    from jax.sharding import Mesh
+
+    from jax_dwdp.parallel.dwdp import expert_blocks, place_model
+    from jax_dwdp.parallel.experts import Gather
+    from jax_dwdp.parallel.runner import StageRunner
+
+    model, tokens, lengths, ref_logits, _ = setup
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
+    placed = place_model(model, mesh)
+    runner = StageRunner(placed, Gather(expert_blocks(placed), mesh), mesh=mesh)
+    runner(tokens, lengths, logits="all", cache_len=70)
+    layer_programs = {k: v for k, v in runner._programs.items() if k[0] == "layer"}
+    compiled = {k: v._cache_size() for k, v in layer_programs.items()}
+    assert set(compiled) == {("layer", "linear_attention"), ("layer", "full_attention")}
+    for logits, cache_len in [("last", None), ("none", 90), ("all", 70)]:
+        out, cache = runner(tokens, lengths, logits=logits, cache_len=cache_len)
+        assert cache.capacity == (cache_len or tokens.shape[1])
+        if logits == "all":
+            err = rel_err(out, ref_logits)
+            print(f"runner logits vs one device {err:.1e}")
+            assert err <= 1e-4
+    assert {k: runner._programs[k]._cache_size() for k in compiled} == compiled
+    assert {k for k in runner._programs if k[0] == "head"} == {("head", "all"), ("head", "last")}
+
+
+def test_replicated_baseline_and_bad_expert_choices(setup):
+    """experts="local" over DWDP ranks: every rank holds all experts (the baseline), same numbers; a backend that
+    does not exist or cannot run is one clear error at construction."""
+    model, tokens, lengths, *_ = setup
+    pipe = Pipeline.from_model(model, 1, dwdp=2, experts="local")
+    gate_up = pipe.models[0].layers[0].mlp.experts.gate_up_proj[...]
+    assert all(s.data.shape[0] == CFG.num_experts for s in gate_up.addressable_shards)  # all experts everywhere
+    got, _ = pipe.prefill(tokens, lengths, layerwise=True)
+    want, _ = Pipeline.from_model(model, 1).prefill(tokens, lengths, microbatches=2)
+    err = rel_err(got, want)
+    print(f"replicated baseline vs one device (same per-rank batches) {err:.1e}")
+    assert err <= 1e-5
+    with pytest.raises(ValueError, match="experts 'nccl': choose one of local, xla, ffi"):
+        Pipeline.from_model(model, 1, dwdp=2, experts="nccl")
+    with pytest.raises(ValueError, match="experts 'xla' \\(DWDP\\) needs DWDP ranks > 1"):
+        Pipeline.from_model(model, 1, experts="xla")

@@ -42,9 +42,9 @@ def test_missing_library_is_a_clear_error(tmp_path, monkeypatch):
     from jax_dwdp.parallel import dwdp_ffi
 
     monkeypatch.setenv("JAX_DWDP_FFI_LIB", str(tmp_path / "nothing.so"))
-    dwdp_ffi.load_library.cache_clear()
+    dwdp_ffi.LIBRARY.load.cache_clear()
     try:
         with pytest.raises(dwdp_ffi.FfiUnavailable, match="not built .*nothing.so does not exist"):
             dwdp_ffi.load_library()
     finally:
-        dwdp_ffi.load_library.cache_clear()
+        dwdp_ffi.LIBRARY.load.cache_clear()

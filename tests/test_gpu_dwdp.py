@@ -48,20 +48,26 @@ def _compare(cfg, dtype, rng, bound, *, poison=False):
     tokens, lengths = _tokens(rng, cfg, 4, 96)
     one, one_caches = Pipeline.from_model(model, 1).prefill(tokens, lengths, microbatches=2, cache_len=96)
     xla, xla_caches = Pipeline.from_model(model, 1, dwdp=2).prefill(tokens, lengths, cache_len=96)
-    if poison:  # the DWDP program itself, with a store that poisons and delays every copy
+    if poison:  # a stage runner over a store of its own that poisons and delays every copy
         from jax.sharding import Mesh
 
-        from jax_dwdp.parallel.dwdp import LayerwiseDwdp
+        from jax_dwdp.parallel.dwdp import expert_blocks, place_model
+        from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+        from jax_dwdp.parallel.experts import Store
+        from jax_dwdp.parallel.runner import StageRunner
 
         mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
-        with LayerwiseDwdp(model, mesh, backend="ffi", cache_len=96, poison=True, delay_copies=True) as program:
+        placed = place_model(model, mesh)
+        with ExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, poison=True,
+                                      delay_copies=True) as store:
+            runner = StageRunner(placed, Store(store, mesh), mesh=mesh)
             for _ in range(2):  # the second call reuses the store, its events and the compiled programs
-                ffi, ffi_cache = program(tokens, lengths)
-        ffi_caches = [ffi_cache]
+                ffi, ffi_cache = runner(tokens, lengths, cache_len=96)
+            ffi_caches = [ffi_cache]
     else:
-        with Pipeline.from_model(model, 1, dwdp=2) as pipe:
+        with Pipeline.from_model(model, 1, dwdp=2, experts="ffi") as pipe:
             for _ in range(2):
-                ffi, ffi_caches = pipe.prefill(tokens, lengths, cache_len=96, dwdp_backend="ffi")
+                ffi, ffi_caches = pipe.prefill(tokens, lengths, cache_len=96)
     assert np.isfinite(np.asarray(ffi, np.float32)).all()
     merged = {name: Cache.concat_layers(c, jax.devices()[0]) for name, c in
               [("one", one_caches), ("xla", xla_caches), ("ffi", ffi_caches)]}
@@ -154,15 +160,21 @@ def test_twenty_setup_teardown_cycles_release_everything(rng):
 def test_injected_cuda_error_raises_and_store_recovers(rng):
     model = init_model(SMALL, dtype=jnp.float32, seed=5)
     tokens, lengths = _tokens(rng, SMALL, 2, 32)
-    with Pipeline.from_model(model, 1, dwdp=2) as pipe:
-        good, _ = pipe.prefill(tokens, lengths, dwdp_backend="ffi")
+    with Pipeline.from_model(model, 1, dwdp=2, experts="ffi") as pipe:
+        good, _ = pipe.prefill(tokens, lengths)
         good = np.asarray(good)
-        pipe._stores[0].inject_error(2)  # CUDA_ERROR_OUT_OF_MEMORY
+        pipe.stores[0].inject_error(2)  # CUDA_ERROR_OUT_OF_MEMORY
         with pytest.raises(Exception, match=r"dwdp_prefetch.*CUDA_ERROR_OUT_OF_MEMORY \(2\)"):
-            out, _ = pipe.prefill(tokens, lengths, dwdp_backend="ffi")
+            out, _ = pipe.prefill(tokens, lengths)
             jax.block_until_ready(out)
-        again, _ = pipe.prefill(tokens, lengths, dwdp_backend="ffi")
+        again, _ = pipe.prefill(tokens, lengths)
         np.testing.assert_array_equal(np.asarray(again), good)
+    # Closed with the pipeline: nothing of the store is left, and the pipeline says so instead of running.
+    from jax_dwdp.parallel.dwdp_ffi import StoreError, live_objects
+
+    assert all(v == 0 for v in live_objects().values()), live_objects()
+    with pytest.raises(StoreError, match="is closed"):
+        pipe.prefill(tokens, lengths)
 
 
 def test_wait_on_a_buffer_no_prefetch_wrote_is_an_error():
@@ -190,15 +202,15 @@ def test_ffi_on_four_ranks_and_pipeline_2_x_dwdp_2(rng):
     for pipeline, dwdp in ((1, 4), (2, 2)):
         one, _ = Pipeline.from_model(model, 1).prefill(tokens, lengths, microbatches=dwdp)
         xla, _ = Pipeline.from_model(model, pipeline, dwdp=dwdp).prefill(tokens, lengths)
-        with Pipeline.from_model(model, pipeline, dwdp=dwdp) as pipe:
-            ffi, _ = pipe.prefill(tokens, lengths, dwdp_backend="ffi")
+        with Pipeline.from_model(model, pipeline, dwdp=dwdp, experts="ffi") as pipe:
+            ffi, _ = pipe.prefill(tokens, lengths)
             e_xla, e_one = rel_err(ffi, xla), rel_err(ffi, one)
         print(f"pipeline {pipeline} x dwdp {dwdp}: ffi vs xla {e_xla:.1e}, vs one GPU {e_one:.1e} (bound 1e-5)")
         assert e_xla <= 1e-5 and e_one <= 1e-5
 
 
 def test_independent_ffi_ranks_run_their_own_batches_and_lengths(rng):
-    """IndependentRanks(backend="ffi"): rank 0 prefills 3 sequences of 80 tokens while rank 1 prefills one of 41,
+    """IndependentRanks(experts="ffi"): rank 0 prefills 3 sequences of 80 tokens while rank 1 prefills one of 41,
     peer experts read through the store; each equals one GPU (fp32 <= 1e-5), and the XLA-copy ranks agree."""
     from jax_dwdp.parallel.dwdp import IndependentRanks
     from jax_dwdp.parallel.dwdp_ffi import live_objects
@@ -207,7 +219,7 @@ def test_independent_ffi_ranks_run_their_own_batches_and_lengths(rng):
     model = init_model(SMALL, dtype=jnp.float32, seed=int(rng.integers(1 << 30)))
     tokens, lengths = _tokens(rng, SMALL, 3, 80)
     work = {0: (tokens, lengths), 1: (tokens[:1, :41], None)}
-    with IndependentRanks(model, jax.devices()[:2], backend="ffi") as ranks:
+    with IndependentRanks(model, jax.devices()[:2], experts="ffi") as ranks:
         outs = {r: ranks.prefill(r, t, n, cache_len=82) for r, (t, n) in work.items()}  # both enqueued first
         for r, (t, n) in work.items():
             logits, cache = outs[r]

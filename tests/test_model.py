@@ -75,12 +75,12 @@ def test_layerwise_dispatch_does_not_rehash_graphdefs(model32, rng, monkeypatch)
         np.testing.assert_array_equal(np.asarray(prefill(tokens)[0]), want)
         jax.block_until_ready(ranks.prefill(0, tokens, logits="last"))
     assert not calls, f"GraphDef hashed {len(calls)} times in 2 x 2 layer-wise prefills of {CFG.num_hidden_layers} layers"
-    from jax_dwdp import prefill as prefill_module
+    from jax_dwdp import programs
 
-    compiled = prefill_module._run_layer._cache_size()
+    compiled = programs.run_layer._cache_size()
     second = jit_prefill(model32, logits="last", layerwise=True)  # a second driver: new, equal graphdefs
     jax.block_until_ready(second(tokens))
-    assert prefill_module._run_layer._cache_size() == compiled
+    assert programs.run_layer._cache_size() == compiled
     compared = []
     original_eq = graphlib.GraphDef.__eq__
     monkeypatch.setattr(graphlib.GraphDef, "__eq__", lambda self, other: compared.append(1) or original_eq(self, other))

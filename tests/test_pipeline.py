@@ -174,3 +174,52 @@ def test_microbatches_must_divide_the_batch(references):
     pipe = Pipeline.from_model(refs[6][0], 2)
     with pytest.raises(InputError, match="cannot be split into 3 equal microbatches"):
         pipe.prefill(tokens, lengths, microbatches=3)
+
+
+def test_random_weights_depend_on_the_global_layer_not_the_layout():
+    """One --seed is one model: every pipeline / DWDP layout of random weights gives the one-device logits (the
+    stages used to be seeded seed + stage, a different model per layout)."""
+    cfg = model_with_layers(6)
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (4, 24)).astype(np.int32)
+    want, _ = Pipeline.random(cfg, 1, dtype=jnp.float32, seed=3).prefill(tokens)
+    for pipeline, dwdp, boundaries in [(2, 1, None), (3, 1, [1, 4]), (1, 2, None), (2, 2, None)]:
+        got, _ = Pipeline.random(cfg, pipeline, dwdp=dwdp, dtype=jnp.float32, seed=3,
+                                 boundaries=boundaries).prefill(tokens, microbatches=2 if dwdp == 1 else 1)
+        err = rel_err(got, want)
+        print(f"random weights, seed 3, P={pipeline} N={dwdp} boundaries={boundaries}: vs one device {err:.1e}")
+        assert err <= 1e-4, (pipeline, dwdp, err)
+    other, _ = Pipeline.random(cfg, 1, dtype=jnp.float32, seed=4).prefill(tokens)
+    assert rel_err(other, want) > 0.1  # the seed still matters
+
+
+def test_cli_refuses_impossible_layouts_before_building_the_model(capsys, monkeypatch):
+    from jax_dwdp.cli import main
+    from jax_dwdp.parallel import pipeline
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the layout was checked")
+    monkeypatch.setattr(pipeline, "init_model", no_model)
+    for argv, message in [
+        (["--pipeline", "2", "--dwdp", "2", "--microbatches", "2", "--batch", "2"],
+         "a microbatch of 1 sequences cannot be split evenly over 2 DWDP ranks"),
+        (["--dwdp", "2", "--batch", "3"], "a microbatch of 3 sequences cannot be split evenly over 2 DWDP ranks"),
+        (["--dwdp", "9", "--batch", "9"], "9 DWDP ranks for 8 experts: a rank would own none"),
+        (["--stage-boundaries", "2"], "--stage-boundaries needs --pipeline P with P >= 2 stages"),
+    ]:
+        code = main(["prefill", "--preset", "tiny", *argv])
+        out, err = capsys.readouterr()
+        assert code == 2 and err.strip() == f"error: {message}" and out == "", (argv, err)
+
+
+def test_cli_closes_the_pipeline_it_opens(capsys, monkeypatch):
+    """On success and on a failure after the pipeline was built, the CLI closes it (an FFI pipeline's stores)."""
+    from jax_dwdp.cli import main
+
+    closed = []
+    original = Pipeline.close
+    monkeypatch.setattr(Pipeline, "close", lambda self, exc=None: closed.append(exc) or original(self, exc))
+    argv = ["prefill", "--preset", "tiny", "--dwdp", "2", "--batch", "2", "--seq-len", "8", "--iters", "1", "--json"]
+    assert main(argv) == 0 and closed == [None]
+    monkeypatch.setattr(Pipeline, "prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+    assert main(argv) == 1 and len(closed) == 2 and isinstance(closed[1], RuntimeError)
+    assert "error: RuntimeError: device lost" in capsys.readouterr().err

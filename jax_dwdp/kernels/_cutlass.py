@@ -1,8 +1,9 @@
 """The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind XLA FFI custom calls: the plain grouped matmul and the
 gate_up projection with SiLU(gate) * up fused into its epilogue.
 
-The shared library `jax_dwdp/_lib/libjax_dwdp_gmm.so` (or the path in $JAX_DWDP_GMM_LIB) is loaded with ctypes on
-first use only, never when jax_dwdp is imported, and its two handlers are registered once for the CUDA platform.
+The shared library `jax_dwdp/_lib/libjax_dwdp_gmm.so` (or the path in $JAX_DWDP_GMM_LIB) is loaded on first use
+only, never when jax_dwdp is imported, and its two handlers are registered once for the CUDA platform
+(jax_dwdp.native).
 
 Switches (read at trace time):
 - $JAX_DWDP_GMM_CONFIG: a kernel configuration by name or by index into `config_names()`; default: chosen from the
@@ -18,19 +19,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import threading
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dwdp.native import NativeLibrary
+
 TARGET = "jax_dwdp_grouped_gemm"
 SWIGLU_TARGET = "jax_dwdp_grouped_gemm_swiglu"
-_LIB_NAME = "libjax_dwdp_gmm.so"
-_lock = threading.Lock()
-_registered: dict[str, object] = {}
 _warned: set[str] = set()
 
 
@@ -38,44 +36,23 @@ class CutlassUnavailable(RuntimeError):
     """The CUTLASS grouped matmul cannot run here (library not built, or no CUDA GPU)."""
 
 
-def library_path() -> Path:
-    env = os.environ.get("JAX_DWDP_GMM_LIB")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "_lib" / _LIB_NAME
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.JaxDwdpGroupedGemmWorkspaceBytes.restype = ctypes.c_size_t
+    lib.JaxDwdpGroupedGemmWorkspaceBytes.argtypes = [ctypes.c_int32, ctypes.c_int32]
+    for prefix in ("JaxDwdpGroupedGemm", "JaxDwdpGroupedGemmSwiglu"):
+        getattr(lib, prefix + "NumConfigs").restype = ctypes.c_int32
+        getattr(lib, prefix + "NumConfigs").argtypes = []
+        getattr(lib, prefix + "ConfigName").restype = ctypes.c_char_p
+        getattr(lib, prefix + "ConfigName").argtypes = [ctypes.c_int32]
+        getattr(lib, prefix)  # the handlers themselves
+        getattr(lib, prefix + "NoGraph")
 
 
-def available() -> bool:
-    """True when the library file exists (cheap: nothing is loaded)."""
-    return library_path().is_file()
-
-
-@functools.lru_cache(maxsize=1)
-def _lib() -> ctypes.CDLL:
-    path = library_path()
-    if not path.is_file():
-        raise CutlassUnavailable(
-            f"the CUTLASS grouped matmul library {path} is not built; build it with cmake from ffi/grouped_gemm "
-            "(see benchmarks/gpu/grouped_matmul_h200.sh) or pick implementation='mosaic'"
-        )
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise CutlassUnavailable(f"cannot load {path}: {e}") from e
-    try:
-        lib.JaxDwdpGroupedGemmWorkspaceBytes.restype = ctypes.c_size_t
-        lib.JaxDwdpGroupedGemmWorkspaceBytes.argtypes = [ctypes.c_int32, ctypes.c_int32]
-        for prefix in ("JaxDwdpGroupedGemm", "JaxDwdpGroupedGemmSwiglu"):
-            getattr(lib, prefix + "NumConfigs").restype = ctypes.c_int32
-            getattr(lib, prefix + "NumConfigs").argtypes = []
-            getattr(lib, prefix + "ConfigName").restype = ctypes.c_char_p
-            getattr(lib, prefix + "ConfigName").argtypes = [ctypes.c_int32]
-            getattr(lib, prefix)  # the handlers themselves
-            getattr(lib, prefix + "NoGraph")
-    except AttributeError as e:
-        raise CutlassUnavailable(
-            f"{path} lacks a symbol this jax_dwdp needs ({e}): it was built from older sources; rebuild it "
-            "(pip install -e ., or cmake from ffi/grouped_gemm)"
-        ) from e
-    return lib
+LIBRARY = NativeLibrary(
+    "CUTLASS grouped matmul library", "libjax_dwdp_gmm.so", "JAX_DWDP_GMM_LIB", CutlassUnavailable, declare=_declare,
+    build_hint="build it with cmake from ffi/grouped_gemm (see benchmarks/gpu/grouped_matmul_h200.sh) or pick "
+               "implementation='mosaic'")
+library_path, available, _lib = LIBRARY.path, LIBRARY.available, LIBRARY.load
 
 
 def config_names() -> list[str]:
@@ -90,19 +67,13 @@ def swiglu_config_names() -> list[str]:
 
 
 def _register() -> None:
-    with _lock:
-        if TARGET in _registered:
-            return
-        if jax.default_backend() != "gpu":
-            raise CutlassUnavailable(
-                f"the CUTLASS grouped matmul needs a CUDA GPU (JAX's default backend is {jax.default_backend()!r})"
-            )
-        lib = _lib()
-        graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # capture failed on H200 (cudaErrorStreamCaptureUnsupported)
-        for target, fn in ((TARGET, lib.JaxDwdpGroupedGemm if graphs else lib.JaxDwdpGroupedGemmNoGraph),
-                           (SWIGLU_TARGET, lib.JaxDwdpGroupedGemmSwiglu if graphs else lib.JaxDwdpGroupedGemmSwigluNoGraph)):
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="CUDA")
-            _registered[target] = fn
+    if jax.default_backend() != "gpu":
+        raise CutlassUnavailable(
+            f"the CUTLASS grouped matmul needs a CUDA GPU (JAX's default backend is {jax.default_backend()!r})"
+        )
+    graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # capture failed on H200 (cudaErrorStreamCaptureUnsupported)
+    suffix = "" if graphs else "NoGraph"
+    LIBRARY.register({TARGET: "JaxDwdpGroupedGemm" + suffix, SWIGLU_TARGET: "JaxDwdpGroupedGemmSwiglu" + suffix})
 
 
 def _max_sm_count() -> int:

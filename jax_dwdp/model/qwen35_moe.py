@@ -156,13 +156,22 @@ class Qwen35MoeForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.start_layer, self.end_layer = start_layer, end_layer
         self.is_first, self.is_last = start_layer == 0, end_layer == cfg.num_hidden_layers
+        # Random weights depend on the global layer, not on the range: a stage draws exactly the whole model's
+        # weights of its layers, so every pipeline layout of one seed is the same model.
+        root = rngs.params()
+        n = cfg.num_hidden_layers
+
+        def part(tag: int) -> nnx.Rngs:
+            return nnx.Rngs(jax.random.fold_in(root, tag))
+
         if self.is_first:
-            self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(start_layer, end_layer)])
+            self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=part(n))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=part(i)) for i in range(start_layer, end_layer)])
         if self.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            head = part(n + 1)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=head)
             # With tied embeddings the loader fills lm_head from embed_tokens, so the last stage needs no embedding.
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=head)
 
     # ---- pieces a pipeline stage composes -----------------------------------------------------
     @property
@@ -188,24 +197,22 @@ class Qwen35MoeForCausalLM(nnx.Module):
         lengths: jax.Array,
         *,
         cache_len: int | None = None,
-        experts=None,
         run_layer: Callable | None = None,
     ) -> tuple[jax.Array, Cache]:
         """Runs this range's layers over h [B, T, H] (right-padded, valid lengths [B]) and builds its cache.
 
-        `experts`, when given, maps a global layer id to that layer's (gate_up_proj, down_proj) (used by DWDP).
-        `run_layer(layer, h, positions, lengths, experts)` replaces the plain call (layer-wise compilation uses it).
+        `run_layer(index, layer, h, positions, lengths) -> (h, layer cache)` replaces the plain call; `index` is the
+        layer's position in this range (the stage runner compiles layers and brings their experts through it).
         """
-        run_layer = run_layer or (lambda layer, *args: layer(*args))
+        run_layer = run_layer or (lambda index, layer, *args: layer(*args))
         b, t, _ = h.shape
         cache_len = t if cache_len is None else cache_len
         if cache_len < t:
             raise ValueError(f"cache_len {cache_len} is shorter than the prompt ({t} tokens)")
         positions = _positions(h, b, t)
         keys, values, convs, states = [], [], [], []
-        for layer in self.layers:
-            layer_experts = None if experts is None else experts(layer.layer_id)
-            h, cache = run_layer(layer, h, positions, lengths, layer_experts)
+        for index, layer in enumerate(self.layers):
+            h, cache = run_layer(index, layer, h, positions, lengths)
             if layer.layer_type == LINEAR_ATTENTION:
                 convs.append(cache[0])
                 states.append(cache[1])

@@ -1,6 +1,6 @@
 """The CUDA side of DWDP: an expert store in CUDA VMM memory and the two XLA FFI custom calls that read it.
 
-Nothing here is imported by `import jax_dwdp`; the library (ffi/dwdp_store.cc, built into jax_dwdp/_lib/) and the
+Nothing here is imported by `import jax_dwdp`; the library (ffi/dwdp_store/, built into jax_dwdp/_lib/) and the
 NVIDIA driver are loaded only when an `ExpertStore` is made.
 
 - `ExpertStore(devices, layers, ...)`: rank r's block of every (layer, weight) lives in a cuMemCreate allocation
@@ -10,24 +10,21 @@ NVIDIA driver are loaded only when an `ExpertStore` is made.
   in fresh XLA buffers, filled by a copy stream that starts after everything XLA enqueued before the call.
 - `store.wait(experts, after)`: the same buffers, after XLA's stream has waited for that copy; `after` (the MoE's
   input) keeps XLA from scheduling it early, and an optimization barrier on its token orders every use after it.
-- `close()` (also on context exit and at interpreter exit) releases every allocation, mapping, VA range, stream
-  and event; `live_objects()` counts them, for tests.
+- `close()` (or leaving a `with` block) releases every allocation, mapping, VA range, stream and event; whoever
+  made the store closes it (a Pipeline or IndependentRanks with experts="ffi" makes and closes its own).
+  `live_objects()` counts them, for tests.
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
-import functools
-import os
-import weakref
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-LIBRARY = "libjax_dwdp_ffi.so"
+from jax_dwdp.native import NativeLibrary
+
 PREFETCH_TARGET = "jax_dwdp_dwdp_prefetch"
 WAIT_TARGET = "jax_dwdp_dwdp_wait"
 _LIVE_FIELDS = ("allocations", "mappings", "va_ranges", "streams", "events", "stores")
@@ -41,25 +38,7 @@ class StoreError(RuntimeError):
     """A CUDA call of the expert store failed; the message names the call and the CUresult."""
 
 
-def library_path() -> Path:
-    env = os.environ.get("JAX_DWDP_FFI_LIB")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "_lib" / LIBRARY
-
-
-@functools.cache
-def load_library() -> ctypes.CDLL:
-    """Loads the driver (RTLD_GLOBAL: the library resolves cu* against it) and the library; registers the calls."""
-    path = library_path()
-    if not path.is_file():
-        raise FfiUnavailable(
-            f"the DWDP FFI library is not built ({path} does not exist). Build it on a machine with the CUDA toolkit: "
-            "`pip install -e .` (JAX_DWDP_BUILD_FFI=1 to make a failed build an error), or "
-            "`cmake -S ffi -B build/ffi -DJAX_DWDP_LIB_DIR=$PWD/jax_dwdp/_lib && cmake --build build/ffi`")
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        raise FfiUnavailable(f"the DWDP FFI path needs the NVIDIA driver (libcuda.so.1): {e}") from None
-    lib = ctypes.CDLL(str(path))
+def _declare(lib: ctypes.CDLL) -> None:
     i64, c_int, u64 = ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
     lib.dwdp_last_error.restype = ctypes.c_char_p
     lib.dwdp_store_create.argtypes = [c_int, ctypes.POINTER(c_int), c_int, c_int, ctypes.POINTER(u64), c_int, c_int,
@@ -77,9 +56,19 @@ def load_library() -> ctypes.CDLL:
     for fn in ("dwdp_store_create", "dwdp_store_fill", "dwdp_store_close", "dwdp_store_copy_ms",
                "dwdp_store_inject_error", "dwdp_store_info", "dwdp_store_sync"):
         getattr(lib, fn).restype = c_int
-    jax.ffi.register_ffi_target(PREFETCH_TARGET, jax.ffi.pycapsule(lib.JaxDwdpPrefetch), platform="CUDA")
-    jax.ffi.register_ffi_target(WAIT_TARGET, jax.ffi.pycapsule(lib.JaxDwdpWait), platform="CUDA")
-    return lib
+
+
+LIBRARY = NativeLibrary(
+    "DWDP FFI library", "libjax_dwdp_ffi.so", "JAX_DWDP_FFI_LIB", FfiUnavailable, declare=_declare, needs_driver=True,
+    build_hint="build it on a machine with the CUDA toolkit: `pip install -e .` (JAX_DWDP_BUILD_FFI=1 to make a failed "
+               "build an error), or `cmake -S ffi -B build/ffi -DJAX_DWDP_LIB_DIR=$PWD/jax_dwdp/_lib && cmake --build "
+               "build/ffi`")
+library_path = LIBRARY.path
+
+
+def load_library() -> ctypes.CDLL:
+    """Loads the driver and the library on first use, and registers the two custom calls."""
+    return LIBRARY.register({PREFETCH_TARGET: "JaxDwdpPrefetch", WAIT_TARGET: "JaxDwdpWait"})
 
 
 def _check(lib, status: int) -> None:
@@ -108,18 +97,6 @@ def require_gpus(devices) -> None:
     if platforms != {"gpu"}:
         raise FfiUnavailable(f"the DWDP FFI path needs CUDA GPUs; these devices are {sorted(platforms)} "
                              "(use the XLA path: --dwdp-backend xla)")
-
-
-_OPEN: "weakref.WeakSet[ExpertStore]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    for store in list(_OPEN):
-        try:
-            store.close()
-        except Exception:  # interpreter exit: nothing left to report to
-            pass
 
 
 class ExpertStore:
@@ -155,7 +132,6 @@ class ExpertStore:
                                                     ctypes.byref(sid)))
         self.id = sid.value
         self.closed = False
-        _OPEN.add(self)
 
     # ---- filling ---------------------------------------------------------------------------------------------
     def fill(self, layer: int, weight: int, rank: int, block: jax.Array) -> None:
@@ -215,7 +191,7 @@ class ExpertStore:
 
     # ---- the custom calls (inside shard_map: per-device shapes) ----------------------------------------------
     def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
-        self._check_open()
+        self.check_open()
         out = tuple(jax.ShapeDtypeStruct((self.num_experts, *s), self.dtype) for s in self.shapes)
         call = jax.ffi.ffi_call(PREFETCH_TARGET, out, has_side_effect=True)
         return call(dep, store=np.int64(self.id), layer=np.int64(layer))
@@ -224,7 +200,7 @@ class ExpertStore:
         """The experts, usable once XLA's stream has waited for their copy. The custom call returns a token (its
         operands are not aliased: XLA would copy an aliased program parameter first, racing the copy); an
         optimization barrier makes every use of the experts come after it."""
-        self._check_open()
+        self.check_open()
         call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
         token = call(*experts, after, store=np.int64(self.id))
         gate_up, down, _ = jax.lax.optimization_barrier((*experts, token))
@@ -233,7 +209,7 @@ class ExpertStore:
     # ---- facts, tests ----------------------------------------------------------------------------------------
     def copy_ms(self) -> np.ndarray:
         """[ranks, layers] duration of each layer's last prefetch copy in ms (NaN when not timed)."""
-        self._check_open()
+        self.check_open()
         out = np.full((len(self.devices), self.num_layers), np.nan)
         ms = ctypes.c_float()
         for r in range(len(self.devices)):
@@ -250,7 +226,7 @@ class ExpertStore:
             _check(self.lib, self.lib.dwdp_store_sync(self.id))
 
     def info(self) -> dict:
-        self._check_open()
+        self.check_open()
         fabric, gran = ctypes.c_int(), ctypes.c_uint64()
         _check(self.lib, self.lib.dwdp_store_info(self.id, ctypes.byref(fabric), ctypes.byref(gran)))
         return {"handle_type": "fabric" if fabric.value else "posix_fd", "granularity": gran.value,
@@ -258,10 +234,10 @@ class ExpertStore:
 
     def inject_error(self, code: int) -> None:
         """Makes the next prefetch fail as if a CUDA call had returned `code` (for tests)."""
-        self._check_open()
+        self.check_open()
         _check(self.lib, self.lib.dwdp_store_inject_error(self.id, code))
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise StoreError(f"expert store {self.id} is closed")
 
@@ -271,7 +247,6 @@ class ExpertStore:
         if self.closed:
             return
         self.closed = True
-        _OPEN.discard(self)
         _check(self.lib, self.lib.dwdp_store_close(self.id))
 
     def __enter__(self) -> "ExpertStore":
@@ -279,12 +254,6 @@ class ExpertStore:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         close_store(self, exc)
-
-    def __del__(self):  # noqa: D105
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def close_store(store, exc=None) -> None:

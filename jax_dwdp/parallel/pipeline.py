@@ -25,8 +25,11 @@ from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
 from jax_dwdp.model.moe import fused_swiglu_enabled, set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.parallel.dwdp import check_experts_choice, expert_blocks, place_model
+from jax_dwdp.parallel.experts import AXIS, Gather, Local, Store
 from jax_dwdp.parallel.mesh import cpu_barrier, make_mesh
-from jax_dwdp.prefill import InputError, StageProgram, check_tokens
+from jax_dwdp.parallel.runner import StageRunner
+from jax_dwdp.prefill import InputError, check_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,59 +86,92 @@ def stage_from_model(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: i
     return set_fused_swiglu(stage, fused_swiglu_enabled(model), permute=False)  # the weights came in their layout
 
 
-class Pipeline:
-    """Stages of one model on the rows of a (pipeline, dwdp) mesh.
+def check_layout(batch: int, microbatches: int, ranks: int) -> None:
+    """A batch must split into equal microbatches, and a microbatch evenly over the DWDP ranks."""
+    if microbatches < 1 or batch % microbatches:
+        raise InputError(f"batch {batch} cannot be split into {microbatches} equal microbatches")
+    if (batch // microbatches) % ranks:
+        raise InputError(f"a microbatch of {batch // microbatches} sequences cannot be split evenly over "
+                         f"{ranks} DWDP ranks")
 
-    With a 'dwdp' axis of N > 1, each stage runs as DWDP over the N devices of its row (jax_dwdp.parallel.dwdp):
-    the batch is split over the ranks, each rank stores 1/N of its stage's experts. With N = 1 a stage is one
-    device. (SGLang refuses DWDP together with pipeline parallelism; here the two compose.)
+
+class Pipeline:
+    """Stages of one model on the rows of a (pipeline, dwdp) mesh, each run by a StageRunner.
+
+    `experts` is chosen once: "local" (each device holds all of its stage's experts; with a 'dwdp' axis of N > 1,
+    the replicated baseline), "xla" (DWDP: each of the row's N ranks stores 1/N of its stage's experts, the
+    layers all-gather them one layer ahead) or "ffi" (DWDP through one CUDA VMM expert store per stage, GPUs
+    only; the stage's experts move into the store, which this pipeline owns: close it with `close()` or a `with`
+    block). Default: "xla" with N > 1 ranks, else "local". With ranks the batch is split over them. (SGLang
+    refuses DWDP together with pipeline parallelism; here the two compose.)
     """
 
-    def __init__(self, cfg: ModelConfig, stages: list[StageSpec], models: list[Qwen35MoeForCausalLM], mesh):
-        from jax_dwdp.parallel.dwdp import AXIS, shard_model
-
+    def __init__(self, cfg: ModelConfig, stages: list[StageSpec], models: list[Qwen35MoeForCausalLM], mesh, *,
+                 experts: str | None = None):
         self.cfg, self.stages, self.mesh = cfg, stages, mesh
         self.ranks = mesh.shape[AXIS]
+        self.experts = experts = experts or ("xla" if self.ranks > 1 else "local")
+        check_experts_choice(experts, self.ranks)
+        if experts == "ffi":
+            from jax_dwdp.parallel.dwdp_ffi import require_gpus
+
+            require_gpus(mesh.devices.flat)  # before any weights move
         self.devices = [mesh.devices[s, 0] for s in range(len(stages))]
         self.row_meshes = [Mesh(mesh.devices[s], (AXIS,)) for s in range(len(stages))]
         if self.ranks > 1:
-            # Expert weights split over the row, the rest replicated; the unsharded stage models are dropped.
-            self.sharded = [shard_model(m, row) for m, row in zip(models, self.row_meshes)]
-            self.models = [nnx.merge(g, s) for g, s, _ in self.sharded]
+            # Expert weights split over the row (or, "local", replicated), the rest replicated; the unsplit stage
+            # models are dropped.
+            models = [place_model(m, row, split_experts=experts != "local") for m, row in zip(models, self.row_meshes)]
             self.input_shardings = [NamedSharding(row, P(AXIS)) for row in self.row_meshes]
         else:
-            self.sharded, self.models = None, models
             self.input_shardings = [SingleDeviceSharding(d) for d in self.devices]
-        self._programs: dict = {}
-        self._stores = None  # the FFI expert stores, one per stage, once dwdp_backend='ffi' is used
+        self.models = models
+        self.stores: list = []
+        if experts == "ffi":
+            from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+
+            try:
+                for m in models:  # each stage's experts move into its store: the XLA copies are deleted
+                    self.stores.append(ExpertStore.from_sharded(expert_blocks(m), cfg.num_experts))
+            except BaseException as e:
+                self.close(e)
+                raise
+            sources = [Store(store, row) for store, row in zip(self.stores, self.row_meshes)]
+        elif experts == "xla":
+            sources = [Gather(expert_blocks(m), row) for m, row in zip(models, self.row_meshes)]
+        else:
+            sources = [Local() for _ in models]
+        mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(models)
+        self.runners = [StageRunner(m, source, mesh=row) for m, source, row in zip(models, sources, mesh_of)]
         self.load_reports: list = []  # one line per stage when loaded from a checkpoint
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: ModelConfig, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
-               boundaries=None, devices=None, fused_swiglu: bool = False) -> "Pipeline":
-        """Random weights drawn per stage on its own device (no stage ever holds another's weights).
+               boundaries=None, devices=None, fused_swiglu: bool = False, experts: str | None = None) -> "Pipeline":
+        """Random weights drawn per stage on its own device (no stage ever holds another's weights); they depend
+        on the global layer only, so every layout of one seed is the same model.
         `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(cfg, pipeline, boundaries)
-        models = [init_model(cfg, dtype=dtype, seed=seed + st.stage, start_layer=st.start_layer,
-                             end_layer=st.end_layer, device=mesh.devices[st.stage, 0], fused_swiglu=fused_swiglu)
+        models = [init_model(cfg, dtype=dtype, seed=seed, start_layer=st.start_layer, end_layer=st.end_layer,
+                             device=mesh.devices[st.stage, 0], fused_swiglu=fused_swiglu)
                   for st in stages]
-        return cls(cfg, stages, models, mesh)
+        return cls(cfg, stages, models, mesh, experts=experts)
 
     @classmethod
     def from_model(cls, model: Qwen35MoeForCausalLM, pipeline: int, *, dwdp: int = 1, boundaries=None,
-                   devices=None) -> "Pipeline":
+                   devices=None, experts: str | None = None) -> "Pipeline":
         """Splits a whole model into stages (for comparing with the one-device model)."""
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(model.cfg, pipeline, boundaries)
         models = [stage_from_model(model, st.start_layer, st.end_layer, mesh.devices[st.stage, 0]) for st in stages]
-        return cls(model.cfg, stages, models, mesh)
+        return cls(model.cfg, stages, models, mesh, experts=experts)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
                         boundaries=None, devices=None, cfg: ModelConfig | None = None,
-                        fused_swiglu: bool = False) -> "Pipeline":
+                        fused_swiglu: bool = False, experts: str | None = None) -> "Pipeline":
         """Each stage loads only its own layers (HF or Orbax folder), straight onto its device.
         `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
         from jax_dwdp.weights import load_checkpoint
@@ -152,69 +188,19 @@ class Pipeline:
                                             fused_swiglu=fused_swiglu)
             models.append(model)
             reports.append(report)
-        pipe = cls(cfg, stages, models, mesh)
+        pipe = cls(cfg, stages, models, mesh, experts=experts)
         pipe.load_reports = reports
         return pipe
 
-    # ---- prefill ------------------------------------------------------------------------------
-    def programs(self, logits: LogitsMode, cache_len: int | None, layerwise: bool, dwdp_backend: str = "xla") -> list:
-        if dwdp_backend not in ("xla", "ffi"):
-            raise ValueError(f"DWDP backend {dwdp_backend!r}: choose 'xla' or 'ffi'")
-        if dwdp_backend == "ffi" and self.ranks == 1:
-            raise ValueError("the FFI DWDP backend needs DWDP ranks > 1")
-        key = (logits, cache_len, layerwise, dwdp_backend)
-        if key not in self._programs:
-            if self.ranks > 1:
-                from jax_dwdp.parallel.dwdp import DwdpProgram, LayerwiseDwdp
-
-                if dwdp_backend == "ffi":
-                    # The stage's expert blocks move into one CUDA VMM store per stage (made on first use and
-                    # shared by every program); the XLA copies are deleted, so the XLA backend is gone after this.
-                    if self._stores is None:
-                        from jax_dwdp.parallel.dwdp import expert_blocks
-                        from jax_dwdp.parallel.dwdp_ffi import ExpertStore
-
-                        stores = []
-                        try:
-                            for _, state, _ in self.sharded:
-                                stores.append(ExpertStore.from_sharded(expert_blocks(state), self.cfg.num_experts))
-                        except BaseException:
-                            for store in stores:
-                                store.close()
-                            self._programs.clear()
-                            raise
-                        self._stores = stores
-                        # Programs made earlier hold the deleted expert arrays.
-                        self._programs = {k: v for k, v in self._programs.items() if k[3] == "ffi"}
-                    self._programs[key] = [
-                        LayerwiseDwdp(m, row, backend="ffi", logits=logits, cache_len=cache_len, sharded=sh,
-                                      store=store)
-                        for m, row, sh, store in zip(self.models, self.row_meshes, self.sharded, self._stores)]
-                elif self._stores is not None:
-                    raise ValueError("this pipeline's experts live in the FFI store now; keep dwdp_backend='ffi'")
-                elif layerwise:
-                    self._programs[key] = [
-                        LayerwiseDwdp(m, row, backend="xla", logits=logits, cache_len=cache_len, sharded=sh)
-                        for m, row, sh in zip(self.models, self.row_meshes, self.sharded)]
-                else:
-                    self._programs[key] = [
-                        DwdpProgram(m, row, logits=logits, cache_len=cache_len, sharded=sh)
-                        for m, row, sh in zip(self.models, self.row_meshes, self.sharded)]
-            else:
-                self._programs[key] = [StageProgram(m, logits=logits, cache_len=cache_len, layerwise=layerwise)
-                                       for m in self.models]
-        return self._programs[key]
-
+    # ---- lifetime -----------------------------------------------------------------------------
     def close(self, exc: BaseException | None = None) -> None:
-        """Releases the FFI expert stores, if any (the XLA paths hold nothing outside XLA); while `exc` propagates,
-        a failure to close only warns (close_store). The pipeline cannot run the FFI backend afterwards (its
-        experts lived in the stores)."""
-        if self._stores:
+        """Releases the FFI expert stores, if any (the other backends hold nothing outside XLA); while `exc`
+        propagates, a failure to close only warns (close_store). An FFI pipeline cannot run afterwards."""
+        if self.stores:
             from jax_dwdp.parallel.dwdp_ffi import close_store
 
-            for store in self._stores:
+            for store in self.stores:
                 close_store(store, exc)
-        self._programs = {k: v for k, v in self._programs.items() if k[3] != "ffi"}
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -222,30 +208,25 @@ class Pipeline:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exc)
 
+    # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
-                cache_len: int | None = None, layerwise: bool = False,
-                dwdp_backend: str = "xla") -> tuple[jax.Array | None, list[Cache]]:
+                cache_len: int | None = None, layerwise: bool = False) -> tuple[jax.Array | None, list[Cache]]:
         """Returns (logits on the last stage's device, one Cache per stage on that stage's device).
 
-        With DWDP ranks, dwdp_backend "xla" all-gathers experts, "ffi" reads them through the CUDA VMM store (GPUs
-        only; always layer-wise)."""
+        layerwise=True compiles one program per layer type instead of one per stage (FFI experts: always)."""
         tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
         batch = tokens.shape[0]
-        if microbatches < 1 or batch % microbatches:
-            raise InputError(f"batch {batch} cannot be split into {microbatches} equal microbatches")
-        if (batch // microbatches) % self.ranks:
-            raise InputError(f"a microbatch of {batch // microbatches} sequences cannot be split evenly over "
-                             f"{self.ranks} DWDP ranks")
+        check_layout(batch, microbatches, self.ranks)
         size = batch // microbatches
-        programs = self.programs(logits, cache_len, layerwise, dwdp_backend)
         wait = cpu_barrier(self.devices[0].platform)
         outs, caches = [], [[] for _ in self.stages]
         for m in range(microbatches):
             rows = slice(m * size, (m + 1) * size)
             x = tokens[rows]
-            for s, program in enumerate(programs):
+            for s, runner in enumerate(self.runners):
                 x = jax.device_put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
-                x, cache = wait(program(x, jax.device_put(lengths[rows], self.input_shardings[s])))
+                lens = jax.device_put(lengths[rows], self.input_shardings[s])
+                x, cache = wait(runner(x, lens, logits=logits, cache_len=cache_len, layerwise=layerwise))
                 caches[s].append(cache)
             outs.append(x)
         out = None if logits == "none" else jnp.concatenate(outs, axis=0)

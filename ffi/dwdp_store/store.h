@@ -1,0 +1,129 @@
+// jax_dwdp's DWDP expert store: the state shared by its three parts.
+//   vmm.cc       the store itself: CUDA VMM allocations, the composite virtual addresses, streams and events
+//                (Build / Release), the registry of open stores, live-object counters
+//   handlers.cc  the two XLA FFI custom calls, dwdp_prefetch and dwdp_wait
+//   c_api.cc     the C functions Python calls through ctypes (create, fill, close, sync, facts, test hooks)
+//
+// Design notes (see ffi/README.md for the whole picture):
+// - One process drives every device of the store (PJRT's single-process multi-GPU client).
+// - Rank r's block of each (layer, weight) is one cuMemCreate allocation on device r (POSIX fd handle, or
+//   FABRIC when a probe allocation succeeds), mapped at offset r * stride of the (layer, weight)'s reserved VA.
+//   cuMemSetAccess grants every store device read access to the whole range, so a peer block is an address.
+// - Every failure is a Status naming the call and the CUresult; the handlers turn it into an ffi::Error, the C
+//   API into -1 with the message in dwdp_last_error().
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace dwdp {
+
+// The one error type: empty message = success.
+struct Status {
+  std::string message;
+  bool ok() const { return message.empty(); }
+};
+
+std::string Describe(const std::string& where, const char* call, CUresult r);
+
+// In a function returning Status: on a CUDA failure, return a Status naming the call and the CUresult.
+#define DWDP_CU(where, call)                                               \
+  do {                                                                     \
+    CUresult _r = (call);                                                  \
+    if (_r != CUDA_SUCCESS) return ::dwdp::Status{::dwdp::Describe(where, #call, _r)}; \
+  } while (0)
+
+// Objects alive across all stores; tests check they return to zero after close.
+struct LiveCounts {
+  std::atomic<int64_t> allocations{0}, mappings{0}, ranges{0}, streams{0}, events{0};
+};
+extern LiveCounts g_live;
+
+class ScopedContext {
+ public:
+  explicit ScopedContext(CUcontext ctx) : pushed_(cuCtxPushCurrent(ctx) == CUDA_SUCCESS) {}
+  ~ScopedContext() {
+    if (pushed_) {
+      CUcontext ignored;
+      cuCtxPopCurrent(&ignored);
+    }
+  }
+  bool ok() const { return pushed_; }
+
+ private:
+  bool pushed_;
+};
+
+// Switches for tests and benchmarks, set once at creation (flag bits of dwdp_store_create), plus the injected
+// error of dwdp_store_inject_error. None of them is on in normal use.
+struct TestHooks {
+  static constexpr int kTimeCopies = 1;          // record each layer's copy time (dwdp_store_copy_ms)
+  static constexpr int kPoisonDestinations = 2;  // fill each prefetch destination with 0xFF (NaN) before the copy
+  static constexpr int kDelayCopies = 4;         // hold the copy stream 20 ms before each prefetch's copies, so a
+                                                 // read that does not wait for the copy sees the poison
+  bool time_copies = false, poison = false, delay_copies = false;
+  std::atomic<int> inject{0};  // a CUresult the next prefetch reports as a failure
+};
+
+struct Device {
+  int ordinal = -1;
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;  // the primary context (the one XLA uses), retained
+  CUstream copy = nullptr;  // the copy stream
+  CUevent ready = nullptr;  // recorded on XLA's stream by each prefetch
+  bool closing = false;     // set (under mu) by close before anything is released; handlers then refuse
+  std::mutex mu;
+  std::vector<CUevent> pool;                       // idle "done" events
+  std::unordered_map<uintptr_t, CUevent> pending;  // prefetch destination -> done event
+  std::vector<CUevent> timing_start, timing_stop;  // per layer, with TestHooks::time_copies
+  std::vector<char> timed;                         // layer has a recorded pair
+};
+
+struct Region {  // one (layer, weight): every rank's block in one reserved VA range
+  CUdeviceptr va = 0;
+  size_t reserved = 0;
+  size_t stride = 0;  // bytes between rank blocks (block rounded up to the allocation granularity)
+  std::vector<CUmemGenericAllocationHandle> handles;
+  std::vector<char> mapped;
+};
+
+struct Store {
+  int64_t id = 0;
+  int ranks = 0, layers = 0, weights = 0, slots = 0, experts = 0;
+  TestHooks hooks;
+  size_t granularity = 0;
+  CUmemAllocationHandleType handle_type = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  std::vector<size_t> expert_bytes;              // per weight
+  std::vector<std::unique_ptr<Device>> devices;  // per rank
+  std::vector<Region> regions;                   // layer * weights + weight
+
+  size_t block_bytes(int w) const { return static_cast<size_t>(slots) * expert_bytes[w]; }
+  Region& region(int layer, int w) { return regions[static_cast<size_t>(layer) * weights + w]; }
+  int rank_of(int ordinal) const {
+    for (int r = 0; r < ranks; ++r)
+      if (devices[r]->ordinal == ordinal) return r;
+    return -1;
+  }
+};
+
+// Acquires every device context, stream, event, allocation and mapping of `s` (sizes already set).
+Status Build(Store& s, const int* ordinals);
+// Releases everything a store holds, after waiting for its devices; keeps releasing after a failure and returns
+// the first one.
+Status Release(Store& s);
+void DestroyEvent(CUevent& e);
+
+// The registry of open stores, keyed by id.
+int64_t Register(std::shared_ptr<Store> s);
+std::shared_ptr<Store> Find(int64_t id);
+std::shared_ptr<Store> Remove(int64_t id);  // nullptr when not open
+int64_t OpenStores();
+
+}  // namespace dwdp

@@ -1,0 +1,183 @@
+"""Where a layer's experts come from: one small class per way, chosen once, when a stage runner is built.
+
+The stage runner (jax_dwdp.parallel.runner) owns the layer loop and decides *when* layer l+1's experts start to
+move (just before layer l is enqueued, so that they move while layer l computes); a source decides *how*:
+
+- `Local`: each layer's own expert weights. One device, or every DWDP rank holding all experts (the replicated
+  baseline DWDP is measured against). Nothing moves.
+- `Gather`: DWDP over XLA. Each rank of a 'dwdp' mesh holds its block of every layer; layer l's program also
+  all-gathers layer l+1's blocks (a collective overlaps compute only inside one program).
+- `PeerCopy`: independent ranks (one device each, no collective): the peers' blocks of layer l+1 are copied
+  device-to-device with jax.device_put.
+- `Store`: the CUDA VMM expert store (jax_dwdp.parallel.dwdp_ffi): a one-call program starts layer l+1's copy on
+  the store's copy stream; layer l+1's MoE waits for it. The store is made, owned and closed by whoever chose it.
+
+A source answers, for the runner:
+  first(h)             the first layer's experts (or what its program needs to get them), host side;
+  prefetch(index, h)   start fetching layer `index` (called right before layer index - 1 is enqueued);
+  overlap(h, ahead)    (traced, sources with `gathers`) issue that fetch inside layer index - 1's program;
+  experts(pending)     (traced) the experts for the layer's MoE: arrays, a function of the MoE input, or None
+                       for the layer's own weights;
+  abort()              after a failed prefill: make sure no copy still writes into a buffer the failure dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+AXIS = "dwdp"
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def is_expert_weight(path: tuple) -> bool:
+    """A flat nnx state path of a model (or stage) that names a routed expert weight."""
+    return len(path) == 5 and path[0] == "layers" and path[2:4] == ("mlp", "experts") and path[4] in _EXPERT_WEIGHTS
+
+
+def gather_experts(local: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map: every rank's block of one layer -> the layer's full (padded) expert set."""
+    return tuple(jax.lax.all_gather(w, AXIS, tiled=True) for w in local)
+
+
+class ExpertSource:
+    """How the layers of one stage get their experts (see the module doc for the protocol)."""
+
+    replaces_experts = True  # the layers' own expert weights are not used: the runner does not keep them
+    gathers = False  # the next layer's fetch is issued inside the current layer's program (overlap)
+    whole_program = False  # can run inside one program for the whole stage (operands / bind)
+
+    def first(self, h):
+        return self.prefetch(0, h)
+
+    def prefetch(self, index: int, h):
+        raise NotImplementedError
+
+    def overlap(self, h, ahead):
+        raise NotImplementedError
+
+    def experts(self, pending):
+        return pending
+
+    def abort(self) -> None:
+        """Nothing can still be writing for sources whose transfers are XLA operations."""
+
+    def operands(self) -> tuple:
+        """(whole_program sources) the arrays the source reads, passed into a whole-stage program."""
+        return ()
+
+    def bind(self, operands) -> ExpertSource:
+        """(whole_program sources) the source inside a whole-stage program, over its traced operands."""
+        return self
+
+
+class Local(ExpertSource):
+    """Each layer's own expert weights (one device; or the replicated baseline, every rank holding all experts)."""
+
+    replaces_experts = False
+    whole_program = True
+
+    def first(self, h):
+        return None
+
+    def prefetch(self, index, h):
+        return None
+
+    def __eq__(self, other) -> bool:  # stateless: every runner's Local shares the module-level executables
+        return type(other) is Local
+
+    def __hash__(self) -> int:
+        return hash(Local)
+
+
+class Gather(ExpertSource):
+    """DWDP over XLA: rank r of `mesh` holds block r of every layer; the layers all-gather them one layer ahead.
+
+    `blocks[i]` = layer i's (gate_up, down), sharded P('dwdp') over the mesh. The gather for layer l+1 is issued in
+    layer l's program after an optimization barrier on layer l's input, so that XLA can overlap it with layer l
+    but cannot hoist every layer's gather to the start (which would hold all layers' experts at once).
+    """
+
+    gathers = True
+    whole_program = True
+
+    def __init__(self, blocks: list[tuple[jax.Array, jax.Array]], mesh=None):
+        """mesh=None: the source inside a traced whole-stage program (bind)."""
+        self.blocks = blocks
+        self._gather_first = gather_experts if mesh is None else jax.jit(jax.shard_map(
+            gather_experts, mesh=mesh, in_specs=(P(AXIS),), out_specs=P(AXIS), check_vma=False))
+
+    def first(self, h):
+        return self._gather_first(self.blocks[0])
+
+    def prefetch(self, index, h):
+        return self.blocks[index]  # gathered by `overlap`, inside the program of layer index - 1
+
+    def overlap(self, h, ahead):
+        h, ahead = jax.lax.optimization_barrier((h, ahead))
+        return h, gather_experts(ahead)
+
+    def operands(self):
+        return tuple(self.blocks)
+
+    def bind(self, operands):
+        return Gather(list(operands))
+
+
+class PeerCopy(ExpertSource):
+    """Independent ranks: `blocks[i][r]` = rank r's (gate_up, down) of layer i, on devices[r]. A rank pulls its
+    peers' blocks of the next layer with device-to-device copies, issued before the current layer is enqueued;
+    at most two layers of remote experts are resident per rank. `barrier` (cpu_barrier) waits for the copies on
+    the CPU, whose client can deadlock on cross-device work enqueued ahead of its inputs."""
+
+    def __init__(self, devices, blocks, barrier=lambda x: x):
+        self.devices, self.blocks, self._barrier = list(devices), blocks, barrier
+
+    def prefetch(self, index, h):
+        device = next(iter(h.devices()))
+        layer = self.blocks[index]
+        own = self.devices.index(device)
+        copies = [block if r == own else jax.device_put(block, device) for r, block in enumerate(layer)]
+        return self._barrier((tuple(b[0] for b in copies), tuple(b[1] for b in copies)))
+
+    def experts(self, pending):
+        gate_up, down = pending
+        return jnp.concatenate(gate_up, axis=0), jnp.concatenate(down, axis=0)
+
+
+class Store(ExpertSource):
+    """The CUDA VMM expert store (an open dwdp_ffi.ExpertStore, owned by the caller).
+
+    With `mesh`, the programs run over the mesh's ranks (inside shard_map); without, each runs on the device of
+    its input (independent ranks). A prefetch program is one custom call that forks the copy of a layer's peer
+    experts onto the device's copy stream after everything enqueued before it; `experts` hands the MoE a
+    function of its input that makes XLA's stream wait for that copy (the input orders the wait after the
+    layer's attention).
+    """
+
+    def __init__(self, store, mesh=None):
+        self.store, self.mesh = store, mesh
+        self._programs: dict[int, object] = {}
+        self._lock = threading.Lock()  # independent ranks' threads may ask for the same program at once
+
+    def prefetch(self, index, h):
+        self.store.check_open()  # the compiled programs would still call into a closed store
+        with self._lock:
+            if index not in self._programs:
+                def fetch(h):
+                    return self.store.prefetch(h, index)
+                if self.mesh is not None:
+                    fetch = jax.shard_map(fetch, mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(AXIS),
+                                          check_vma=False)
+                self._programs[index] = jax.jit(fetch)
+            program = self._programs[index]
+        return program(h)
+
+    def experts(self, pending):
+        return lambda x: self.store.wait(pending, x)
+
+    def abort(self):
+        self.store.sync()  # a copy may still be running into a prefetch output the failure dropped
