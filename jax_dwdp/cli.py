@@ -20,6 +20,7 @@ from pathlib import Path
 DTYPES = ("bfloat16", "float32")
 EXIT_BAD_INPUT = 2
 EXIT_RUNTIME = 1
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 class UsageError(ValueError):
@@ -339,6 +340,16 @@ def _ensure_cpu_devices(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # what was being written is already removed (e.g. a conversion's partial folder)
+        if args.debug:
+            raise
+        print(f"error: interrupted; {args.command} stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(args) -> int:
     _ensure_cpu_devices(args)
     from jax_dwdp.config import ConfigError
     from jax_dwdp.prefill import InputError

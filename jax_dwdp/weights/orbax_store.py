@@ -11,18 +11,25 @@ another layer; arrays are restored with the caller's sharding, so a DWDP rank re
 Items are plain zarr (Orbax without OCDBT; JAX_DWDP_CONVERT_OCDBT=1 writes OCDBT, and restore reads both): each
 array is a folder with one file per chunk, expert tensors one expert per chunk.
 
-Conversion writes into `OUT.partial-<pid>` and renames it to OUT at the very end (rename is atomic): a conversion
-that fails or is killed leaves no folder at OUT, and the next run removes leftover `.partial-*` folders.
+Conversion holds an exclusive lock on `OUT.lock` beside OUT (a second conversion into the same OUT fails at once),
+writes into `OUT.partial-<pid>` and renames it to OUT at the very end (rename is atomic, and never replaces an OUT
+it was not told to replace): a conversion that fails, is interrupted or is killed leaves no folder at OUT, and the
+next run removes leftover `.partial-<pid>` folders whose process is gone.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import json
+import logging
 import os
 import resource
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,8 +79,6 @@ class _KeepFreedMemory:
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 
     def __enter__(self):
-        import ctypes
-
         try:
             self._libc = ctypes.CDLL("libc.so.6")
             self._libc.mallopt(self.M_MMAP_MAX, 0)
@@ -143,6 +148,158 @@ def _progress(done: int, total: int, nbytes: int, t0: float, stream) -> None:
     stream.flush()
 
 
+class _QuietAbsl:
+    """Orbax logs a few WARNING lines per saved item through absl (chunk size hints, "Skipping merge of OCDBT
+    checkpoints"), which break up the progress bar and say nothing actionable; while converting, only absl errors
+    are shown."""
+
+    def __enter__(self):
+        self._logger = logging.getLogger("absl")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.setLevel(self._level)
+        return False
+
+
+class _DeferInterrupt:
+    """Ctrl-C must not stop the main thread while Orbax writes an item: its writer threads would go on writing into
+    the partial folder while it is being removed, leaving files behind. So the first SIGINT is only noted and
+    raised as KeyboardInterrupt by check(), which the converter calls between items; a second one interrupts at
+    once. Installed only where Python's own SIGINT handler is in place (in the main thread, not ignored)."""
+
+    def __enter__(self):
+        self.pending = False
+        self._installed = (threading.current_thread() is threading.main_thread()
+                           and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if self._installed:
+            signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame):
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def check(self) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        return False
+
+
+def _refuse_overlap(hf_dir: Path, out_dir: Path) -> None:
+    """OUT_DIR equal to, inside or containing HF_DIR would delete or mix into the source (with --overwrite)."""
+    hf, out = hf_dir.resolve(), out_dir.resolve()
+    relation = ("is" if out == hf else "is inside" if hf in out.parents else "contains" if out in hf.parents else None)
+    if relation is not None:
+        raise CheckpointError(f"{out_dir}: the output folder {relation} the source folder {hf_dir}; "
+                              "choose an output folder outside it")
+
+
+def _lock_path(out_dir: Path) -> Path:
+    return out_dir.parent / f"{out_dir.name}.lock"
+
+
+def _lock_destination(out_dir: Path) -> int:
+    """Takes the exclusive lock on OUT.lock without waiting and returns its file descriptor; raises CheckpointError
+    naming the holder's pid when another conversion holds it. The holder unlinks the file before it unlocks
+    (_unlock_destination), so a process that locked the file just before it was unlinked sees that the path no
+    longer names its file and tries again with a fresh one."""
+    path = _lock_path(out_dir)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(f"{out_dir}: another conversion (pid {holder}) is writing it; wait for it to "
+                                  f"finish (lock file {path})") from None
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        mine = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def _unlock_destination(out_dir: Path, fd: int) -> None:
+    try:
+        os.unlink(_lock_path(out_dir))
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_stale_partials(out_dir: Path) -> None:
+    """Removes OUT.partial-<pid> folders whose process is gone (killed conversions); live ones are left alone."""
+    for stale in out_dir.parent.glob(f"{out_dir.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """Renames src to dst, or raises FileExistsError if dst exists: renameat2(RENAME_NOREPLACE), atomic; where the
+    C library or the file system lacks it, a check right before a plain rename (under the destination lock)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Moves the finished checkpoint to OUT_DIR. An existing OUT_DIR (a folder or a file) is replaced only with
+    overwrite, moved aside first and removed after; anything that appears at OUT_DIR meanwhile is never replaced."""
+    old = None
+    if overwrite and os.path.lexists(out_dir):
+        old = out_dir.parent / f"{out_dir.name}.old-{os.getpid()}"
+        os.rename(out_dir, old)
+    try:
+        _rename_noreplace(tmp, out_dir)
+    except FileExistsError:
+        kept = f"; the checkpoint it replaces is at {old}" if old is not None else ""
+        raise CheckpointError(f"{out_dir}: appeared while converting; it was left as it is and the new checkpoint "
+                              f"was discarded{kept}") from None
+    if old is not None:
+        _remove(old)
+
+
 def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, overwrite: bool = False,
                         progress="stderr") -> dict:
     """Converts an HF checkpoint folder to a jax_dwdp Orbax checkpoint; returns a summary dict.
@@ -153,20 +310,34 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
     background thread while layer l+1 is read was measured and did not pay: benchmarks/RESULTS.md). Each finished item is made durable and dropped from the page cache, and freed memory stays in the process
     (page reuse; JAX_DWDP_CONVERT_PAGE_REUSE=0 turns it off): see _drop_written_pages and _KeepFreedMemory.
     """
-    from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
-    from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
+    from jax_dwdp.weights.hf_loader import load_config
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
-    progress = sys.stderr if progress == "stderr" else progress
-    bar_open = False  # a progress line without its newline yet
-    if out_dir.exists() and not overwrite:
-        raise CheckpointError(f"{out_dir}: already exists; pass --overwrite to replace it")
+    _refuse_overlap(hf_dir, out_dir)
     cfg = load_config(hf_dir)
-    dtype = jnp.dtype(dtype)
-    for stale in out_dir.parent.glob(f"{out_dir.name}.partial-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{out_dir.parent}: cannot create the output's folder ({e.strerror})") from None
+    lock = _lock_destination(out_dir)
+    try:
+        if os.path.lexists(out_dir) and not overwrite:
+            raise CheckpointError(f"{out_dir}: already exists; pass --overwrite to replace it")
+        _remove_stale_partials(out_dir)
+        with _QuietAbsl(), _DeferInterrupt() as interrupt:
+            return _convert_locked(hf_dir, out_dir, cfg, jnp.dtype(dtype), overwrite,
+                                   sys.stderr if progress == "stderr" else progress, interrupt)
+    finally:
+        _unlock_destination(out_dir, lock)
+
+
+def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwrite: bool, progress,
+                    interrupt: _DeferInterrupt) -> dict:
+    from jax_dwdp.weights.hf_loader import load_hf_checkpoint
+    from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
+
+    bar_open = False  # a progress line without its newline yet
     tmp = out_dir.parent / f"{out_dir.name}.partial-{os.getpid()}"
-    tmp.mkdir(parents=True)
     t0 = time.perf_counter()
     summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0}
     kill_after = int(os.environ.get(_KILL_AFTER_LAYERS, "-1"))
@@ -178,8 +349,10 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
         ckpt.save(item, tree, **kw)  # synchronous: the item is complete when it returns
         if reuse:
             _drop_written_pages(item)
+        interrupt.check()
 
     try:
+        tmp.mkdir()
         if keep is not None:
             keep.__enter__()
         source = SafetensorsCheckpoint(hf_dir)  # every shard header parsed once, kept across the layers
@@ -188,6 +361,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
         placement = _host_cpu_placement()
         n = cfg.num_hidden_layers
         for layer_id in range(n):
+            interrupt.check()
             model, report = load_hf_checkpoint(source, cfg=cfg, dtype=dtype, start_layer=layer_id,
                                                end_layer=layer_id + 1, placement=placement)
             flat = list(nnx.to_flat_state(nnx.state(model)))
@@ -216,13 +390,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
                        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                        dtype=str(dtype), layers=cfg.num_hidden_layers, source=str(hf_dir), output=str(out_dir))
         (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, **summary}, indent=1))
-        if out_dir.exists():  # --overwrite: move the old one aside only once the new one is complete
-            old = out_dir.parent / f"{out_dir.name}.old-{os.getpid()}"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        _publish(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if bar_open:  # end the bar's line, so that the caller's error message gets a line of its own
