@@ -22,8 +22,9 @@ class InputError(ValueError):
     """Token ids, lengths or shapes that a prefill cannot run; the message says which and why."""
 
 
-def check_tokens(tokens, vocab_size: int, lengths=None) -> tuple[np.ndarray, np.ndarray]:
-    """Validates a [B, T] batch of token ids (right-padded) and its lengths; returns int32 numpy arrays."""
+def check_tokens(tokens, vocab_size: int, lengths=None, *, min_length: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Validates a [B, T] batch of token ids (right-padded) and its lengths (at least `min_length`: 0 when the
+    tokens continue a cache); returns int32 numpy arrays."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
         raise InputError(f"tokens must be a [batch, seq_len] array, got shape {tokens.shape}")
@@ -41,9 +42,24 @@ def check_tokens(tokens, vocab_size: int, lengths=None) -> tuple[np.ndarray, np.
     lengths = np.asarray(lengths)
     if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
         raise InputError(f"lengths must be {b} integers, got shape {lengths.shape} dtype {lengths.dtype}")
-    if lengths.min() < 1 or lengths.max() > t:
-        raise InputError(f"lengths must lie in [1, {t}], got min {lengths.min()} max {lengths.max()}")
+    if lengths.min() < min_length or lengths.max() > t:
+        raise InputError(f"lengths must lie in [{min_length}, {t}], got min {lengths.min()} max {lengths.max()}")
     return tokens.astype(np.int32), lengths.astype(np.int32)
+
+
+def check_cache(cache: Cache, model: Qwen35MoeForCausalLM, lengths: np.ndarray) -> None:
+    """A cache that a prefill continues: the model's layers, the batch's sequences, room for the new tokens."""
+    if (cache.full_layer_ids, cache.linear_layer_ids) != (model.full_layer_ids, model.linear_layer_ids):
+        raise InputError(f"the cache holds layers {cache.full_layer_ids + cache.linear_layer_ids}, not this model's")
+    held = np.asarray(cache.lengths)
+    if held.shape != lengths.shape:
+        raise InputError(f"the cache is for {held.shape[0]} sequences, the tokens are {lengths.shape[0]}")
+    need = held + lengths
+    if need.max() > cache.capacity:
+        i = int(np.argmax(need))
+        raise InputError(f"the cache holds {cache.capacity} positions; sequence {i} needs {int(need[i])} "
+                         f"({int(held[i])} cached + {int(lengths[i])} new): prefill the first piece with a larger "
+                         "cache_len")
 
 
 def jit_prefill(
@@ -53,7 +69,13 @@ def jit_prefill(
     cache_len: int | None = None,
     layerwise: bool = False,
 ) -> Callable[..., tuple[jax.Array | None, Cache]]:
-    """Returns prefill(tokens [B, T], lengths [B] | None) -> (logits, cache), compiled once per shape.
+    """Returns prefill(tokens [B, T], lengths [B] | None, cache=None) -> (logits, cache), compiled once per shape.
+
+    With `cache` (what an earlier call returned, for the same sequences) the tokens continue it: sequence b's
+    tokens take positions cache.lengths[b] onwards, a length may be 0 (that sequence's cache stays as it was), and
+    the cache's capacity replaces cache_len. So a long prompt can be prefilled in pieces (chunked prefill): give the
+    first piece cache_len = the whole prompt's length; the pieces' logits, side by side, and the last cache are those
+    of one prefill of the whole prompt.
 
     `prefill.compile(tokens, lengths)` compiles ahead of time; `prefill.lower(tokens, lengths)` gives the whole
     model's lowered program. layerwise=True compiles one program per layer type instead of one for the whole model
@@ -66,9 +88,12 @@ def jit_prefill(
     runner = StageRunner(model)
     options = dict(logits=logits, cache_len=cache_len)
 
-    def prefill(tokens, lengths=None):
-        tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths)
-        return runner(tokens, lengths, layerwise=layerwise, **options)
+    def prefill(tokens, lengths=None, cache: Cache | None = None):
+        tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths, min_length=0 if cache else 1)
+        if cache is None:
+            return runner(tokens, lengths, layerwise=layerwise, **options)
+        check_cache(cache, model, lengths)
+        return runner(tokens, lengths, layerwise=layerwise, logits=logits, cache_len=cache.capacity, cache=cache)
 
     prefill.compile = lambda tokens, lengths: runner.compile(tokens, lengths, layerwise=layerwise, **options)
     prefill.lower = lambda tokens, lengths: runner.lower(tokens, lengths, **options)

@@ -60,18 +60,20 @@ def canonical_graphs(model) -> dict[str, StaticGraph]:
     return graphs
 
 
-def layer_body(graph: StaticGraph, source, state, h, positions, lengths, pending, ahead):
+def layer_body(graph: StaticGraph, source, state, h, positions, lengths, pending, ahead, layer_cache=None):
     """One decoder layer with its experts from `source` (jax_dwdp.parallel.experts); traced.
 
     `pending` is what the source delivered for this layer. `ahead` (sources that fetch inside the program, see
     ExpertSource.gathers) is the next layer's fetch operand: its fetch is issued here, ordered after this layer's
-    input, so that it overlaps this layer. Returns ((h, cache), the next layer's experts or None).
+    input, so that it overlaps this layer. `layer_cache` is the layer's cache from an earlier prefill that these
+    tokens continue, or None. Returns ((h, cache), the next layer's experts or None).
     """
     fetched = None
     if ahead is not None:
         h, fetched = source.overlap(h, ahead)
     with precision_scope(h.dtype):
-        return nnx.merge(graph.value, state)(h, positions, lengths, source.experts(pending)), fetched
+        layer = nnx.merge(graph.value, state)
+        return layer(h, positions, lengths, source.experts(pending), layer_cache), fetched
 
 
 def embed_body(graph: StaticGraph, state, tokens):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jax_dwdp.config import ModelConfig
@@ -60,3 +61,54 @@ def test_attention_in_two_pieces(rng):
         err, err_k = rel_err(got, whole[i, :n]), rel_err(k2[i, :n], k[i, :n])
         print(f"seq {i} (len {n}): output {err:.2e}, keys {err_k:.2e}")
         assert err <= 1e-5 and err_k <= 1e-6
+
+
+def _model_and_prompt(rng, lengths, t):
+    from jax_dwdp.model import init_model
+
+    cfg = CFG.replace(num_hidden_layers=5)  # linear, linear, linear, full, linear
+    model = init_model(cfg, dtype=jnp.float32, seed=5)
+    tokens = rng.integers(0, cfg.vocab_size, (len(lengths), t)).astype(np.int32)
+    return model, tokens
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefill_in_pieces_equals_one_prefill(rng, layerwise):
+    """Three pieces (cut at 50 and 97; one sequence ends in the first piece) continue each other's caches,
+    full-attention KV included: every position's logits and every cache equal one prefill of the whole prompt."""
+    from jax_dwdp.prefill import jit_prefill
+
+    lengths = np.array([130, 41, 97], np.int32)
+    t = 130
+    model, tokens = _model_and_prompt(rng, lengths, t)
+    whole_logits, whole_cache = jit_prefill(model, layerwise=layerwise)(tokens, lengths)
+    prefill = jit_prefill(model, cache_len=t, layerwise=layerwise)
+    cache, parts = None, []
+    for start, stop in [(0, 50), (50, 97), (97, 130)]:
+        n = np.clip(lengths - start, 0, stop - start).astype(np.int32)
+        logits, cache = prefill(tokens[:, start:stop], n, cache=cache)
+        parts.append(np.asarray(logits))
+    logits = np.concatenate(parts, axis=1)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    for i, n in enumerate(lengths):
+        err = rel_err(logits[i, :n], whole_logits[i, :n])
+        print(f"seq {i} (len {n}): logits {err:.2e}")
+        assert err <= 1e-5
+    for name in ("key", "value", "conv", "recurrent"):
+        got, want = getattr(cache, name), getattr(whole_cache, name)
+        errs = [rel_err(got[:, i, :n] if name in ("key", "value") else got[:, i],
+                        want[:, i, :n] if name in ("key", "value") else want[:, i]) for i, n in enumerate(lengths)]
+        print(f"cache {name}: {max(errs):.2e}")
+        assert max(errs) <= 1e-5, name
+
+
+def test_continuing_a_cache_checks_its_room(rng):
+    from jax_dwdp.prefill import InputError, jit_prefill
+
+    lengths = np.array([60, 60], np.int32)
+    model, tokens = _model_and_prompt(rng, lengths, 60)
+    _, cache = jit_prefill(model, cache_len=50)(tokens[:, :40])
+    with pytest.raises(InputError, match="holds 50 positions; sequence 0 needs 60"):
+        jit_prefill(model)(tokens[:, 40:], cache=cache)
+    with pytest.raises(InputError, match="cache is for"):
+        jit_prefill(model)(tokens[:1, 40:45], cache=cache)

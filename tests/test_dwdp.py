@@ -101,9 +101,9 @@ def test_eager_layer_inputs_live_on_the_ranks_device(setup):
     h = jax.device_put(jnp.ones((2, 9, CFG.hidden_size), jnp.float32), dev)
     seen = []
 
-    def run_layer(index, layer, h, positions, lens):
+    def run_layer(index, layer, h, positions, lens, layer_cache):
         seen.append(positions)
-        return layer(h, positions, lens)
+        return layer(h, positions, lens, None, layer_cache)
 
     out, cache = model.forward_layers(h, jax.device_put(np.array([9, 4], np.int32), dev), run_layer=run_layer)
     assert len(seen) == CFG.num_hidden_layers

@@ -114,13 +114,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = SparseMoe(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, lengths, experts=None):
+    def __call__(self, x, positions, lengths, experts=None, cache=None):
+        """`cache`: this layer's entries of an earlier prefill of the same sequences ((K, V) or (conv, recurrent)),
+        which the tokens continue; returned updated."""
         with jax.named_scope(f"layer{self.layer_id}_{self.layer_type}"):
             h = self.input_layernorm(x)
             if self.layer_type == LINEAR_ATTENTION:
-                mixed, cache = self.linear_attn(h, lengths)
+                mixed, cache = self.linear_attn(h, lengths, cache)
             else:
-                mixed, cache = self.self_attn(h, positions)
+                mixed, cache = self.self_attn(h, positions, cache)
             x = x + mixed
             x = x + self.mlp(self.post_attention_layernorm(x), experts)
         return x, cache
@@ -198,29 +200,48 @@ class Qwen35MoeForCausalLM(nnx.Module):
         *,
         cache_len: int | None = None,
         run_layer: Callable | None = None,
+        cache: Cache | None = None,
     ) -> tuple[jax.Array, Cache]:
         """Runs this range's layers over h [B, T, H] (right-padded, valid lengths [B]) and builds its cache.
 
-        `run_layer(index, layer, h, positions, lengths) -> (h, layer cache)` replaces the plain call; `index` is the
-        layer's position in this range (the stage runner compiles layers and brings their experts through it).
+        `run_layer(index, layer, h, positions, lengths, layer_cache) -> (h, layer cache)` replaces the plain call;
+        `index` is the layer's position in this range (the stage runner compiles layers and brings their experts
+        through it). With `cache` (this range's cache from an earlier prefill of the same sequences) the tokens
+        continue it: sequence b's tokens sit at positions cache.lengths[b] + t, and the returned cache (of the same
+        capacity) holds cache.lengths + lengths positions; a sequence with length 0 keeps its cache.
         """
-        run_layer = run_layer or (lambda index, layer, *args: layer(*args))
+        run_layer = run_layer or (lambda index, layer, *args: layer(*args[:3], None, args[3]))
         b, t, _ = h.shape
+        if cache is not None:
+            cache_len = cache.capacity
         cache_len = t if cache_len is None else cache_len
         if cache_len < t:
             raise ValueError(f"cache_len {cache_len} is shorter than the prompt ({t} tokens)")
         positions = _positions(h, b, t)
+        if cache is not None:
+            positions = positions + cache.lengths[:, None]
+        full_slot = {layer_id: i for i, layer_id in enumerate(self.full_layer_ids)}
+        linear_slot = {layer_id: i for i, layer_id in enumerate(self.linear_layer_ids)}
         keys, values, convs, states = [], [], [], []
         for index, layer in enumerate(self.layers):
-            h, cache = run_layer(index, layer, h, positions, lengths)
+            layer_cache = None
+            if cache is not None and layer.layer_type == LINEAR_ATTENTION:
+                layer_cache = (cache.conv[linear_slot[layer.layer_id]], cache.recurrent[linear_slot[layer.layer_id]])
+            elif cache is not None:
+                layer_cache = (cache.key[full_slot[layer.layer_id]], cache.value[full_slot[layer.layer_id]])
+            h, out = run_layer(index, layer, h, positions, lengths, layer_cache)
             if layer.layer_type == LINEAR_ATTENTION:
-                convs.append(cache[0])
-                states.append(cache[1])
+                convs.append(out[0])
+                states.append(out[1])
+            elif cache is not None:  # already the whole cache, the new positions written in
+                keys.append(out[0])
+                values.append(out[1])
             else:
                 pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
-                keys.append(jnp.pad(cache[0], pad))
-                values.append(jnp.pad(cache[1], pad))
-        return h, self._stack_cache(keys, values, convs, states, lengths, b, cache_len)
+                keys.append(jnp.pad(out[0], pad))
+                values.append(jnp.pad(out[1], pad))
+        held = lengths if cache is None else cache.lengths + lengths
+        return h, self._stack_cache(keys, values, convs, states, held, b, cache_len)
 
     def _stack_cache(self, keys, values, convs, states, lengths, b, cache_len) -> Cache:
         cfg = self.cfg
@@ -254,11 +275,14 @@ class Qwen35MoeForCausalLM(nnx.Module):
         logits: LogitsMode = "all",
         cache_len: int | None = None,
         run_layer: Callable | None = None,
+        cache: Cache | None = None,
     ) -> tuple[jax.Array | None, Cache]:
         """This range's share of a prefill: x is tokens [B, T] if the range starts at layer 0, else hidden states
-        [B, T, H]; returns logits (if the range ends at the last layer) or hidden states, and the range's cache."""
+        [B, T, H]; returns logits (if the range ends at the last layer) or hidden states, and the range's cache.
+        `cache` continues an earlier prefill (see forward_layers)."""
         h = self.embed(x) if self.is_first else x
-        h, cache = self.forward_layers(h, lengths.astype(jnp.int32), cache_len=cache_len, run_layer=run_layer)
+        h, cache = self.forward_layers(h, lengths.astype(jnp.int32), cache_len=cache_len, run_layer=run_layer,
+                                       cache=cache)
         return (self.head(h, lengths, logits) if self.is_last else h), cache
 
     def prefill(
@@ -268,16 +292,19 @@ class Qwen35MoeForCausalLM(nnx.Module):
         *,
         logits: LogitsMode = "all",
         cache_len: int | None = None,
+        cache: Cache | None = None,
     ) -> tuple[jax.Array | None, Cache]:
         """tokens [B, T] int32, right-padded; lengths [B] (default T). Returns (logits, cache).
 
         logits="all": [B, T, V] fp32; "last": [B, V] at each sequence's last valid position; "none": None.
+        With `cache` (from an earlier prefill, capacity enough for the new tokens) the tokens continue it: a prompt
+        prefilled in pieces gives the logits and cache of one prefill of the whole prompt.
         """
         if not (self.is_first and self.is_last):
             raise ValueError("prefill() needs the whole model; a pipeline stage runs forward()")
         b, t = tokens.shape
         lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
-        return self.forward(tokens, lengths, logits=logits, cache_len=cache_len)
+        return self.forward(tokens, lengths, logits=logits, cache_len=cache_len, cache=cache)
 
     def head(self, h: jax.Array, lengths: jax.Array, mode: LogitsMode) -> jax.Array | None:
         if mode == "none":

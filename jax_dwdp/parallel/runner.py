@@ -64,23 +64,25 @@ class StageRunner:
         self._programs: dict = {}
 
     # ---- the layer loop ----------------------------------------------------------------------------------------
-    def _run(self, ops, x, lengths, logits, cache_len, abort_on_error):
-        """embed -> layers -> head, each piece through `ops` (compiled programs, or traced calls)."""
+    def _run(self, ops, x, lengths, logits, cache_len, abort_on_error, cache=None):
+        """embed -> layers -> head, each piece through `ops` (compiled programs, or traced calls); `cache` is an
+        earlier prefill's cache that these tokens continue."""
         source, stage = ops.source, ops.stage
         h = ops.embed(x) if stage.is_first else x
         last = len(stage.layers) - 1
         pending = source.first(h)
 
-        def run_layer(i, layer, h, positions, lens):
+        def run_layer(i, layer, h, positions, lens, layer_cache):
             nonlocal pending
             # DWDP's prefetch: layer i+1's experts start moving now, before layer i is enqueued, and move under it.
             ahead = source.prefetch(i + 1, h) if i < last else None
-            (h, cache), fetched = ops.layer(i, layer, h, positions, lens, pending, ahead if source.gathers else None)
+            (h, out), fetched = ops.layer(i, layer, h, positions, lens, pending, ahead if source.gathers else None,
+                                          layer_cache)
             pending = fetched if source.gathers else ahead
-            return h, cache
+            return h, out
 
         try:
-            h, cache = stage.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer)
+            h, cache = stage.forward_layers(h, lengths, cache_len=cache_len, run_layer=run_layer, cache=cache)
         except BaseException:
             if abort_on_error:
                 source.abort()
@@ -96,15 +98,21 @@ class StageRunner:
         return jax.device_put(x, self.device) if self.device is not None else jnp.asarray(x)
 
     def __call__(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None,
-                 layerwise: bool = True, abort_on_error: bool = True):
+                 layerwise: bool = True, abort_on_error: bool = True, cache: Cache | None = None):
         """x: tokens [B, T] (first stage) or hidden states [B, T, H]; lengths [B]. `abort_on_error=False` leaves
-        the source's abort to the caller (independent ranks abort once, after every rank has stopped)."""
+        the source's abort to the caller (independent ranks abort once, after every rank has stopped). `cache`
+        (one device only): the stage's cache from an earlier prefill of the same sequences, which x continues."""
         if x.shape[0] % self.ranks:
             raise ValueError(f"batch {x.shape[0]} cannot be split evenly over {self.ranks} DWDP ranks")
+        if cache is not None and (self.mesh is not None or not isinstance(self.source, Local)):
+            raise ValueError("a prefill continues a cache on one device with its own experts only")
         x, lengths = self.place(x), self.place(lengths)
+        if cache is not None:
+            cache = jax.device_put(cache, self.device) if self.device is not None else cache
         if not layerwise and self.source.whole_program:
-            return self._whole(logits, cache_len)(self.state, self.source.operands(), x, lengths)
-        return self._run(_Programs(self), x, lengths, logits, cache_len, abort_on_error)
+            args = (self.state, self.source.operands(), x, lengths) + (() if cache is None else (cache,))
+            return self._whole(logits, cache_len)(*args)
+        return self._run(_Programs(self), x, lengths, logits, cache_len, abort_on_error, cache)
 
     def lower(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None):
         """The lowered whole-stage program (to inspect its HLO)."""
@@ -125,11 +133,11 @@ class StageRunner:
     def _whole(self, logits, cache_len):
         key = ("whole", logits, cache_len)
         if key not in self._programs:
-            def body(state, operands, x, lengths):
+            def body(state, operands, x, lengths, cache=None):
                 stage = nnx.merge(self.graphdef, state)
                 with precision_scope(stage.dtype):
                     return self._run(_Traced(self, stage, self.source.bind(operands)), x, lengths.astype(jnp.int32),
-                                     logits, cache_len, abort_on_error=False)
+                                     logits, cache_len, abort_on_error=False, cache=cache)
             if self.mesh is not None:
                 b = P(AXIS)
                 out = None if (self.model.is_last and logits == "none") else b
@@ -151,7 +159,9 @@ class StageRunner:
             fn, static, specs, out = head_body, (self.graph, *key), (P(), P(AXIS), P(AXIS)), P(AXIS)
         else:
             b = P(AXIS)
-            fn, static, specs, out = layer_body, (self.canonical[key[0]], self.source), (P(), b, b, b, b, b), ((b, b), b)
+            # (the last argument, a continued cache, is None on a mesh: see __call__)
+            fn, static, specs, out = (layer_body, (self.canonical[key[0]], self.source), (P(), b, b, b, b, b, P()),
+                                      ((b, b), b))
         if self.mesh is None:  # the module-level programs, shared with every other runner
             program = functools.partial({"embed": run_embed, "head": run_head, "layer": run_layer}[kind], *static)
         else:
@@ -170,9 +180,10 @@ class _Programs:
     def embed(self, x):
         return self.runner.program("embed")(self.runner.state, x)
 
-    def layer(self, i, layer, h, positions, lengths, pending, ahead):
+    def layer(self, i, layer, h, positions, lengths, pending, ahead, layer_cache):
         program = self.runner.program("layer", layer.layer_type)
-        return self.runner._barrier(program(self.runner.layer_states[i], h, positions, lengths, pending, ahead))
+        return self.runner._barrier(program(self.runner.layer_states[i], h, positions, lengths, pending, ahead,
+                                            layer_cache))
 
     def head(self, mode, h, lengths):
         return self.runner.program("head", mode)(self.runner.state, h, lengths)
@@ -187,9 +198,9 @@ class _Traced:
     def embed(self, x):
         return self.stage.embed(x)
 
-    def layer(self, i, layer, h, positions, lengths, pending, ahead):
+    def layer(self, i, layer, h, positions, lengths, pending, ahead, layer_cache):
         return layer_body(self.canonical[layer.layer_type], self.source, nnx.state(layer), h, positions, lengths,
-                          pending, ahead)
+                          pending, ahead, layer_cache)
 
     def head(self, mode, h, lengths):
         return self.stage.head(h, lengths, mode)
