@@ -1,10 +1,14 @@
-"""The `jax-dwdp` command line.
+"""jax-dwdp runs long-context prefill of Qwen3.5-MoE models in JAX: on one device, over pipeline stages, or over DWDP
+ranks that split each layer's experts; it converts Hugging Face checkpoints to Orbax and plans layouts.
 
     jax-dwdp prefill (--checkpoint DIR | --preset NAME) [--tokens FILE.npy | --batch B --seq-len T]
                      [--dtype bfloat16|float32] [--logits-out FILE.npy] [--json]
+    jax-dwdp convert HF_DIR OUT_DIR [--dtype bfloat16|float32] [--overwrite] [--json]
+    jax-dwdp verify DIR
+    jax-dwdp plan (--checkpoint DIR | --preset NAME) [--pipeline P] [--dwdp N]
 
-Bad input ends with one line on stderr starting with "error:" and a non-zero exit status, never a traceback
-(pass --debug to see one).
+Bad input ends with one line on stderr starting with "error:" and exit status 2 (a device failure: 1; Ctrl-C:
+130), never a traceback (pass --debug to see one).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jax-dwdp", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="jax-dwdp", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n")[2])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prefill", help="run a jit-compiled prefill and report its speed")
@@ -58,16 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-swiglu", action="store_true",
                    help="expert gate_up weights interleaved for the fused SwiGLU GPU kernel (opt-in: measured at parity)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-verify", action="store_true",
+                   help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
     c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint")
-    c.add_argument("hf_dir", type=Path)
-    c.add_argument("out_dir", type=Path)
-    c.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    c.add_argument("hf_dir", type=Path, metavar="HF_DIR",
+                   help="HF folder: config.json and model.safetensors, or shards with model.safetensors.index.json")
+    c.add_argument("out_dir", type=Path, metavar="OUT_DIR",
+                   help="the Orbax checkpoint to write (not inside HF_DIR); locked while converting")
+    c.add_argument("--dtype", help="cast every tensor to bfloat16 or float32 (default: keep each tensor's dtype)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR (only once the new one is complete)")
-    c.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    c.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
+    v = sub.add_parser("verify", help="check every file of a converted checkpoint against its checksum")
+    v.add_argument("directory", type=Path, metavar="DIR", help="a jax_dwdp Orbax checkpoint made by convert")
+    v.add_argument("--json", action="store_true", help="print the result as one JSON object")
     q = sub.add_parser("plan", help="print the stage layout (and DWDP ranks) as one JSON object")
     _add_model_args(q)
-    q.add_argument("--pipeline", type=int, default=1)
-    q.add_argument("--dwdp", type=int, default=1)
+    q.add_argument("--pipeline", type=int, default=1, help="pipeline stages (default 1)")
+    q.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (default 1)")
     q.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated")
     return parser
 
@@ -154,6 +166,7 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
     except ValueError as e:
         raise UsageError(str(e)) from None
     boundaries = _boundaries(args)
+    _status(args, f"loading {args.checkpoint}" if args.checkpoint is not None else "making random weights")
     if args.pipeline > 1 or args.microbatches > 1 or args.dwdp > 1:
         from jax_dwdp.parallel import Pipeline
 
@@ -195,16 +208,42 @@ def _peak_memory_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def _save_npy_atomically(path: Path, array) -> None:
+def _partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial-{os.getpid()}")
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Before any work: `path` can be written (its folder exists and takes a new file; it is not a folder)."""
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {path}: folder {path.parent} does not exist")
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name, e.g. {path / 'logits.npy'}")
+    probe = _partial_path(path)
+    try:
+        probe.open("xb").close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {path.parent} ({e.strerror})") from None
+    probe.unlink()
+
+
+def _save_npy_atomically(path: Path, array, flag: str) -> None:
     import numpy as np
 
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp = _partial_path(path)
     try:
         with open(tmp, "wb") as f:
             np.save(f, array)
         os.replace(tmp, path)
+    except OSError as e:  # checked before the run; this is the file system changing meanwhile (or full)
+        raise UsageError(f"{flag} {path}: cannot write ({e.strerror})") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _status(args, text: str) -> None:
+    """What a long run is doing, on stderr (stdout keeps the results); quiet with --json."""
+    if not args.json:
+        print(f"{text} ...", file=sys.stderr, flush=True)
 
 
 def cmd_prefill(args) -> dict:
@@ -215,14 +254,22 @@ def cmd_prefill(args) -> dict:
     dtype = _dtype(args.dtype)
     if args.iters < 1:
         raise UsageError(f"--iters must be >= 1, got {args.iters}")
-    if args.logits_out is not None and not args.logits_out.parent.is_dir():
-        raise UsageError(f"--logits-out {args.logits_out}: folder {args.logits_out.parent} does not exist")
+    if args.logits_out is not None:
+        _check_writable(args.logits_out, "--logits-out")
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
     cfg = _model_config(args)
+    if args.checkpoint is not None:
+        from jax_dwdp.weights import precision_notice
+
+        notice = precision_notice(args.checkpoint, dtype)
+        if notice is not None:
+            print(f"notice: {notice}", file=sys.stderr)
     tokens, lengths = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
     mode = "all" if args.logits_out is not None else "last"
-    with contextlib.ExitStack() as resources:
+    from jax_dwdp.weights.orbax_store import checksums_checked
+
+    with contextlib.ExitStack() as resources, checksums_checked(not args.no_verify):
         return _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources)
 
 
@@ -234,9 +281,11 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
 
     run, compile_fn, source = _build_runner(args, cfg, dtype, mode, tokens.shape[0], resources)
 
+    _status(args, "compiling")
     t0 = time.perf_counter()
     compile_fn(tokens, lengths)
     compile_s = time.perf_counter() - t0
+    _status(args, f"running 1 warm-up and {args.iters} timed prefills")
     logits, caches = run(tokens, lengths)  # warm-up
     jax.block_until_ready((logits, caches))
     seconds, _ = median_seconds(lambda: run(tokens, lengths), args.iters)
@@ -244,7 +293,7 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
     logits_positions = n_tokens if mode == "all" else tokens.shape[0]
     flops = cfg.prefill_flops(tokens.shape[0], tokens.shape[1], logits_positions)
     if args.logits_out is not None:
-        _save_npy_atomically(args.logits_out, np.asarray(logits, np.float32))
+        _save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
     return {
         "command": "prefill",
         "model": f"{cfg.summary()}; {source}",
@@ -318,14 +367,23 @@ def cmd_plan(args) -> dict:
 def cmd_convert(args) -> dict:
     from jax_dwdp.weights.orbax_store import convert_hf_to_orbax
 
-    dtype = _dtype(args.dtype)
+    dtype = None if args.dtype is None else _dtype(args.dtype)
     if not args.hf_dir.is_dir():
         raise UsageError(f"{args.hf_dir}: no such folder")
-    summary = convert_hf_to_orbax(args.hf_dir, args.out_dir, dtype=dtype, overwrite=args.overwrite)
+    summary = convert_hf_to_orbax(args.hf_dir, args.out_dir, dtype=dtype, overwrite=args.overwrite,
+                                  progress=None if args.json else "stderr")
     return {"command": "convert", **summary}
 
 
-COMMANDS = {"prefill": cmd_prefill, "plan": cmd_plan, "convert": cmd_convert}
+def cmd_verify(args) -> dict:
+    from jax_dwdp.weights.orbax_store import verify_checkpoint
+
+    if not args.directory.is_dir():
+        raise UsageError(f"{args.directory}: no such folder")
+    return {"command": "verify", **verify_checkpoint(args.directory)}
+
+
+COMMANDS = {"prefill": cmd_prefill, "plan": cmd_plan, "convert": cmd_convert, "verify": cmd_verify}
 
 
 def _ensure_cpu_devices(args) -> None:
@@ -370,10 +428,17 @@ def _main(args) -> int:
         return EXIT_RUNTIME
     if args.command == "plan" or args.json:
         print(json.dumps(result))
+    elif args.command == "verify":
+        print(f"ok: {result['directory']}: {result['files']} files ({result['bytes'] / 1e9:.3f} GB) match their "
+              f"checksums ({result['seconds']:.2f} s)")
     elif args.command == "convert":
+        from jax_dwdp.weights.hf_loader import cast_line
+
+        stored = ", ".join(f"{n} {name}" for name, n in sorted(result["dtypes"].items()))
         print(f"converted {result['tensors']} tensors ({result['bytes'] / 1e9:.3f} GB, {result['layers']} layers) "
-              f"to {result['output']} in {result['seconds']:.2f} s ({result['gb_per_s']:.3f} GB/s); skipped "
-              f"{result['skipped_non_text']} vision/MTP tensors; peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
+              f"to {result['output']} in {result['seconds']:.2f} s ({result['gb_per_s']:.3f} GB/s); stored {stored}; "
+              f"{cast_line(result['cast'])}; skipped {result['skipped_non_text']} vision/MTP tensors; "
+              f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
     else:
         _print_human(result)
     return 0

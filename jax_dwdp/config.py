@@ -12,6 +12,15 @@ LINEAR_ATTENTION = "linear_attention"
 _LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 _TEXT_MODEL_TYPES = ("qwen3_5_moe_text",)
 _VL_MODEL_TYPES = ("qwen3_5_moe",)
+# Keys of an HF config that set the model's shapes: a missing one is an error naming it, not a silent 35B-A3B
+# default. The others default as in transformers (rms_norm_eps, rope_theta, partial_rotary_factor,
+# tie_word_embeddings, full_attention_interval / layer_types).
+REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 
 
 class ConfigError(ValueError):
@@ -164,13 +173,17 @@ class ModelConfig:
                 raise ConfigError(f"{source}: model_type {model_type!r} needs a text_config object")
             text = dict(text)
             text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+            where = "text_config."
         elif model_type in _TEXT_MODEL_TYPES:
-            text = raw
+            text, where = raw, ""
         else:
             raise ConfigError(
                 f"{source}: unknown model_type {model_type!r}; expected one of "
                 f"{_VL_MODEL_TYPES + _TEXT_MODEL_TYPES}"
             )
+        missing = [where + key for key in REQUIRED_KEYS if key not in text]
+        if missing:
+            raise ConfigError(f"{source}: missing {', '.join(missing)} (no safe default: it sets the model's shapes)")
         if text.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{source}: hidden_act {text['hidden_act']!r} is not supported (only silu)")
         if text.get("attention_bias", False):

@@ -1,9 +1,11 @@
 """`jax-dwdp convert` never loses or mixes data: one conversion per destination (lock), stale partials of dead
-processes only, no replacing what it was not told to replace, source folders protected, Ctrl-C cleans up."""
+processes only, no replacing what it was not told to replace, source folders protected, Ctrl-C cleans up; each
+tensor keeps its dtype unless a cast is asked for, and a run wider than the stored weights says so."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -16,32 +18,20 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from safetensors.torch import save_file
 
 from jax_dwdp.cli import main
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
 from jax_dwdp.weights import orbax_store
 from jax_dwdp.weights.hf_loader import load_hf_checkpoint
-from jax_dwdp.weights.hf_names import hf_name
 from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, is_orbax_checkpoint, load_orbax_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
+from tests.checkpoint_helpers import flat, write_hf
 from tests.hf_reference import write_config
 
 # Many small layers: a conversion takes long enough to be interrupted between layers.
 CFG = ModelConfig.preset("tiny").replace(num_hidden_layers=12, vocab_size=48, num_experts=4)
 REPO = Path(__file__).resolve().parents[1]
-
-
-def write_hf(directory: Path, cfg: ModelConfig, seed: int, dtype=torch.float32) -> Path:
-    """An HF folder (one safetensors file, `model.` names) of a random jax_dwdp model; no transformers needed."""
-    model = init_model(cfg, dtype=jnp.float32, seed=seed)
-    tensors = {hf_name(p, 0, "model."): torch.from_numpy(np.array(v.get_value())).to(dtype)
-               for p, v in nnx.to_flat_state(nnx.state(model))}
-    directory.mkdir(parents=True)
-    save_file(tensors, directory / "model.safetensors")
-    write_config(directory, cfg, released_form=False)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +54,8 @@ def error_lines(stderr: str) -> list[str]:
 def assert_valid_copy(out: Path, hf: Path) -> None:
     """out is a complete checkpoint whose every tensor equals the HF source's."""
     assert is_orbax_checkpoint(out)
-    ref, _ = load_hf_checkpoint(hf, dtype=jnp.float32)
-    got, _ = load_orbax_checkpoint(out, dtype=jnp.float32)
-    fa = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(ref))}
-    fb = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(got))}
+    fa = flat(load_hf_checkpoint(hf, dtype=jnp.float32)[0])
+    fb = flat(load_orbax_checkpoint(out, dtype=jnp.float32)[0])
     assert fa.keys() == fb.keys()
     for path in fa:
         np.testing.assert_array_equal(fa[path], fb[path], err_msg=str(path))
@@ -87,7 +75,7 @@ def test_two_conversions_race_one_wins(hf_dir, tmp_path):
     """Two `convert` processes started together into one OUT_DIR: one exits 0, the other 2 with one error line;
     OUT_DIR is a complete checkpoint equal to the source, and nothing else is left beside it."""
     out = tmp_path / "out"
-    procs = [cli("convert", str(hf_dir), str(out), "--dtype", "float32") for _ in range(2)]
+    procs = [cli("convert", str(hf_dir), str(out)) for _ in range(2)]
     results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
     for p in procs:
         p.stdout.close()
@@ -199,7 +187,7 @@ def test_overwrite_of_a_regular_file_leaves_nothing_behind(hf_dir, tmp_path, cap
     code = main(["convert", str(hf_dir), str(out)])
     assert code == 2 and "already exists; pass --overwrite" in capsys.readouterr().err
     assert out.read_text() == "not a checkpoint"
-    code = main(["convert", str(hf_dir), str(out), "--overwrite", "--dtype", "float32"])
+    code = main(["convert", str(hf_dir), str(out), "--overwrite"])
     assert code == 0, capsys.readouterr().err
     assert_valid_copy(out, hf_dir)
     assert leftovers(tmp_path) == [], leftovers(tmp_path)
@@ -219,3 +207,40 @@ def test_ctrl_c_during_conversion_cleans_up(hf_dir, tmp_path):
     lines = error_lines(err)
     assert proc.returncode == 130 and lines == ["error: interrupted; convert stopped"], (proc.returncode, err)
     assert not out.exists() and leftovers(tmp_path) == [], leftovers(tmp_path)
+
+
+def test_convert_keeps_each_tensors_dtype_and_casts_only_on_request(hf_dir, tmp_path, capsys):
+    """An fp32 source stays fp32 by default (bit for bit); --dtype bfloat16 casts and the summary says what."""
+    code = main(["convert", str(hf_dir), str(tmp_path / "kept")])
+    out = capsys.readouterr().out
+    n = sum(1 for _ in nnx.to_flat_state(nnx.state(init_model(CFG, dtype=jnp.float32))))
+    assert code == 0 and f"stored {n} float32; every tensor kept its dtype" in out, out
+    assert_valid_copy(tmp_path / "kept", hf_dir)
+    code = main(["convert", str(hf_dir), str(tmp_path / "cast"), "--dtype", "bfloat16", "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    a_log = len(CFG.layer_ids("linear_attention"))  # A_log stays float32
+    assert code == 0 and summary["cast"] == {"float32->bfloat16": n - a_log}, summary
+    assert summary["dtypes"] == {"bfloat16": n - a_log, "float32": a_log}, summary
+    ref = flat(load_hf_checkpoint(hf_dir, dtype=jnp.bfloat16)[0])
+    got = flat(load_orbax_checkpoint(tmp_path / "cast", dtype=jnp.bfloat16)[0])
+    assert got.keys() == ref.keys() and all(np.array_equal(ref[p], got[p]) for p in ref)
+
+
+def test_bf16_source_stays_bf16_and_a_float32_run_says_so(tmp_path, capsys, rng):
+    cfg = CFG.replace(num_hidden_layers=2)
+    hf16 = write_hf(tmp_path / "hf16", cfg, seed=int(rng.integers(1 << 30)), dtype=torch.bfloat16)
+    assert main(["convert", str(hf16), str(tmp_path / "orbax16"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    n = summary["tensors"]
+    assert summary["dtypes"] == {"bfloat16": n} and summary["cast"] == {}, summary
+    np.save(tmp_path / "t.npy", rng.integers(0, cfg.vocab_size, (1, 9)).astype(np.int32))
+    for source, notice in ((hf16, True), (tmp_path / "orbax16", True), (hf16, False)):
+        dtype = "float32" if notice else "bfloat16"
+        code = main(["prefill", "--checkpoint", str(source), "--tokens", str(tmp_path / "t.npy"), "--dtype", dtype,
+                     "--iters", "1", "--json"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        json.loads(captured.out)  # stdout stays one JSON object
+        want = f"notice: {source} stores {n} tensors in bfloat16; the model runs in float32"
+        assert (want in captured.err) == notice, captured.err
+

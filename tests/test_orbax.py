@@ -193,13 +193,16 @@ mesh = Mesh(np.array(jax.devices()), ("dwdp",))  # one device per process: proce
 placement = lambda path, shape, dtype: NamedSharding(mesh, P("dwdp") if path[-3:-1] == ("mlp", "experts") else P())
 io = lambda: int(next(l for l in open("/proc/self/io") if l.startswith("rchar:")).split()[1])
 load_orbax_checkpoint(ckpt, dtype="float32", start_layer=layer + 1, end_layer=layer + 2, placement=placement)  # warm-up
-before = io()
-model, _ = load_orbax_checkpoint(ckpt, dtype="float32", start_layer=layer, end_layer=layer + 1, placement=placement)
-read = io() - before
+reads = []
+for verify in (False, True):  # Orbax's reads alone; then with the checksums of the files it reads
+    before = io()
+    model, _ = load_orbax_checkpoint(ckpt, dtype="float32", start_layer=layer, end_layer=layer + 1,
+                                     placement=placement, verify=verify)
+    reads.append(io() - before)
 experts = model.layers[0].mlp.experts
 digest = {name: [(int(s.index[0].start or 0), hashlib.sha256(np.asarray(s.data).tobytes()).hexdigest())
                  for s in getattr(experts, name)[...].addressable_shards] for name in ("gate_up_proj", "down_proj")}
-print(json.dumps({"rank": rank, "rchar": read, "digest": digest}))
+print(json.dumps({"rank": rank, "rchar": reads[0], "rchar_verified": reads[1], "digest": digest}))
 """
 
 
@@ -212,7 +215,8 @@ def _rchar() -> int:
 
 def _layer_bytes(orbax_dir: Path, layer: int) -> tuple[int, int]:
     """(expert bytes, other bytes) of one layer, from a full restore."""
-    model, _ = load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=layer, end_layer=layer + 1)
+    model, _ = load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=layer, end_layer=layer + 1,
+                                     verify=False)
     sizes = [(p[-3:-1] == ("mlp", "experts"), v.get_value().nbytes) for p, v in nnx.to_flat_state(nnx.state(model))]
     return sum(n for e, n in sizes if e), sum(n for e, n in sizes if not e)
 
@@ -222,26 +226,29 @@ def test_restore_reads_only_own_bytes(hf_dir, orbax_dir):
     """Counts the bytes read (/proc/self/io rchar: every read syscall of the process, tensorstore's threads
     included). A pipeline stage reads its own layers' bytes and no more; each of 4 DWDP ranks (4 processes joined by
     jax.distributed, one CPU device each) reads 1/4 of a layer's expert bytes plus the replicated non-expert
-    tensors, far from a full restore, and gets exactly its own experts."""
+    tensors, far from a full restore, and gets exactly its own experts. Checking the checksums reads the same
+    files once more: a rank checks only its own experts' chunks."""
     import socket
 
     layer, ranks = 2, 4
     expert, other = _layer_bytes(orbax_dir, layer)
-    # Per Orbax item opened: its metadata files (_METADATA, manifests), about 9.4 KB measured here.
+    # Per Orbax item opened: its metadata files (_METADATA, manifests), about 9.4 KB measured here; per load: the
+    # marker, which lists every file's checksum.
+    marker = (orbax_dir / "jax_dwdp.json").stat().st_size
     slack = 16 * 1024
-    assert expert * (ranks - 1) // ranks > 8 * slack  # reading all experts could not hide in the slack
+    assert expert * (ranks - 1) // ranks > 4 * slack + 2 * marker  # reading all experts could not hide in the slack
 
     # Full restore of one layer: rchar sees it all (so it is a valid counter of tensorstore's reads).
     before = _rchar()
-    load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=layer, end_layer=layer + 1)
+    load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=layer, end_layer=layer + 1, verify=False)
     full = _rchar() - before
-    assert expert + other <= full <= expert + other + slack, (full, expert, other)
+    assert expert + other <= full <= expert + other + slack + marker, (full, expert, other)
     # A stage [1, 3) reads layers 1 and 2 and nothing of the others (nor of embed/head).
     sizes = [sum(_layer_bytes(orbax_dir, i)) for i in (1, 2)]
     before = _rchar()
-    load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=1, end_layer=3)
+    load_orbax_checkpoint(orbax_dir, dtype=jnp.float32, start_layer=1, end_layer=3, verify=False)
     stage = _rchar() - before
-    assert sum(sizes) <= stage <= sum(sizes) + 2 * slack, (stage, sizes)  # 2 items; one more layer: +290 KB
+    assert sum(sizes) <= stage <= sum(sizes) + 2 * slack + marker, (stage, sizes)  # 2 items; one more layer: +290 KB
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -267,7 +274,9 @@ def test_restore_reads_only_own_bytes(hf_dir, orbax_dir):
     for res in results:
         r = res["rank"]
         # Its expert slice and the replicated rest; reading all experts would add 3/4 of `expert`, far over.
-        assert expert // ranks + other <= res["rchar"] <= expert // ranks + other + slack, (res, expert, other)
+        assert expert // ranks + other <= res["rchar"] <= expert // ranks + other + slack + marker, (res, expert, other)
+        own = res["rchar"]
+        assert own + expert // ranks + other <= res["rchar_verified"] <= 2 * own + slack, (res, expert, other)
         for name in ("gate_up_proj", "down_proj"):
             full_array = np.asarray(getattr(ref.layers[0].mlp.experts, name)[...])
             want = hashlib.sha256(full_array[r * block:(r + 1) * block].tobytes()).hexdigest()

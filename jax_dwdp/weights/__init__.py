@@ -23,3 +23,35 @@ def load_checkpoint(directory: str | Path, *, cfg=None, dtype, start_layer: int 
         model, report = load_hf_checkpoint(directory, cfg=cfg, dtype=dtype, start_layer=start_layer,
                                            end_layer=end_layer, placement=placement)
     return (set_fused_swiglu(model, True, donate=True) if fused_swiglu else model), report
+
+
+def stored_dtypes(directory: str | Path) -> dict[str, int]:
+    """{dtype name: number of text-model tensors stored in it} of an HF or jax_dwdp Orbax folder (headers only)."""
+    from jax_dwdp.weights import hf_names
+    from jax_dwdp.weights.orbax_store import is_orbax_checkpoint, read_marker
+    from jax_dwdp.weights.safetensors_reader import DTYPES, SafetensorsCheckpoint
+
+    if is_orbax_checkpoint(directory):
+        marker = read_marker(Path(directory))
+        return marker.get("dtypes") or {marker["dtype"]: marker["tensors"]}  # before per-tensor dtypes: one
+    counts: dict[str, int] = {}
+    with SafetensorsCheckpoint(directory) as ckpt:
+        for name in ckpt.names():
+            target = hf_names.classify(name, 0, 0)
+            if target is not None and target.kind != "non_text":
+                dtype = DTYPES[ckpt.info(name).dtype].name
+                counts[dtype] = counts.get(dtype, 0) + 1
+    return counts
+
+
+def precision_notice(directory: str | Path, dtype) -> str | None:
+    """A sentence when tensors are stored narrower than `dtype` (a bfloat16 checkpoint run in float32): the run
+    computes in dtype, but the weights keep the precision they are stored in. None otherwise."""
+    import jax.numpy as jnp
+
+    want = jnp.dtype(dtype)
+    narrow = {name: n for name, n in stored_dtypes(directory).items() if jnp.dtype(name).itemsize < want.itemsize}
+    if not narrow:
+        return None
+    stored = ", ".join(f"{n} tensors in {name}" for name, n in sorted(narrow.items()))
+    return f"{directory} stores {stored}; the model runs in {want.name}, but these weights keep their stored precision"

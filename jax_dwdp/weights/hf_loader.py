@@ -37,13 +37,27 @@ class LoadReport:
     skipped_other_layers: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    # Checkpoint tensors whose dtype was changed while loading: {"float32->bfloat16": count}.
+    cast: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count_cast(self, source: np.dtype, target: np.dtype) -> None:
+        if source != target:
+            key = f"{np.dtype(source).name}->{np.dtype(target).name}"
+            self.cast[key] = self.cast.get(key, 0) + 1
 
     def line(self) -> str:
         return (
             f"loaded {self.tensors_loaded} tensors ({self.bytes_read / 1e9:.3f} GB) in {self.seconds:.2f} s; "
             f"skipped {self.skipped_non_text} vision/MTP tensors and {self.skipped_other_layers} tensors of "
-            "layers outside the range"
+            f"layers outside the range; {cast_line(self.cast)}"
         )
+
+
+def cast_line(cast: dict[str, int]) -> str:
+    """What a load or conversion did to the checkpoint's dtypes, in words."""
+    if not cast:
+        return "every tensor kept its dtype"
+    return "cast " + ", ".join(f"{n} tensors {key.replace('->', ' to ')}" for key, n in sorted(cast.items()))
 
 
 def load_config(checkpoint_dir: str | Path) -> ModelConfig:
@@ -51,21 +65,26 @@ def load_config(checkpoint_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_json_file(path)
 
 
-def _convert(array: np.ndarray, dtype: np.dtype, name: str, file: Path) -> np.ndarray:
+def _convert(array: np.ndarray, dtype: np.dtype | None, name: str, file: Path, report: LoadReport) -> np.ndarray:
+    """The tensor in `dtype` (None: its own), counted in report.cast when that changes it."""
     if not (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
         raise CheckpointError(f"{file}: tensor {name} has dtype {array.dtype}; expected a floating-point tensor")
-    return array.astype(dtype, copy=False)
+    target = array.dtype if dtype is None else np.dtype(dtype)
+    report.count_cast(array.dtype, target)
+    return array.astype(target, copy=False)
 
 
 class _ExpertAssembler:
     """Builds fused expert tensors from per-expert pieces; host memory: one fused tensor per open layer."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, report: LoadReport):
         self.cfg = cfg
+        self.report = report
         self.buffers: dict[hf_names.Path, np.ndarray] = {}
         self.seen: dict[hf_names.Path, set[tuple[int, str]]] = {}
 
     def add(self, target: hf_names.Target, piece: np.ndarray, shape, dtype, name: str, file: Path):
+        """dtype None: the first piece's dtype (pieces of another dtype are cast to it, and counted)."""
         i, h = self.cfg.moe_intermediate_size, self.cfg.hidden_size
         expected = (h, i) if target.part == "down_proj" else (i, h)
         if tuple(piece.shape) != expected:
@@ -74,10 +93,10 @@ class _ExpertAssembler:
             raise CheckpointError(f"{file}: tensor {name} names expert {target.expert}; the model has {self.cfg.num_experts}")
         buf = self.buffers.get(target.path)
         if buf is None:
-            buf = self.buffers[target.path] = np.empty(shape, dtype)
+            buf = self.buffers[target.path] = np.empty(shape, piece.dtype if dtype is None else dtype)
             self.seen[target.path] = set()
         rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[target.part]
-        buf[target.expert, rows] = _convert(piece, dtype, name, file)
+        buf[target.expert, rows] = _convert(piece, buf.dtype, name, file, self.report)
         self.seen[target.path].add((target.expert, target.part))
         parts = ("down_proj",) if target.part == "down_proj" else ("gate_proj", "up_proj")
         if len(self.seen[target.path]) == self.cfg.num_experts * len(parts):
@@ -148,6 +167,8 @@ def load_hf_checkpoint(
 
     `checkpoint_dir` is a folder, or an already open SafetensorsCheckpoint (headers parsed once) that a caller
     loading many ranges keeps open; it is left open, with its mappings dropped so that mapped pages do not pile up.
+    dtype None keeps each tensor's own dtype (what conversion does by default); otherwise every tensor is cast to
+    dtype (A_log stays float32) and report.cast counts the tensors that changed.
     Raises CheckpointError naming the file, the tensor and the expected shape for a missing, unexpected or
     mis-shaped tensor.
     """
@@ -158,7 +179,8 @@ def load_hf_checkpoint(
         opened, checkpoint_dir = None, Path(checkpoint_dir)
     cfg = cfg or load_config(checkpoint_dir)
     end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
-    dtype = jnp.dtype(dtype)
+    keep = dtype is None
+    dtype = jnp.dtype(jnp.float32 if keep else dtype)  # with keep, the abstract model gives only the shapes
     model = abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer)
     graphdef, abstract = nnx.split(model)
     expected = {path: var for path, var in nnx.to_flat_state(abstract)}
@@ -167,7 +189,7 @@ def load_hf_checkpoint(
         placement = lambda path, shape, dt: jax.sharding.SingleDeviceSharding(device)  # noqa: E731
     loaded: dict[hf_names.Path, jax.Array] = {}
     report = LoadReport()
-    assembler = _ExpertAssembler(cfg)
+    assembler = _ExpertAssembler(cfg, report)
 
     def place(path, array: np.ndarray, name: str, file: Path):
         var = expected[path]
@@ -177,8 +199,8 @@ def load_hf_checkpoint(
             )
         if path in loaded:
             raise CheckpointError(f"{file}: tensor {name} is given twice (as fused and per-expert tensors?)")
-        host = _convert(array, var.dtype, name, file)
-        loaded[path] = jax.device_put(host, placement(path, tuple(var.shape), var.dtype))
+        host = _convert(array, None if keep else var.dtype, name, file, report)
+        loaded[path] = jax.device_put(host, placement(path, tuple(var.shape), host.dtype))
         report.tensors_loaded += 1
 
     ckpt = opened if opened is not None else SafetensorsCheckpoint(checkpoint_dir)
@@ -207,7 +229,8 @@ def load_hf_checkpoint(
                 var = expected.get(target.path)
                 if var is None:
                     raise CheckpointError(f"{info.file}: unexpected tensor {name}")
-                fused = assembler.add(target, ckpt.read(name), tuple(var.shape), var.dtype, name, info.file)
+                fused = assembler.add(target, ckpt.read(name), tuple(var.shape), None if keep else var.dtype, name,
+                                      info.file)
                 if fused is not None:
                     place(target.path, fused, name, info.file)
             else:

@@ -2,7 +2,8 @@
 
 Layout of a checkpoint folder:
     config.json          the model config (HF text form)
-    jax_dwdp.json        format marker, dtype, counts; written last, so a folder without it is not a checkpoint
+    jax_dwdp.json        format marker, dtypes stored and cast, counts; written last, so a folder without it is not a
+                         checkpoint
     embed/               Orbax PyTree checkpoint: {"embed_tokens": {"weight"}}
     layers/NNN/          one Orbax PyTree checkpoint per layer, keyed like the model's state
     head/                {"norm": {"weight"}, "lm_head": {"weight"}}
@@ -10,6 +11,10 @@ Each layer is its own Orbax checkpoint, so a pipeline stage opens only its layer
 another layer; arrays are restored with the caller's sharding, so a DWDP rank reads only its slice of the experts.
 Items are plain zarr (Orbax without OCDBT; JAX_DWDP_CONVERT_OCDBT=1 writes OCDBT, and restore reads both): each
 array is a folder with one file per chunk, expert tensors one expert per chunk.
+
+The marker lists every file with its size and CRC-32 (computed by `convert` right after each item is written);
+a restore checks the files it is about to read (a DWDP rank only its own experts' chunks) and names the layer,
+tensor and file of the first that is missing, truncated or changed. `verify_checkpoint` checks them all.
 
 Conversion holds an exclusive lock on `OUT.lock` beside OUT (a second conversion into the same OUT fails at once),
 writes into `OUT.partial-<pid>` and renames it to OUT at the very end (rename is atomic, and never replaces an OUT
@@ -19,18 +24,23 @@ next run removes leftover `.partial-<pid>` folders whose process is gone.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import errno
 import fcntl
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import signal
 import sys
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -93,6 +103,147 @@ class _KeepFreedMemory:
             self._libc.mallopt(self.M_TRIM_THRESHOLD, 128 * 1024)
             self._libc.malloc_trim(0)
         return False
+
+
+_CRC_BLOCK = 8 << 20
+
+
+def _file_crc(path: Path) -> tuple[int, int]:
+    """(size, CRC-32) of a file, read in blocks (zlib.crc32 releases the GIL, so threads run in parallel)."""
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(max(1, min(_CRC_BLOCK, os.fstat(f.fileno()).st_size)))
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
+def _crc_many(paths: list[Path]) -> list[tuple[int, int]]:
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_file_crc, paths))
+
+
+def _checksum_item(root: Path, item: Path) -> dict[str, list[int]]:
+    """{path relative to root: [size, crc32]} of every file of an item."""
+    paths = sorted(p for p in item.rglob("*") if p.is_file())
+    return {p.relative_to(root).as_posix(): list(sc) for p, sc in zip(paths, _crc_many(paths))}
+
+
+def _describe(relpath: str) -> str:
+    """'layer 2, tensor mlp.experts.down_proj' for layers/002/mlp.experts.down_proj/3.0.0."""
+    parts = relpath.split("/")
+    where = f"layer {int(parts[1])}" if parts[0] == "layers" and len(parts) > 1 else parts[0]
+    depth = 2 if parts[0] == "layers" else 1
+    if len(parts) > depth + 1:  # a file inside an array's folder
+        return f"{where}, tensor {parts[depth]}"
+    return f"{where}, Orbax metadata"
+
+
+def _verify_files(root: Path, expected: dict[str, list[int]], crc: bool = True) -> tuple[int, int]:
+    """Checks files against their [size, crc32] (crc False: sizes only, which costs a stat per file): (files, bytes)
+    checked, or CheckpointError naming the first bad one."""
+    names = sorted(expected)
+    paths = [root / name for name in names]
+    for name, path in zip(names, paths):
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing ({_describe(name)}); the checkpoint is damaged, convert it again")
+        size = path.stat().st_size
+        if size != expected[name][0]:
+            raise CheckpointError(f"{path}: {size} bytes, expected {expected[name][0]} ({_describe(name)}; truncated "
+                                  "or replaced); the checkpoint is damaged, convert it again")
+    for name, path, (_, value) in zip(names, paths, _crc_many(paths) if crc else []):
+        if value != expected[name][1]:
+            raise CheckpointError(f"{path}: checksum {value:08x}, expected {expected[name][1]:08x} ({_describe(name)}; "
+                                  "the data changed since conversion); the checkpoint is damaged, convert it again")
+    return len(names), sum(expected[name][0] for name in names)
+
+
+_VERIFY = contextvars.ContextVar("jax_dwdp_verify_checksums", default=True)
+
+
+@contextlib.contextmanager
+def checksums_checked(enabled: bool):
+    """Within it, restores not told otherwise check (True) or skip (False) the checksums; this is how the CLI's
+    --no-verify reaches the loads that a pipeline's stages make."""
+    token = _VERIFY.set(enabled)
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def verify_checkpoint(directory: str | Path) -> dict:
+    """Checks every file of a checkpoint against its size and CRC-32: {"files", "bytes", "seconds"}, or
+    CheckpointError naming the layer, tensor and file of the first bad one."""
+    directory = Path(directory)
+    files = read_marker(directory).get("files")
+    if not files:
+        raise CheckpointError(f"{directory / MARKER}: no checksums (converted by an older jax_dwdp); convert it again")
+    t0 = time.perf_counter()
+    n, nbytes = _verify_files(directory, files)
+    return {"directory": str(directory), "files": n, "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _files_to_read(directory: Path, item: Path, files: dict[str, list[int]], expert_rows: dict[str, set[int]]) -> dict:
+    """The checksummed files of an item that a restore reads: all but the chunks of experts it does not load
+    (expert_rows: array folder -> the expert indices this process restores; chunk files are named "e.0.0")."""
+    prefix = item.relative_to(directory).as_posix() + "/"
+    wanted = {}
+    for name, value in files.items():
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):].split("/")
+        if len(rest) == 2 and rest[0] in expert_rows and rest[1][:1].isdigit():
+            if int(rest[1].split(".")[0]) not in expert_rows[rest[0]]:
+                continue
+        wanted[name] = value
+    return wanted
+
+
+def _silence_orbax_leftover_reads() -> None:
+    """After one array of a restore fails, Orbax (0.12.8) closes its event loop while the item's other reads are
+    still pending, and each of them reports at exit or when its tensorstore read completes: "Exception ignored in:
+    <coroutine object _read_array_index_and_device_put>" (its `except BaseException` turns the GeneratorExit that
+    closes it into an Exception) or a bare "RuntimeError: Event loop is closed" from asyncio's
+    call_soon_threadsafe, each with a traceback, tens to hundreds of times. Drops exactly those reports (the error
+    was already reported once); every other one reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orbax_reads", False):
+        return
+
+    def leftover(unraisable) -> bool:
+        if getattr(unraisable.object, "__qualname__", None) == "_read_array_index_and_device_put":
+            return True
+        tb = unraisable.exc_traceback
+        while tb is not None and tb.tb_frame.f_code.co_name != "call_soon_threadsafe":
+            tb = tb.tb_next
+        return tb is not None and isinstance(unraisable.exc_value, RuntimeError)
+
+    def hook(unraisable):
+        if not leftover(unraisable):
+            previous(unraisable)
+
+    hook.drops_orbax_reads = True
+    sys.unraisablehook = hook
+
+
+def _restore_error(directory: Path, item: Path, error: BaseException) -> str:
+    """One line for a failed restore: the file tensorstore could not read (with layer and tensor) when it says."""
+    seen = error
+    while seen is not None:
+        m = re.search(r'Error reading local file "([^"]+)": ([^\n]+)', str(seen))
+        if m:
+            path = Path(m.group(1))
+            try:
+                what = _describe(path.relative_to(directory.absolute()).as_posix())
+            except ValueError:
+                what = item.name
+            return f"{path}: cannot read ({what}): {m.group(2)}; the checkpoint is damaged, convert it again"
+        seen = seen.__cause__ or seen.__context__
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{item}: cannot restore ({first[:300]})"
 
 
 def is_orbax_checkpoint(directory: str | Path) -> bool:
@@ -300,9 +451,12 @@ def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
         _remove(old)
 
 
-def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, overwrite: bool = False,
+def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, overwrite: bool = False,
                         progress="stderr") -> dict:
     """Converts an HF checkpoint folder to a jax_dwdp Orbax checkpoint; returns a summary dict.
+
+    dtype None (the default) stores every tensor in its own dtype; a dtype casts every tensor to it (A_log stays
+    float32), and the summary's "cast" counts what changed ({"float32->bfloat16": n}).
 
     progress: a stream for the progress bar, "stderr" (the default: sys.stderr at call time) or None.
 
@@ -325,7 +479,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bf
             raise CheckpointError(f"{out_dir}: already exists; pass --overwrite to replace it")
         _remove_stale_partials(out_dir)
         with _QuietAbsl(), _DeferInterrupt() as interrupt:
-            return _convert_locked(hf_dir, out_dir, cfg, jnp.dtype(dtype), overwrite,
+            return _convert_locked(hf_dir, out_dir, cfg, None if dtype is None else jnp.dtype(dtype), overwrite,
                                    sys.stderr if progress == "stderr" else progress, interrupt)
     finally:
         _unlock_destination(out_dir, lock)
@@ -339,14 +493,20 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
     bar_open = False  # a progress line without its newline yet
     tmp = out_dir.parent / f"{out_dir.name}.partial-{os.getpid()}"
     t0 = time.perf_counter()
-    summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0}
+    summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0, "dtypes": {}, "cast": {}}
+    files: dict[str, list[int]] = {}  # every file's [size, crc32], for the marker
+    crc_seconds = 0.0
     kill_after = int(os.environ.get(_KILL_AFTER_LAYERS, "-1"))
     source = ckpt = None
     reuse = os.environ.get(_PAGE_REUSE, "1") != "0"
     keep = _KeepFreedMemory() if reuse else None
 
     def save(item: Path, tree: dict, **kw) -> None:
+        nonlocal crc_seconds
         ckpt.save(item, tree, **kw)  # synchronous: the item is complete when it returns
+        t = time.perf_counter()
+        files.update(_checksum_item(tmp, item))  # its pages are still cached: no disk read
+        crc_seconds += time.perf_counter() - t
         if reuse:
             _drop_written_pages(item)
         interrupt.check()
@@ -367,6 +527,11 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
             flat = list(nnx.to_flat_state(nnx.state(model)))
             summary["tensors"] += report.tensors_loaded
             summary["bytes"] += sum(v.get_value().nbytes for _, v in flat)
+            for _, v in flat:
+                name = v.get_value().dtype.name
+                summary["dtypes"][name] = summary["dtypes"].get(name, 0) + 1
+            for key, count in report.cast.items():
+                summary["cast"][key] = summary["cast"].get(key, 0) + count
             summary["skipped_non_text"] = report.skipped_non_text
             layer = [(p[2:], v.get_value()) for p, v in flat if p[0] == "layers"]
             save(_layer_dir(tmp, layer_id), _to_tree(layer), save_args=_to_tree(
@@ -385,11 +550,15 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
             progress.write("\n")
             bar_open = False
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+        files["config.json"] = list(_file_crc(tmp / "config.json"))
         seconds = time.perf_counter() - t0
         summary.update(seconds=round(seconds, 3), gb_per_s=round(summary["bytes"] / 1e9 / seconds, 3),
+                       checksum_seconds=round(crc_seconds, 3),
                        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                       dtype=str(dtype), layers=cfg.num_hidden_layers, source=str(hf_dir), output=str(out_dir))
-        (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, **summary}, indent=1))
+                       dtype=None if dtype is None else dtype.name, layers=cfg.num_hidden_layers, source=str(hf_dir),
+                       output=str(out_dir))
+        (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, **summary, "files": files},
+                                             indent=1))
         _publish(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -421,11 +590,14 @@ def read_marker(directory: Path) -> dict:
 
 
 def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_layer: int = 0,
-                          end_layer: int | None = None, placement=None):
+                          end_layer: int | None = None, placement=None, verify: bool | None = None):
     """Restores layers [start_layer, end_layer) (and the embedding / head if the range has them).
 
     placement(path, shape, dtype) -> Sharding decides where each array lands (default: the first device); with a
-    sharded placement, each device reads only its slice. Returns (model, LoadReport).
+    sharded placement, each device reads only its slice. verify: check the files about to be read against the
+    checksums of the marker first (None: as set by checksums_checked, by default yes); without it their sizes are
+    still checked (a stat each), so that a truncated file never reaches Orbax, whose failed reads leave threads that
+    print tracebacks at exit. Checkpoints converted before checksums are not checked. Returns (model, LoadReport).
     """
     from jax_dwdp.weights.hf_loader import LoadReport
 
@@ -433,7 +605,8 @@ def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_la
 
     t0 = time.perf_counter()
     directory = Path(directory)
-    read_marker(directory)
+    marker = read_marker(directory)
+    files, crc = marker.get("files"), _VERIFY.get() if verify is None else verify
     cfg = ModelConfig.from_json_file(directory / "config.json")
     end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
     dtype = jnp.dtype(dtype)
@@ -452,11 +625,19 @@ def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_la
                            for p, mp, v in entries])
         args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype),
                             target)
+        if files is not None:
+            rows = {}
+            for p, mp, v in entries:
+                if mp[-3:-1] == ("mlp", "experts"):
+                    indices = placement(mp, tuple(v.shape), v.dtype).addressable_devices_indices_map(tuple(v.shape))
+                    rows[".".join(map(str, p))] = {e for index in indices.values()
+                                                   for e in range(*index[0].indices(v.shape[0]))}
+            _verify_files(directory, _files_to_read(directory, item, files, rows), crc)
         try:
             return ckpt.restore(item, item=target, restore_args=args)
         except Exception as e:  # Orbax/tensorstore raise many types for damaged or mismatched data
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"{item}: cannot restore ({first[:300]})") from None
+            _silence_orbax_leftover_reads()
+            raise CheckpointError(_restore_error(directory, item, e)) from None
 
     def lookup(tree: dict, path: tuple):
         for key in path:
