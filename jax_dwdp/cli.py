@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     p.add_argument("--layerwise", action="store_true",
                    help="compile one program per layer type instead of the whole model (fast compile for deep models)")
+    p.add_argument("--prefill-chunk", type=int, metavar="C",
+                   help="prefill the prompt in pieces of C tokens, each continuing the previous piece's cache "
+                        "(chunked prefill; one device)")
     p.add_argument("--fused-swiglu", action="store_true",
                    help="expert gate_up weights interleaved for the fused SwiGLU GPU kernel (opt-in: measured at parity)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -146,6 +149,12 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
 
     if min(args.pipeline, args.microbatches, args.dwdp) < 1:
         raise UsageError("--pipeline, --dwdp and --microbatches must be >= 1")
+    if args.prefill_chunk is not None:
+        if args.prefill_chunk < 1:
+            raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+        if max(args.pipeline, args.microbatches, args.dwdp) > 1:
+            raise UsageError("--prefill-chunk runs on one device: it does not combine with --pipeline, --dwdp or "
+                             "--microbatches")
     if args.dwdp_backend not in ("xla", "ffi"):
         raise UsageError(f"--dwdp-backend {args.dwdp_backend!r}: choose xla or ffi")
     if args.dwdp_backend == "ffi":
@@ -197,8 +206,36 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
         from jax_dwdp.model import init_model
 
         model, source = init_model(cfg, dtype=dtype, seed=args.seed, fused_swiglu=args.fused_swiglu), "random weights"
+    if args.prefill_chunk is not None:
+        run = chunked_prefill(model, mode, args.prefill_chunk, args.layerwise)
+        return run, run, f"{source}, prefill in pieces of {args.prefill_chunk} tokens"
     prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
     return (lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile, source
+
+
+def chunked_prefill(model, mode, chunk: int, layerwise: bool):
+    """prefill(tokens, lengths) -> (logits, [cache]) that runs the prompt in pieces of `chunk` tokens, each
+    continuing the previous piece's cache: the logits ("all": every position's, the pieces' side by side; "last":
+    each sequence's last position, from the piece that holds it) and the cache of one prefill of the whole prompt."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_dwdp.prefill import jit_prefill
+
+    def run(tokens, lengths):
+        t = tokens.shape[1]
+        prefill = jit_prefill(model, logits=mode, cache_len=t, layerwise=layerwise)
+        cache, parts, last = None, [], None
+        for start in range(0, t, chunk):
+            n = np.clip(lengths - start, 0, chunk).astype(np.int32)
+            logits, cache = prefill(tokens[:, start : start + chunk], n, cache=cache)
+            if mode == "all":
+                parts.append(logits)
+            elif mode == "last":  # a sequence's last token lies in the last piece that has any of its tokens
+                last = logits if last is None else jnp.where(jnp.asarray(n > 0)[:, None], logits, last)
+        return (jnp.concatenate(parts, axis=1) if mode == "all" else last), [cache]
+
+    return run
 
 
 def _peak_memory_bytes() -> int | None:

@@ -112,3 +112,39 @@ def test_continuing_a_cache_checks_its_room(rng):
         jit_prefill(model)(tokens[:, 40:], cache=cache)
     with pytest.raises(InputError, match="cache is for"):
         jit_prefill(model)(tokens[:1, 40:45], cache=cache)
+
+
+def test_cli_prefill_chunk_writes_the_same_logits(tmp_path, capsys):
+    """`jax-dwdp prefill --prefill-chunk C`: every position's logits equal the one-shot prefill's (fp32), for a
+    prompt length that is not a multiple of C; with --pipeline it is refused in one line."""
+    from jax_dwdp.cli import main
+
+    tokens = np.random.default_rng(11).integers(0, CFG.vocab_size, (2, 90)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    common = ["prefill", "--preset", "tiny", "--dtype", "float32", "--tokens", str(tmp_path / "tokens.npy"),
+              "--iters", "1", "--json"]
+    assert main(common + ["--logits-out", str(tmp_path / "whole.npy")]) == 0
+    assert main(common + ["--logits-out", str(tmp_path / "pieces.npy"), "--prefill-chunk", "32"]) == 0
+    capsys.readouterr()
+    err = rel_err(np.load(tmp_path / "pieces.npy"), np.load(tmp_path / "whole.npy"))
+    print(f"CLI --prefill-chunk 32 vs one prefill: {err:.2e}")
+    assert err <= 1e-5
+    assert main(common + ["--prefill-chunk", "32", "--pipeline", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: --prefill-chunk runs on one device"), lines
+
+
+def test_chunked_last_logits_come_from_each_sequences_last_piece(rng):
+    """logits="last" in pieces: each sequence's last position, from the piece that holds it (a right-padded batch
+    whose sequences end in different pieces)."""
+    from jax_dwdp.cli import chunked_prefill
+    from jax_dwdp.prefill import jit_prefill
+
+    lengths = np.array([100, 30, 64], np.int32)
+    model, tokens = _model_and_prompt(rng, lengths, 100)
+    want, _ = jit_prefill(model, logits="last")(tokens, lengths)
+    got, [cache] = chunked_prefill(model, "last", 32, False)(tokens, lengths)
+    err = rel_err(got, want)
+    print(f"last logits in pieces of 32: {err:.2e}")
+    assert err <= 1e-5
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
