@@ -16,7 +16,7 @@ import pytest
 
 from jax_dwdp.cli import main
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.weights import orbax_store
+from jax_dwdp.weights import load_checkpoint, orbax_store
 from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, load_orbax_checkpoint, verify_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.checkpoint_helpers import flat, write_hf
@@ -101,6 +101,9 @@ def test_no_verify_skips_the_checksums_also_in_a_pipeline(damaged, capsys, rng):
         code = main(argv + ["--no-verify"])
         assert code == 0, capsys.readouterr().err
         json.loads(capsys.readouterr().out)
+    with pytest.raises(CheckpointError, match="checksum"):
+        load_checkpoint(damaged, dtype=jnp.float32)
+    load_checkpoint(damaged, dtype=jnp.float32, verify=False)
 
 
 def test_size_is_checked_without_checksums_and_orbax_errors_are_one_line(damaged, rng):

@@ -6,17 +6,18 @@ from pathlib import Path
 
 
 def load_checkpoint(directory: str | Path, *, cfg=None, dtype, start_layer: int = 0, end_layer: int | None = None,
-                    placement=None, fused_swiglu: bool = False):
+                    placement=None, fused_swiglu: bool = False, verify: bool | None = None):
     """Loads layers [start_layer, end_layer) from an HF folder or a jax_dwdp Orbax folder: (model, LoadReport).
 
     `fused_swiglu` then puts the expert gate_up weights in the fused-SwiGLU layout (`set_fused_swiglu`, opt-in).
+    `verify` (Orbax folders): check the checksums of the files read (see load_orbax_checkpoint).
     """
     from jax_dwdp.model.moe import set_fused_swiglu
     from jax_dwdp.weights.orbax_store import is_orbax_checkpoint, load_orbax_checkpoint
 
     if is_orbax_checkpoint(directory):
         model, report = load_orbax_checkpoint(directory, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
-                                              placement=placement)
+                                              placement=placement, verify=verify)
     else:
         from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 
