@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 quiet() { grep -v "^\s*@\|^E1130\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(\|^variant"; }
 if [ "${GDN_TESTS:-1}" = 1 ]; then
-  JAX_DWDP_TEST_GPU=1 timeout ${GPU_TEST_TIMEOUT:-150} python3 -m pytest tests/test_gpu_gdn.py \
+  JAX_DWDP_TEST_GPU=1 timeout ${GPU_TEST_TIMEOUT:-300} python3 -m pytest tests/test_gpu_gdn.py \
     tests/test_gpu.py::test_gpu_bf16_prefill_runs_the_fast_kernels -q -s -p no:cacheprovider 2>&1 \
     | tee "$OUT/gdn_tests.log" | grep -E "seq 0|T=|pieces|vs fp32|passed|failed|Error" | tail -${GPU_TEST_LINES:-30}
 fi
