@@ -104,10 +104,11 @@ def main() -> None:
         lengths = jnp.array([t], jnp.int32)
         ref_o, ref_s = jax.jit(lambda *a: chunk_gated_delta_rule(*a, implementation="xla"))(q, k, v, g, beta)
         best = None
-        # Run 2 (2026-11-30) settled the recurrence (block_v by _block_v, 4 warps, 3 stages, state not transposed)
+        # Run B (2026-11-30) settled the recurrence (block_v by _block_v, 4 warps, 3 stages, state not transposed)
         # and showed the prep kernel at half the time: these are its variants.
-        cases = [(inverse, warps, "ieee") for inverse in ("substitution", "doubling") for warps in (1, 2)]
-        cases += [("doubling", warps, "tf32") for warps in (1, 2)]
+        # The 64-wide prep ("wide", not yet measured) first; then the 16-row prep (4 warps is run B's best).
+        cases = [("wide", warps, precision) for warps in (4, 8) for precision in ("tf32", "ieee")]
+        cases += [("doubling", 4, "ieee"), ("doubling", 4, "tf32")]
         for inverse, w1, precision in cases:
             tuning = gdn_pallas.Tuning(num_warps=(w1, 4, 4), inverse=inverse, merge_precision=precision)
             try:

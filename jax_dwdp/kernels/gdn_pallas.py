@@ -84,10 +84,52 @@ def _inverse_unit_lower_doubling(a: jax.Array, precision) -> jax.Array:
     return x
 
 
+def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, precision):
+    """The prep kernel's body on whole 64-row tiles (Tuning.inverse = "wide"): a dozen 64x64 products on the
+    tensor cores instead of ~70 16-row ones. With N the strictly lower system, split into its 16x16 diagonal blocks
+    B and the rest R: D = (I + B)^-1 by doubling (B^16 = 0), M = D R (block nilpotent, M^4 = 0), and
+    (I + N)^-1 = (I + M)^-1 D = (I - M)(I + M^2) D. Not yet run on a GPU (see Tuning)."""
+    k = k_ref[...]
+    kf = k.astype(_F32)
+    rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
+    kn = kf * rk[:, None]
+    g, beta = g_ref[...], beta_ref[...]
+    cum = jnp.cumsum(g)
+    total = jnp.sum(g)
+    rows, cols = _iota((CHUNK, CHUNK), 0), _iota((CHUNK, CHUNK), 1)
+    lower = rows > cols
+    system = plgpu.dot(k, k, trans_b=True) * (beta * rk)[:, None] * rk[None, :]
+    system = jnp.where(lower, system * jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    diagonal = (rows // SUB) == (cols // SUB)
+    blocks, rest = jnp.where(diagonal, system, 0.0), jnp.where(diagonal, 0.0, system)
+    eye = (rows == cols).astype(_F32)
+    inv_blocks, power, p = eye - blocks, blocks, 2
+    while p < SUB:
+        power = plgpu.dot(power, power, precision=precision)
+        inv_blocks = inv_blocks + plgpu.dot(inv_blocks, power, precision=precision)
+        p *= 2
+    m = plgpu.dot(inv_blocks, rest, precision=precision)
+    left = eye - m
+    left = left + plgpu.dot(left, plgpu.dot(m, m, precision=precision), precision=precision)
+    inverse = plgpu.dot(left, inv_blocks, precision=precision).astype(jnp.bfloat16)
+    kbe = (kn * (beta * jnp.exp(cum))[:, None]).astype(jnp.bfloat16)
+    vb = (v_ref[...].astype(_F32) * beta[:, None]).astype(jnp.bfloat16)
+    w_ref[...] = plgpu.dot(inverse, kbe).astype(w_ref.dtype)
+    u_ref[...] = plgpu.dot(inverse, vb).astype(u_ref.dtype)
+    kg_ref[...] = (kn * jnp.exp(total - cum)[:, None]).astype(kg_ref.dtype)
+    cum_ref[...] = cum
+
+
 def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, *, inverse: str,
                  merge_precision: str):
     b, n = pl.program_id(0), pl.program_id(2)
     nb = CHUNK // SUB
+
+    if inverse == "wide":
+        pl.when(n * CHUNK < len_ref[b])(
+            lambda: _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref,
+                               _MERGE_PRECISION[merge_precision]))
+        return
 
     @pl.when(n * CHUNK < len_ref[b])
     def _():
@@ -212,8 +254,9 @@ def _block_v(batch: int, heads: int, dv: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Launch parameters of the three kernels (prep, recurrence, output); block_v None picks `_block_v`;
-    `inverse` "substitution" | "doubling" for the 16x16 diagonal blocks, `merge_precision` "ieee" | "tf32" for the
-    fp32 products of the inverse. The defaults are the fastest measured on an H200 (benchmarks/RESULTS.md, GDN
+    `inverse` "substitution" | "doubling" for the 16x16 diagonal blocks, or "wide" (the whole prep on 64x64 tiles,
+    `_prep_wide`: correct in interpret mode, NOT YET RUN ON A GPU, the next session's first variant to measure);
+    `merge_precision` "ieee" | "tf32" for the fp32 products of the inverse. The defaults are the fastest measured on an H200 (benchmarks/RESULTS.md, GDN
     section): doubling 0.64 ms vs substitution 0.85 ms for the prep kernel at 16K tokens, 4 warps vs 2 (1.14 ms) or
     1 (1.68 ms); the recurrence's block_v and warps from a sweep of 18 launch configurations."""
 
