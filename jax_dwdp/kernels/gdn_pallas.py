@@ -5,8 +5,8 @@ C = 64 split into four sub-blocks of 16 for the triangular solve:
 
 1. `_prep_kernel`, one program per (sequence, value head, chunk), all in parallel. From k, v, g, beta of the chunk:
    the l2 norms of k, the in-chunk cumulative log-decay `cum`, the unit lower-triangular system
-   L = I + strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)) and its inverse (16x16 diagonal blocks by forward
-   substitution, off-diagonal blocks by block products, all fp32), then
+   L = I + strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)) and its inverse (16x16 diagonal blocks by doubling,
+   off-diagonal blocks by block products, all fp32; see Tuning for the alternatives), then
      w = L^-1 (beta k exp(cum))    keys that read the state entering the chunk,
      u = L^-1 (beta v)             the chunk's values before the state's correction,
      kg = k exp(cum_last - cum)    keys decayed to the chunk's end (they write the state).
@@ -70,14 +70,14 @@ def _inverse_unit_lower(a: jax.Array) -> jax.Array:
     return x
 
 
-def _inverse_unit_lower_doubling(a: jax.Array, precision) -> jax.Array:
-    """(I + a)^-1 = (I - a)(I + a^2)(I + a^4)(I + a^8) for a strictly lower-triangular 16x16 tile (a^16 = 0):
-    six fp32 products instead of fifteen dependent row reductions."""
+def _inverse_unit_lower_doubling(a: jax.Array, precision, order: int = SUB) -> jax.Array:
+    """(I + a)^-1 = (I - a)(I + a^2)(I + a^4)(I + a^8) for a strictly lower-triangular tile with a^order = 0 (a 16x16
+    block, or 16x16 blocks on a diagonal): six fp32 products instead of fifteen dependent row reductions."""
     s = a.shape[0]
     eye = (_iota((s, s), 0) == _iota((s, s), 1)).astype(_F32)
     x, power = eye - a, a
     p = 2
-    while p < s:
+    while p < order:
         power = plgpu.dot(power, power, precision=precision)
         x = x + plgpu.dot(x, power, precision=precision)
         p *= 2
@@ -103,11 +103,7 @@ def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, pre
     diagonal = (rows // SUB) == (cols // SUB)
     blocks, rest = jnp.where(diagonal, system, 0.0), jnp.where(diagonal, 0.0, system)
     eye = (rows == cols).astype(_F32)
-    inv_blocks, power, p = eye - blocks, blocks, 2
-    while p < SUB:
-        power = plgpu.dot(power, power, precision=precision)
-        inv_blocks = inv_blocks + plgpu.dot(inv_blocks, power, precision=precision)
-        p *= 2
+    inv_blocks = _inverse_unit_lower_doubling(blocks, precision)
     m = plgpu.dot(inv_blocks, rest, precision=precision)
     left = eye - m
     left = left + plgpu.dot(left, plgpu.dot(m, m, precision=precision), precision=precision)
