@@ -236,27 +236,6 @@ def test_prefill_all_threads_map_results_and_errors(setup, monkeypatch):
     assert not seen  # nothing started
 
 
-def test_dispatch_benchmark_accounts_for_the_layers():
-    """benchmarks/bench_dispatch.py (host time of a layer-wise prefill by call) runs, sees one layer program per
-    layer, and puts the module functions it wrapped back."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_dispatch.py"
-    spec = importlib.util.spec_from_file_location("bench_dispatch", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    from jax_dwdp import prefill
-
-    device_put, check = jax.device_put, prefill.check_tokens
-    result = bench.main(["--preset", "tiny", "--num-layers", "3", "--seq-len", "16", "--iters", "2",
-                         "--dtype", "float32"])
-    assert result["calls"]["layer program"]["calls_per_prefill"] == 3
-    assert result["calls"]["expert prefetch (peer copies or store program)"]["calls_per_prefill"] == 3
-    assert 0 < sum(c["host_ms_per_prefill"] for c in result["calls"].values()) <= result["dispatch_ms"] * 1.05
-    assert jax.device_put is device_put and prefill.check_tokens is check
-
-
 def test_stage_runner_shares_its_programs_across_logits_modes_and_cache_lengths(setup):
     """A DWDP stage runner compiles its layer programs once: other logits modes and cache lengths reuse them (the
     head compiles per mode), with the same numbers as the one-device prefill."""

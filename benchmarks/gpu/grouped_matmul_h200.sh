@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200, from the repository root: build the CUTLASS grouped GEMM FFI library (ffi/grouped_gemm), smoke-test it,
-# run tests/test_grouped_matmul.py on the GPU, then benchmarks/bench_grouped_matmul.py. Logs under $OUT.
+# run tests/test_grouped_matmul.py on the GPU, then benchmarks/bench_grouped_matmul.py (calls, kernels, fusion). Logs
+# under $OUT.
 # Each step runs even if an earlier one failed; look for the "=== step" and "=== result" markers.
 # Needs the nvidia-cutlass wheel (headers only) at .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl (or $CUTLASS_WHL).
 # Env: STEPS (default "0 1 2 3 4"; 5 = kernel-only times under Nsight Compute; 6 = the fused SwiGLU benchmark,
@@ -14,10 +15,12 @@ T0=$(date +%s)
 step() { echo; echo "=== step $1 ($(( $(date +%s) - T0 )) s)"; }
 result() { echo "=== result $1: $2 ($(( $(date +%s) - T0 )) s)"; }
 want() { [[ " ${STEPS:-0 1 2 3 4} " == *" $1 "* ]]; }  # STEPS="2 3" runs only those steps
-# bench NAME TIMEOUT SCRIPT JSON LOG [ARGS...]: a benchmark script with its JSON under $OUT, output filtered and logged.
+# bench NAME TIMEOUT COMMAND JSON LOG [ARGS...]: a subcommand of benchmarks/bench_grouped_matmul.py with its JSON under
+# $OUT, output filtered and logged.
 bench() {
-  local name=$1 limit=$2 script=$3 json=$4 log=$5; shift 5
-  timeout "$limit" python3 "$script" --out "$OUT/$json" "$@" 2>&1 | grep -v "^\s*$\|slow_operation\|Very slow" \
+  local name=$1 limit=$2 command=$3 json=$4 log=$5; shift 5
+  timeout "$limit" python3 benchmarks/bench_grouped_matmul.py "$command" --out "$OUT/$json" "$@" 2>&1 \
+    | grep -v "^\s*$\|slow_operation\|Very slow" \
     | tee "$OUT/$log"
   result "$name" "rc=${PIPESTATUS[0]} (124: timed out; the JSON has the rows finished)"
 }
@@ -114,19 +117,20 @@ result tests "rc=${PIPESTATUS[0]} (0: all passed; 5: nothing ran)"
 fi
 if want 4; then
 step "4: benchmark"
-bench bench "${BENCH_TIMEOUT:-330}" benchmarks/bench_grouped_matmul.py bench_grouped_matmul.json bench.log ${BENCH_ARGS:-}
+bench bench "${BENCH_TIMEOUT:-330}" calls bench_grouped_matmul.json bench.log ${BENCH_ARGS:-}
 fi
 if want 5; then
 step "5: GEMM kernel alone, every config vs torch's (ncu gpu__time_duration, clocks left alone)"
 timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --kernel-name regex:device_kernel --metrics gpu__time_duration.sum \
-  --csv --print-units base --log-file "$OUT/ncu.csv" python3 benchmarks/gmm_kernel_profile.py run --plan "$OUT/ncu_plan.json" \
-  2>&1 | tail -n 5
+  --csv --print-units base --log-file "$OUT/ncu.csv" \
+  python3 benchmarks/bench_grouped_matmul.py kernels run --plan "$OUT/ncu_plan.json" 2>&1 | tail -n 5
 rc=${PIPESTATUS[0]}
-python3 benchmarks/gmm_kernel_profile.py report --plan "$OUT/ncu_plan.json" --csv "$OUT/ncu.csv" 2>&1 | tee "$OUT/ncu_report.txt"
+python3 benchmarks/bench_grouped_matmul.py kernels report --plan "$OUT/ncu_plan.json" --csv "$OUT/ncu.csv" 2>&1 \
+  | tee "$OUT/ncu_report.txt"
 result ncu "rc=$rc (124: timed out; the report covers the cases finished)"
 fi
 if want 6; then
 step "6: fused SwiGLU epilogue vs unfused vs torch, gate_up stage and whole routed-expert block"
-bench fusion "${FUSION_TIMEOUT:-300}" benchmarks/bench_moe_fusion.py bench_moe_fusion.json fusion.log ${FUSION_ARGS:-}
+bench fusion "${FUSION_TIMEOUT:-300}" fusion bench_moe_fusion.json fusion.log ${FUSION_ARGS:-}
 fi
 echo "=== total $(( $(date +%s) - T0 )) s"

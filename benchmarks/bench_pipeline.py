@@ -1,0 +1,81 @@
+"""Pipeline stages vs one device: the speedup, and each stage's idle fraction (the bubble), measured.
+
+    python benchmarks/bench_pipeline.py --preset 35b-a3b --num-layers 8 --seq-len 4096 --microbatches 1 2 4 8
+
+One device vs `--pipeline` stages (layer-wise compiled stage programs), one sequence of --seq-len tokens per
+microbatch, M microbatches; the one-device baseline runs the same microbatches one after another. Each stage is
+timed alone on one microbatch (t_s); the pipeline's wall time W for M microbatches gives stage s an idle fraction
+1 - M t_s / W, printed beside the GPipe bubble (P-1)/(M+P-1). JSON with --out: {"what": "pipeline", "args",
+"device", "rows"}. Pipeline x DWDP layouts: `bench_dwdp.py layouts`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.parallel import Pipeline
+from jax_dwdp.timing import median_seconds, save_rows
+
+
+def timed(fn, iters: int) -> float:
+    jax.block_until_ready(fn())  # compile + warm-up
+    return median_seconds(fn, iters)[0]
+
+
+def bench_pipeline(cfg, args) -> list[dict]:
+    rows = []
+    dtype = jnp.dtype(args.dtype)
+    tokens_all = np.random.default_rng(0).integers(0, cfg.vocab_size, (max(args.microbatches), args.seq_len))
+    tokens_all = tokens_all.astype(np.int32)
+    one = Pipeline.random(cfg, 1, dtype=dtype, seed=0)
+    pipe = Pipeline.random(cfg, args.pipeline, dtype=dtype, seed=0)
+    for m in args.microbatches:
+        tokens = tokens_all[:m]
+        t_one = timed(lambda: one.prefill(tokens, microbatches=m, logits="last", layerwise=True), args.iters)
+        t_pipe = timed(lambda: pipe.prefill(tokens, microbatches=m, logits="last", layerwise=True), args.iters)
+        stage_t = []
+        x = jnp.asarray(tokens[:1])
+        lens = jnp.full((1,), args.seq_len, jnp.int32)
+        for s, runner in enumerate(pipe.runners):
+            x = jax.device_put(x, pipe.input_shardings[s])
+            ln = jax.device_put(lens, pipe.input_shardings[s])
+            stage_t.append(timed(lambda runner=runner, x=x, ln=ln: runner(x, ln, logits="last"), args.iters))
+            x, _ = runner(x, ln, logits="last")
+        idle = [round(1 - m * t / t_pipe, 3) for t in stage_t]
+        row = dict(microbatches=m, tokens=m * args.seq_len, one_device_ms=round(t_one * 1e3, 2),
+                   pipeline_ms=round(t_pipe * 1e3, 2), speedup=round(t_one / t_pipe, 3),
+                   stage_ms=[round(t * 1e3, 2) for t in stage_t], idle_fraction=idle,
+                   gpipe_ideal_bubble=round((args.pipeline - 1) / (m + args.pipeline - 1), 3),
+                   tokens_per_s_one=round(m * args.seq_len / t_one),
+                   tokens_per_s_pipeline=round(m * args.seq_len / t_pipe))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="35b-a3b")
+    ap.add_argument("--num-layers", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--pipeline", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--out", help="JSON results path")
+    args = ap.parse_args(argv)
+    cfg = ModelConfig.preset(args.preset).replace(num_hidden_layers=args.num_layers)
+    print(f"{cfg.summary()} on {jax.devices()[0].device_kind} x {len(jax.devices())}", flush=True)
+    rows = bench_pipeline(cfg, args)
+    save_rows(args.out, rows, args, what="pipeline")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The benchmark scripts run on the CPU in their smallest mode and write the JSON their readers expect.
+
+Timings are never checked (only that they are there, and the ratios computed from them); each test runs one
+subcommand in-process on the tiny preset with a few tokens. Also: every script and subcommand the GPU session
+scripts (benchmarks/gpu/*.sh) call exists, and `kernels report` attributes an Nsight Compute log correctly.
+"""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import jax
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+TINY = ["--preset", "tiny", "--iters", "1"]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ratio(a, b):
+    """a / b as the scripts round it (3 places, from the unrounded times)."""
+    return pytest.approx(a / b, rel=2e-3, abs=2e-3)
+
+
+def run(name, argv, out: Path):
+    """Runs a script's main(argv + --out out); returns (what main returned, the JSON written)."""
+    result = load(name).main([*argv, "--out", str(out)])
+    return result, json.loads(out.read_text())
+
+
+def test_dwdp_stage_without_a_subcommand_compares_xla_and_replicated(tmp_path):
+    """`bench_dwdp.py ARGS` (the recorded form) runs `stage`: per sequence length, each variant's time and the ratios
+    computed from them, the MoE block alone; no FFI keys without the FFI variant."""
+    rows, saved = run("bench_dwdp", [*TINY, "--num-layers", "1", "--seq-lens", "8", "--variants", "xla", "replicated"],
+                      tmp_path / "stage.json")
+    assert saved["what"] == "stage" and saved["args"]["command"] == "stage" and saved["rows"] == rows
+    (row,) = rows
+    assert (row["seq_len_per_rank"], row["ranks"], row["layers"]) == (8, 2, 1)
+    assert row["xla_ms"] > 0 and row["replicated_ms"] > 0 and row["moe_ms_per_layer"] > 0
+    assert row["xla_vs_replicated"] == ratio(row["xla_ms"], row["replicated_ms"])
+    assert row["layer_ms_replicated"] == round(row["replicated_ms"], 3)
+    assert not any(k.startswith("ffi") for k in row)
+
+
+def test_dwdp_ranks_writes_the_keys_the_notebook_reads(tmp_path):
+    """`ranks`: one rank alone, in turn, threads, the dispatch time, XLA DWDP and the replicated bound (the notebook
+    reads the independent_* and dispatch keys from the saved GPU run)."""
+    rows, saved = run("bench_dwdp", ["ranks", *TINY, "--num-layers", "1", "--seq-len", "8"], tmp_path / "ranks.json")
+    assert saved["what"] == "ranks" and saved["rows"] == rows
+    (row,) = rows
+    for key in ("replicated_ms", "independent_one_rank_ms", "independent_ms", "independent_threads_ms",
+                "dispatch_one_rank_ms", "xla_dwdp_ms"):
+        assert row[key] > 0, key
+    threads, one = row["independent_threads_ms"], row["independent_one_rank_ms"]
+    assert row["independent_threads_vs_one_rank"] == ratio(threads, one)
+    assert row["xla_vs_replicated"] == ratio(row["xla_dwdp_ms"], row["replicated_ms"])
+    assert "independent_ffi_ms" not in row  # only with --ffi
+
+
+def test_dwdp_dispatch_accounts_for_the_layers(tmp_path):
+    """`dispatch` (host time of a layer-wise prefill by call) sees one layer program and one prefetch per layer,
+    accounts for no more than the whole dispatch, and puts the module functions it wrapped back."""
+    from jax_dwdp import prefill
+
+    device_put, check = jax.device_put, prefill.check_tokens
+    result, saved = run("bench_dwdp", ["dispatch", *TINY, "--num-layers", "3", "--seq-len", "16", "--iters", "2",
+                                       "--dtype", "float32"], tmp_path / "dispatch.json")
+    assert saved == json.loads(json.dumps(result))
+    assert result["calls"]["layer program"]["calls_per_prefill"] == 3
+    assert result["calls"]["expert prefetch (peer copies or store program)"]["calls_per_prefill"] == 3
+    assert 0 < sum(c["host_ms_per_prefill"] for c in result["calls"].values()) <= result["dispatch_ms"] * 1.05
+    assert jax.device_put is device_put and prefill.check_tokens is check
+
+
+def test_dwdp_layouts_runs_what_fits_and_skips_the_rest(tmp_path):
+    """`layouts`: a layout that fits the devices is timed (tokens/s per GPU from tokens/s), one that does not is
+    recorded as skipped."""
+    rows, saved = run("bench_dwdp", ["layouts", *TINY, "--num-layers", "1", "--seq-len", "8", "--sequences", "2",
+                                     "--layouts", "1x2", "4x4"], tmp_path / "layouts.json")
+    assert saved["what"] == "layouts" and saved["rows"] == rows
+    timed, skipped = rows
+    assert (timed["pipeline"], timed["dwdp"], timed["backend"], timed["gpus"], timed["microbatches"]) == (1, 2, "xla",
+                                                                                                          2, 1)
+    assert timed["tokens_per_s_per_gpu"] == round(timed["tokens_per_s"] / 2)
+    assert skipped == {"layout": "4x4", "skipped": f"needs 16 devices, {jax.device_count()} present"}
+
+
+def test_pipeline_reports_speedup_and_idle_fractions(tmp_path):
+    """bench_pipeline.py: one device vs two stages, each stage's time and idle fraction, the GPipe bubble."""
+    rows, saved = run("bench_pipeline", [*TINY, "--num-layers", "2", "--seq-len", "8", "--microbatches", "2"],
+                      tmp_path / "pipeline.json")
+    assert saved["what"] == "pipeline" and saved["rows"] == rows
+    (row,) = rows
+    assert (row["microbatches"], row["tokens"], row["gpipe_ideal_bubble"]) == (2, 16, 0.333)
+    assert len(row["stage_ms"]) == len(row["idle_fraction"]) == 2
+    assert row["speedup"] == ratio(row["one_device_ms"], row["pipeline_ms"])
+    for t, idle in zip(row["stage_ms"], row["idle_fraction"]):
+        assert abs(idle - (1 - 2 * t / row["pipeline_ms"])) < 0.01
+
+
+def check_implementations(row, names):
+    """Each implementation is either timed or has a note saying why not (no library, no GPU, ...)."""
+    for name in names:
+        assert (name in row["times_ms"]) != (name in row["notes"]), (name, row["times_ms"], row["notes"])
+
+
+def test_grouped_matmul_calls_without_a_subcommand(tmp_path):
+    """`bench_grouped_matmul.py ARGS` (the recorded form) runs `calls`: one row per (shape, tokens, routing); the
+    dense matmul is timed everywhere; CUTLASS, Mosaic and torch are timed or say why not."""
+    result, saved = run("bench_grouped_matmul", ["--presets", "tiny", "--tokens", "16", "--routing", "uniform",
+                                                 "--iters", "1", "--no-mosaic-sweep"], tmp_path / "calls.json")
+    assert saved == json.loads(json.dumps(result))
+    assert [(r["model"], r["proj"], r["tokens"], r["routing"]) for r in saved["rows"]] == [
+        ("tiny", "gate_up", 16, "uniform"), ("tiny", "down", 16, "uniform")]
+    for row in saved["rows"]:
+        assert row["times_ms"]["dense"] > 0 and row["tflops"]["dense"] > 0
+        check_implementations(row, ("cutlass", "mosaic", "torch"))
+    assert saved["rows"][0]["rows"] == 16 * 2  # tokens x top-k of the tiny preset
+
+
+def test_grouped_matmul_fusion_times_the_block_and_its_parts(tmp_path):
+    """`fusion --breakdown`: the routed-expert block (XLA grouped matmul on a CPU) and each of its parts."""
+    result, saved = run("bench_grouped_matmul", ["fusion", "--presets", "tiny", "--tokens", "16", "--routing",
+                                                 "uniform", "--iters", "1", "--breakdown"], tmp_path / "fusion.json")
+    assert saved == json.loads(json.dumps(result))
+    (row,) = saved["rows"]
+    assert (row["model"], row["tokens"], row["routing"]) == ("tiny", 16, "uniform")
+    for part in ("sort", "inverse argsort", "inverse scatter", "gather", "gather in-bounds", "gather u32", "down",
+                 "unpermute"):
+        assert row["times_ms"][f"part {part}"] > 0, part
+    check_implementations(row, ("fused", "unfused", "torch", "block fused", "block unfused"))
+
+
+NCU_HEADER = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+
+
+def ncu_csv(path: Path, nanoseconds):
+    lines = [f'"{i}","device_kernel","gpu__time_duration.sum","ns","{ns:,}"\n' for i, ns in enumerate(nanoseconds)]
+    path.write_text("==PROF== Connected to process\n" + NCU_HEADER + "".join(lines))
+
+
+def test_kernels_report_attributes_ncu_kernels_in_launch_order(tmp_path):
+    """`kernels report` maps ncu's kernels onto the plan in launch order, drops each first (warm-up) launch, takes
+    the median of the rest in microseconds, and attributes nothing when the counts do not match."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps([dict(case="c", impl="cutlass[a]", launches=4),
+                                dict(case="c", impl="torch._grouped_mm", launches=4)]))
+    ncu_csv(tmp_path / "ncu.csv", [9000, 100, 300, 200, 9000, 1500, 400, 400])
+    out, saved = run("bench_grouped_matmul", ["kernels", "report", "--plan", str(plan), "--csv",
+                                              str(tmp_path / "ncu.csv")], tmp_path / "kernels.json")
+    assert saved == out == {"c": {"cutlass[a]": pytest.approx(0.2), "torch._grouped_mm": pytest.approx(0.4)}}
+    ncu_csv(tmp_path / "short.csv", [100] * 7)
+    bench = load("bench_grouped_matmul")
+    assert bench.main(["kernels", "report", "--plan", str(plan), "--csv", str(tmp_path / "short.csv")]) == {}
+
+
+def test_gpu_session_scripts_call_scripts_and_subcommands_that_exist():
+    """Every `benchmarks/NAME.py [SUBCOMMAND]` in benchmarks/gpu/*.sh names a script here and, for the scripts with
+    subcommands, one of them (or a flag: the default subcommand)."""
+    commands = {"bench_dwdp": set(load("bench_dwdp").COMMANDS), "bench_grouped_matmul":
+                set(load("bench_grouped_matmul").COMMANDS)}
+    seen = set()
+    for script in sorted((BENCHMARKS / "gpu").glob("*.sh")):
+        text = "\n".join(line for line in script.read_text().splitlines() if not line.lstrip().startswith("#"))
+        for name, word in re.findall(r"benchmarks/(\w+)\.py\b[ \t]*([^\s\\]*)", text):
+            assert (BENCHMARKS / f"{name}.py").is_file(), (script.name, name)
+            if name in commands and not word.startswith(("-", '"$', "$")):
+                assert word in commands[name], (script.name, name, word)
+            seen.add(name)
+        for word in re.findall(r"^\s*bench \w+ \S+ (\w+) ", text, flags=re.M):  # grouped_matmul_h200.sh's helper
+            assert word in commands["bench_grouped_matmul"], (script.name, word)
+            seen.add(word)
+    assert {"bench_dwdp", "bench_pipeline", "bench_grouped_matmul", "calls", "fusion"} <= seen
