@@ -5,7 +5,7 @@ ranks that split each layer's experts; it converts Hugging Face checkpoints to O
                      [--dtype bfloat16|float32] [--logits-out FILE.npy] [--json]
     jax-dwdp convert HF_DIR OUT_DIR [--dtype bfloat16|float32] [--overwrite] [--json]
     jax-dwdp verify DIR
-    jax-dwdp plan (--checkpoint DIR | --preset NAME) [--pipeline P] [--dwdp N]
+    jax-dwdp plan (--checkpoint DIR | --preset NAME) [--pipeline P] [--dwdp N | --dep N]
 
 Bad input ends with one line on stderr starting with "error:" and exit status 2 (a device failure: 1; Ctrl-C:
 130), never a traceback (pass --debug to see one).
@@ -55,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (one mesh row each)")
     p.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (experts split over them)")
     p.add_argument("--dwdp-backend", default="xla",
-                   help="with --dwdp N > 1: xla (all-gather, every platform) or ffi (CUDA VMM store, GPUs)")
+                   help="with --dwdp N > 1: xla (all-gather, every platform), ffi (CUDA VMM store, GPUs) or local "
+                        "(every rank holds all experts: the replicated baseline)")
+    p.add_argument("--dep", type=int, default=1,
+                   help="DEP ranks per stage: experts split over them, tokens sent to their experts and back "
+                        "(instead of --dwdp)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches pushed through the pipeline")
     p.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     p.add_argument("--layerwise", action="store_true",
@@ -83,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(q)
     q.add_argument("--pipeline", type=int, default=1, help="pipeline stages (default 1)")
     q.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (default 1)")
+    q.add_argument("--dep", type=int, default=1, help="DEP ranks per stage (default 1; instead of --dwdp)")
     q.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated")
     return parser
 
@@ -147,16 +152,20 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
     from jax_dwdp.parallel.pipeline import check_layout
     from jax_dwdp.prefill import jit_prefill
 
-    if min(args.pipeline, args.microbatches, args.dwdp) < 1:
-        raise UsageError("--pipeline, --dwdp and --microbatches must be >= 1")
+    if min(args.pipeline, args.microbatches, args.dwdp, args.dep) < 1:
+        raise UsageError("--pipeline, --dwdp, --dep and --microbatches must be >= 1")
+    ranks = _ranks(args)
     if args.prefill_chunk is not None:
         if args.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-        if max(args.pipeline, args.microbatches, args.dwdp) > 1:
-            raise UsageError("--prefill-chunk runs on one device: it does not combine with --pipeline, --dwdp or "
-                             "--microbatches")
-    if args.dwdp_backend not in ("xla", "ffi"):
-        raise UsageError(f"--dwdp-backend {args.dwdp_backend!r}: choose xla or ffi")
+        if max(args.pipeline, args.microbatches, ranks) > 1:
+            raise UsageError("--prefill-chunk runs on one device: it does not combine with --pipeline, --dwdp, --dep "
+                             "or --microbatches")
+    if args.dwdp_backend not in ("xla", "ffi", "local"):
+        raise UsageError(f"--dwdp-backend {args.dwdp_backend!r}: choose xla or ffi (DWDP), or local (every rank holds "
+                         "all experts)")
+    if args.dep > 1 and args.dwdp_backend != "xla":
+        raise UsageError(f"--dwdp-backend {args.dwdp_backend} is for --dwdp; --dep has one way to move tokens")
     if args.dwdp_backend == "ffi":
         if args.dwdp < 2:
             raise UsageError("--dwdp-backend ffi needs --dwdp N with N >= 2 ranks")
@@ -170,22 +179,23 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
         except FfiUnavailable as e:
             raise UsageError(f"--dwdp-backend ffi: {e}") from None
     try:  # the layout against the batch and the experts, before any weights are made
-        check_layout(batch, args.microbatches, args.dwdp)
-        ExpertLayout(cfg.num_experts, args.dwdp)
+        check_layout(batch, args.microbatches, ranks)
+        ExpertLayout(cfg.num_experts, ranks)
     except ValueError as e:
         raise UsageError(str(e)) from None
     boundaries = _boundaries(args)
     _status(args, f"loading {args.checkpoint}" if args.checkpoint is not None else "making random weights")
-    if args.pipeline > 1 or args.microbatches > 1 or args.dwdp > 1:
+    if args.pipeline > 1 or args.microbatches > 1 or ranks > 1:
         from jax_dwdp.parallel import Pipeline
+        from jax_dwdp.parallel.pipeline import microbatch_rows
 
-        experts = args.dwdp_backend if args.dwdp > 1 else "local"
+        experts = "dep" if args.dep > 1 else args.dwdp_backend if args.dwdp > 1 else "local"
         try:
             if args.checkpoint is not None:
-                pipe = Pipeline.from_checkpoint(args.checkpoint, args.pipeline, dwdp=args.dwdp, dtype=dtype, cfg=cfg,
+                pipe = Pipeline.from_checkpoint(args.checkpoint, args.pipeline, dwdp=ranks, dtype=dtype, cfg=cfg,
                                                 boundaries=boundaries, fused_swiglu=args.fused_swiglu, experts=experts)
             else:
-                pipe = Pipeline.random(cfg, args.pipeline, dwdp=args.dwdp, dtype=dtype, seed=args.seed,
+                pipe = Pipeline.random(cfg, args.pipeline, dwdp=ranks, dtype=dtype, seed=args.seed,
                                        boundaries=boundaries, fused_swiglu=args.fused_swiglu, experts=experts)
         except ValueError as e:  # layout and mesh problems (too many stages, too few devices)
             raise UsageError(str(e)) from None
@@ -195,8 +205,12 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
             return pipe.prefill(tokens, lengths, microbatches=args.microbatches, logits=mode, layerwise=args.layerwise)
 
         stages = ", ".join(f"[{s.start_layer},{s.end_layer})" for s in pipe.stages)
-        return run, run, (f"pipeline {args.pipeline} stages {stages}, dwdp {args.dwdp} ranks per stage, "
-                          f"{args.microbatches} microbatches")
+        size, used = microbatch_rows(batch, args.microbatches, ranks)
+        pad = size * used - batch
+        padding = f" ({pad} padding row{'s' if pad > 1 else ''} of length 0)" if pad else ""
+        scheme = "dep" if args.dep > 1 else f"dwdp ({experts})" if args.dwdp > 1 else "dwdp"
+        return run, run, (f"pipeline {args.pipeline} stages {stages}, {scheme} {ranks} ranks per stage, "
+                          f"{used} microbatches of {size} sequences{padding}")
     if args.checkpoint is not None:
         from jax_dwdp.weights import load_checkpoint
 
@@ -242,11 +256,19 @@ def chunked_prefill(model, mode, chunk: int, layerwise: bool):
     return run
 
 
-def _peak_memory_bytes() -> int | None:
+def _ranks(args) -> int:
+    """Ranks per stage: --dwdp N or --dep N (not both)."""
+    if args.dwdp > 1 and args.dep > 1:
+        raise UsageError(f"--dwdp {args.dwdp} and --dep {args.dep}: choose one way to split the experts")
+    return max(args.dwdp, args.dep)
+
+
+def _peak_memory_bytes(devices=None) -> list[int | None]:
+    """XLA's peak bytes in use on each device (default: the first), since the process started; None where the
+    platform does not say (CPU). Memory outside XLA's allocator (an FFI expert store) is not in it."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+    return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.devices()[:1])]
 
 
 def _partial_path(path: Path) -> Path:
@@ -321,6 +343,7 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
     from jax_dwdp.timing import median_seconds
 
     run, compile_fn, source = _build_runner(args, cfg, dtype, mode, tokens.shape[0], resources)
+    devices = jax.devices()[:args.pipeline * _ranks(args)]
 
     _status(args, "compiling")
     t0 = time.perf_counter()
@@ -347,7 +370,8 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
         "prefill_s": round(seconds, 5),
         "tokens_per_s": round(n_tokens / seconds, 1),
         "tflops_per_s": round(flops / seconds / 1e12, 2),
-        "peak_device_memory_bytes": _peak_memory_bytes(),
+        "peak_device_memory_bytes": _peak_memory_bytes()[0],
+        "peak_device_memory_bytes_per_device": _peak_memory_bytes(devices),
         "cache_bytes": int(sum(c.nbytes() for c in caches)),
         "logits_out": str(args.logits_out) if args.logits_out else None,
         "logits_finite": bool(np.isfinite(np.asarray(logits)).all()),
@@ -361,48 +385,56 @@ def _print_human(result: dict) -> None:
     print(f"{result['platform']} ({result['device']}), {result['dtype']}, batch {result['batch']} x {result['seq_len']} tokens")
     print(f"compile: {result['compile_s']:.2f} s; prefill: {result['prefill_s'] * 1e3:.2f} ms")
     print(f"tokens/s: {result['tokens_per_s']:.1f}  ({result['tflops_per_s']} TFLOP/s)")
+    per_device = result.get("peak_device_memory_bytes_per_device") or []
+    if len(per_device) > 1 and all(p is not None for p in per_device):
+        peak_s = ", ".join(f"{p / 2**30:.2f}" for p in per_device) + " GiB (per device)"
     print(f"peak device memory: {peak_s}")
     if result.get("logits_out"):
         print(f"logits written to {result['logits_out']}")
 
 
 def cmd_plan(args) -> dict:
-    from jax_dwdp.parallel.expert_layout import ExpertLayout, rank_memory
+    from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
     from jax_dwdp.parallel.pipeline import cache_bytes_per_sequence, cache_bytes_per_token, plan_stages, stage_weight_bytes
 
     dtype = _dtype(args.dtype)
     cfg = _model_config(args)
-    if args.dwdp < 1:
-        raise UsageError(f"--dwdp must be >= 1, got {args.dwdp}")
+    if min(args.dwdp, args.dep) < 1:
+        raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
+    n = _ranks(args)
     try:
         stages = plan_stages(cfg, args.pipeline, _boundaries(args))
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        layout = ExpertLayout(cfg.num_experts, args.dwdp)
+        layout = ExpertLayout(cfg.num_experts, n)
     except ValueError as e:
         raise UsageError(str(e)) from None
     itemsize = 2 if args.dtype == "bfloat16" else 4
     out = []
     for st in stages:
         moe_layers = st.end_layer - st.start_layer  # every layer is MoE
-        ranks = [dict(rank_memory(cfg, layout, r, moe_layers, itemsize), device=st.stage * args.dwdp + r)
-                 for r in range(args.dwdp)]
+        weights = stage_weight_bytes(cfg, st, dtype)
+        non_expert = weights - moe_layers * cfg.num_experts * expert_bytes_per_layer(cfg, itemsize)
+        ranks = [dict(rank_memory(cfg, layout, r, moe_layers, itemsize, prefetch=args.dep == 1,
+                                  non_expert_bytes=non_expert), device=st.stage * n + r)
+                 for r in range(n)]
         out.append({
             "stage": st.stage,
             "start_layer": st.start_layer,
             "end_layer": st.end_layer,
             "linear_attention_layers": list(st.linear_attention_layers),
             "full_attention_layers": list(st.full_attention_layers),
-            "weight_bytes": stage_weight_bytes(cfg, st, dtype),
+            "weight_bytes": weights,
+            "non_expert_weight_bytes": non_expert,
             "cache_bytes_per_token": cache_bytes_per_token(cfg, st, dtype),
             "cache_bytes_per_sequence": cache_bytes_per_sequence(cfg, st, dtype),
             # Positions in jax.devices() order: row `stage` of the (pipeline, dwdp) mesh.
-            "devices": list(range(st.stage * args.dwdp, (st.stage + 1) * args.dwdp)),
+            "devices": list(range(st.stage * n, (st.stage + 1) * n)),
             "dwdp_ranks": ranks,
         })
     return {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
-            "dwdp": args.dwdp, "stages": out}
+            "dwdp": args.dwdp, "dep": args.dep, "stages": out}
 
 
 def cmd_convert(args) -> dict:
@@ -430,7 +462,7 @@ COMMANDS = {"prefill": cmd_prefill, "plan": cmd_plan, "convert": cmd_convert, "v
 def _ensure_cpu_devices(args) -> None:
     """A CPU-only run of P stages x N ranks needs P x N host devices, which XLA creates only if told before jax
     starts; the flag is ignored by GPU backends."""
-    need = getattr(args, "pipeline", 1) * getattr(args, "dwdp", 1)
+    need = getattr(args, "pipeline", 1) * max(getattr(args, "dwdp", 1), getattr(args, "dep", 1))
     flags = os.environ.get("XLA_FLAGS", "")
     if need > 1 and "xla_force_host_platform_device_count" not in flags:
         # At least 8: with exactly 2 host devices XLA's CPU all-gather deadlocked on a 2-core machine (jax 0.10.2).

@@ -44,6 +44,7 @@ def routed_experts(
     *,
     grouped_matmul_impl: str | None = None,
     gate_up_interleaved: bool = False,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e.
 
@@ -51,6 +52,9 @@ def routed_experts(
     `gate_up_interleaved`, in `kernels.interleave_gate_up`'s layout, which lets the GPU kernel fuse SiLU(gate) * up
     into the projection's epilogue); down_proj [E, H, I].
     Tokens are sorted by expert, pushed through two grouped matmuls, and gathered back (a gather, not a scatter).
+    `valid` [M, k] (DEP, a rank holding a block of the experts): only these slots count; the others must carry an
+    id >= E, which sorts them after every group (no kernel computes them) and their rows, unspecified for some
+    kernels, are masked out.
     """
     m, k = expert_ids.shape
     num_experts, two_i, _ = gate_up_proj.shape
@@ -68,6 +72,8 @@ def routed_experts(
     # Back to (token, slot) order. The inverse permutation is a scatter of iota (no second sort).
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
     out = out[inverse] * expert_weights.reshape(-1)[:, None]
+    if valid is not None:
+        out = jnp.where(valid.reshape(-1)[:, None], out, 0)
     return jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
 
 
@@ -107,18 +113,24 @@ class SparseMoe(nnx.Module):
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype, rngs=rngs)
         self.top_k = cfg.num_experts_per_tok
 
-    def __call__(self, x: jax.Array, experts: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, experts=None) -> jax.Array:
         """x [..., H]. `experts` = (gate_up_proj, down_proj) overrides this module's own expert weights (gate_up in
         this module's layout, `self.experts.gate_up_interleaved`); it may also be a function of x returning them
-        (DWDP's FFI path waits for the layer's expert copy there)."""
+        (DWDP's FFI path waits for the layer's expert copy there), or an object whose `routed(x, ids, weights,
+        gate_up_interleaved=)` replaces `routed_experts` (DEP: the tokens travel to the ranks holding their
+        experts)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         if callable(experts):
             experts = experts(flat)
-        gate_up, down = experts if experts is not None else (self.experts.gate_up_proj[...], self.experts.down_proj[...])
         ids, weights = route(flat, self.gate.weight[...], self.top_k)
-        routed = routed_experts(flat, ids, weights, gate_up, down,
-                                gate_up_interleaved=self.experts.gate_up_interleaved)
+        interleaved = self.experts.gate_up_interleaved
+        if hasattr(experts, "routed"):
+            routed = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved)
+        else:
+            gate_up, down = experts if experts is not None else (self.experts.gate_up_proj[...],
+                                                                 self.experts.down_proj[...])
+            routed = routed_experts(flat, ids, weights, gate_up, down, gate_up_interleaved=interleaved)
         shared_gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)).astype(x.dtype)
         out = routed + shared_gate * self.shared_expert(flat)
         return out.reshape(*lead, -1)

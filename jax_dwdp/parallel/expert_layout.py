@@ -53,19 +53,25 @@ def expert_bytes_per_layer(cfg: ModelConfig, itemsize: int) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
 
 
-def rank_memory(cfg: ModelConfig, layout: ExpertLayout, rank: int, num_moe_layers: int, itemsize: int) -> dict:
+def rank_memory(cfg: ModelConfig, layout: ExpertLayout, rank: int, num_moe_layers: int, itemsize: int, *,
+                prefetch: bool = True, non_expert_bytes: int | None = None) -> dict:
     """Resident expert bytes of a rank (its slots of every layer) and its prefetch buffers: two layers' full expert
     sets (the one the MoE reads and the next being copied). The FFI path copies the E real experts (local block
     included, so the grouped matmul sees one contiguous [E, ...] array); the XLA all-gather also gathers the padding
-    slots. Of those bytes, `peer_bytes_per_layer` cross NVLink per layer."""
+    slots. Of those bytes, `peer_bytes_per_layer` cross NVLink per layer. prefetch=False (DEP: the experts never
+    move, the tokens do) has no prefetch buffers. With `non_expert_bytes` (the stage's other weights, which every
+    rank holds), `resident_bytes` is everything the rank keeps: those plus its experts."""
     per_expert = expert_bytes_per_layer(cfg, itemsize)
     peer_experts = cfg.num_experts - len(layout.owned(rank))
-    return {
+    out = {
         "rank": rank,
         "experts_owned": [layout.owned(rank).start, layout.owned(rank).stop],
         "padding_slots": layout.padding_slots(rank),
         "resident_expert_bytes": num_moe_layers * layout.slots_per_rank * per_expert,
-        "prefetch_buffer_bytes": 2 * cfg.num_experts * per_expert,
-        "xla_gather_buffer_bytes": 2 * layout.padded_experts * per_expert,
-        "peer_bytes_per_layer": peer_experts * per_expert,
+        "prefetch_buffer_bytes": 2 * cfg.num_experts * per_expert if prefetch else 0,
+        "xla_gather_buffer_bytes": 2 * layout.padded_experts * per_expert if prefetch else 0,
+        "peer_bytes_per_layer": peer_experts * per_expert if prefetch else 0,
     }
+    if non_expert_bytes is not None:
+        out["resident_bytes"] = non_expert_bytes + out["resident_expert_bytes"]
+    return out

@@ -11,6 +11,9 @@ move (just before layer l is enqueued, so that they move while layer l computes)
   device-to-device with jax.device_put.
 - `Store`: the CUDA VMM expert store (jax_dwdp.parallel.dwdp_ffi): a one-call program starts layer l+1's copy on
   the store's copy stream; layer l+1's MoE waits for it. The store is made, owned and closed by whoever chose it.
+- `Dispatch`: DEP, what DWDP replaces. Each rank of a 'dwdp' mesh holds its block of every layer, as with `Gather`,
+  but nothing moves ahead of time: inside each MoE the tokens travel to the ranks that hold their experts and
+  their partial outputs come back (`DispatchedExperts`), and every rank waits for every other there.
 
 A source answers, for the runner:
   first(h)             the first layer's experts (or what its program needs to get them), host side;
@@ -181,3 +184,61 @@ class Store(ExpertSource):
 
     def abort(self):
         self.store.sync()  # a copy may still be running into a prefetch output the failure dropped
+
+
+class Dispatch(ExpertSource):
+    """DEP: rank r of `mesh` holds block r of every layer (as for `Gather`); the tokens go to the experts.
+
+    `blocks[i]` = layer i's (gate_up, down), sharded P('dwdp') over the mesh. A layer's MoE gets its own rank's
+    block (`DispatchedExperts`), so no expert weight ever moves.
+    """
+
+    whole_program = True
+
+    def __init__(self, blocks: list[tuple[jax.Array, jax.Array]]):
+        self.blocks = blocks
+
+    def prefetch(self, index, h):
+        return self.blocks[index]
+
+    def experts(self, pending):
+        return DispatchedExperts(*pending)
+
+    def operands(self):
+        return tuple(self.blocks)
+
+    def bind(self, operands):
+        return Dispatch(list(operands))
+
+
+class DispatchedExperts:
+    """Inside shard_map over 'dwdp': this rank's block of a layer's experts, and the token exchange around it.
+
+    The exchange is drop-free with static shapes: every rank's tokens (with their routing, computed on their own
+    rank) are all-gathered, which is an all-to-all whose per-destination capacity is the worst case, all M tokens
+    of a rank (jax.lax.ragged_all_to_all would send only the tokens routed to each rank, but XLA:CPU does not
+    implement it, jax 0.10.2, and at top-8 of 256 experts over 2 ranks 99.6% of tokens need both ranks anyway).
+    Each rank computes, for every token, the sum over its top-k slots whose expert it holds; the partial sums go
+    back to the tokens' ranks with one all-to-all and are added there in fp32. No token is dropped whatever the
+    routing: the buffers hold N * M * k slots, every slot of every rank's tokens.
+    """
+
+    def __init__(self, gate_up: jax.Array, down: jax.Array):
+        self.gate_up, self.down = gate_up, down
+
+    def routed(self, x, ids, weights, *, gate_up_interleaved: bool = False):
+        """x [M, H], ids / weights [M, k] of this rank's tokens -> their routed-expert output [M, H]."""
+        from jax_dwdp.model.moe import routed_experts
+
+        m = x.shape[0]
+        slots = self.gate_up.shape[0]
+        ranks = jax.lax.axis_size(AXIS)
+        all_x, all_ids, all_weights = (jax.lax.all_gather(a, AXIS, tiled=True) for a in (x, ids, weights))
+        local = all_ids - jax.lax.axis_index(AXIS) * slots
+        mine = (local >= 0) & (local < slots)
+        # Slots held elsewhere get the id `slots`: sorted after every group of this block, so no kernel computes
+        # them, and masked out of the sum.
+        partial = routed_experts(all_x, jnp.where(mine, local, slots), jnp.where(mine, all_weights, 0),
+                                 self.gate_up, self.down, gate_up_interleaved=gate_up_interleaved, valid=mine)
+        back = jax.lax.all_to_all(partial.reshape(ranks, m, -1), AXIS, 0, 0, tiled=False)  # [N, M, H]: per source
+        return jnp.sum(back.astype(jnp.float32), axis=0).astype(x.dtype)

@@ -12,6 +12,7 @@ s-1 works on m+1; activations move between the stages' devices with device_put (
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -23,12 +24,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
-from jax_dwdp.model.moe import fused_swiglu_enabled, set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import LogitsMode
-from jax_dwdp.parallel.dwdp import check_experts_choice, expert_blocks, place_model
-from jax_dwdp.parallel.experts import AXIS, Gather, Local, Store
+from jax_dwdp.parallel.dwdp import (CheckpointLayers, Placement, build_placed, check_experts_choice, expert_blocks,
+                                    model_range, open_store)
+from jax_dwdp.parallel.experts import AXIS, Dispatch, Gather, Local, Store
 from jax_dwdp.parallel.mesh import cpu_barrier, make_mesh
-from jax_dwdp.parallel.runner import StageRunner
+from jax_dwdp.parallel.runner import StageRunner, pad_batch, padded_rows, take_rows
 from jax_dwdp.prefill import InputError, check_tokens
 
 
@@ -75,24 +76,25 @@ def plan_stages(cfg: ModelConfig, pipeline: int, boundaries: list[int] | None = 
 
 def stage_from_model(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: int, device) -> Qwen35MoeForCausalLM:
     """The stage [start_layer, end_layer) of a whole model, its weights copied to `device` (tests, benchmarks)."""
-    graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype=model.dtype, start_layer=start_layer,
-                                                  end_layer=end_layer))
-    full = dict(nnx.to_flat_state(nnx.state(model)))
-    leaves = []
-    for path, var in nnx.to_flat_state(abstract):
-        src = ("layers", path[1] + start_layer, *path[2:]) if path[0] == "layers" else path
-        leaves.append((path, type(var)(jax.device_put(full[src].get_value(), device))))
-    stage = nnx.merge(graphdef, nnx.from_flat_state(leaves))
-    return set_fused_swiglu(stage, fused_swiglu_enabled(model), permute=False)  # the weights came in their layout
+    graphdef, state = nnx.split(model_range(model, start_layer, end_layer))
+    return nnx.merge(graphdef, jax.device_put(state, device))
 
 
 def check_layout(batch: int, microbatches: int, ranks: int) -> None:
-    """A batch must split into equal microbatches, and a microbatch evenly over the DWDP ranks."""
-    if microbatches < 1 or batch % microbatches:
-        raise InputError(f"batch {batch} cannot be split into {microbatches} equal microbatches")
-    if (batch // microbatches) % ranks:
-        raise InputError(f"a microbatch of {batch // microbatches} sequences cannot be split evenly over "
-                         f"{ranks} DWDP ranks")
+    """Any batch runs over any microbatches and ranks (padded with rows of length 0); the counts must be >= 1."""
+    if microbatches < 1 or ranks < 1 or batch < 1:
+        raise InputError(f"need a batch, microbatches and ranks >= 1, got batch {batch}, {microbatches} "
+                         f"microbatches, {ranks} ranks")
+
+
+def microbatch_rows(batch: int, microbatches: int, ranks: int) -> tuple[int, int]:
+    """(rows per microbatch, microbatches that hold real rows) for `batch` sequences in up to `microbatches`
+    microbatches, each split over `ranks` ranks: a microbatch has ceil(batch / microbatches) rows rounded up to a
+    multiple of the ranks, the last one padded with rows of length 0; microbatches that would hold only padding are
+    not run (a batch of 2 in 4 microbatches runs 2)."""
+    check_layout(batch, microbatches, ranks)
+    size = padded_rows(padded_rows(batch, microbatches) // microbatches, ranks)
+    return size, padded_rows(batch, size) // size
 
 
 class Pipeline:
@@ -100,14 +102,20 @@ class Pipeline:
 
     `experts` is chosen once: "local" (each device holds all of its stage's experts; with a 'dwdp' axis of N > 1,
     the replicated baseline), "xla" (DWDP: each of the row's N ranks stores 1/N of its stage's experts, the
-    layers all-gather them one layer ahead) or "ffi" (DWDP through one CUDA VMM expert store per stage, GPUs
-    only; the stage's experts move into the store, which this pipeline owns: close it with `close()` or a `with`
-    block). Default: "xla" with N > 1 ranks, else "local". With ranks the batch is split over them. (SGLang
-    refuses DWDP together with pipeline parallelism; here the two compose.)
+    layers all-gather them one layer ahead), "ffi" (DWDP through one CUDA VMM expert store per stage, GPUs only;
+    the stage's experts move into the store, which this pipeline owns: close it with `close()` or a `with`
+    block) or "dep" (DEP: the ranks hold the same blocks as "xla", but each MoE sends its tokens to the ranks
+    holding their experts and back; `Dispatch`). Default: "xla" with N > 1 ranks, else "local". With ranks the
+    batch is split over them. (SGLang refuses DWDP together with pipeline parallelism; here the two compose.)
+
+    With N > 1 ranks a stage is built one layer at a time (`make_range(stage, a, b)` gives layers [a, b) on the
+    stage's first device; dwdp.build_placed), each layer placed on the row before the next is made.
     """
 
-    def __init__(self, cfg: ModelConfig, stages: list[StageSpec], models: list[Qwen35MoeForCausalLM], mesh, *,
-                 experts: str | None = None):
+    def __init__(self, cfg: ModelConfig, stages: list[StageSpec], mesh, make_range, *, dtype,
+                 experts: str | None = None, owned: bool = True):
+        """make_range(stage index, a, b) -> the model of layers [a, b) on the stage's first device; `owned`: its
+        arrays belong to this pipeline (made for it), so they are freed as soon as they are placed."""
         self.cfg, self.stages, self.mesh = cfg, stages, mesh
         self.ranks = mesh.shape[AXIS]
         self.experts = experts = experts or ("xla" if self.ranks > 1 else "local")
@@ -115,35 +123,44 @@ class Pipeline:
         if experts == "ffi":
             from jax_dwdp.parallel.dwdp_ffi import require_gpus
 
-            require_gpus(mesh.devices.flat)  # before any weights move
+            require_gpus(mesh.devices.flat)  # before any weights are made
         self.devices = [mesh.devices[s, 0] for s in range(len(stages))]
         self.row_meshes = [Mesh(mesh.devices[s], (AXIS,)) for s in range(len(stages))]
+        self.stores: list = []
+        self.load_reports: list = []  # one per stage when loaded from a checkpoint
+        try:
+            self.models = [self._build(st, make_range, dtype, owned) for st in stages]
+        except BaseException as e:
+            self.close(e)
+            raise
         if self.ranks > 1:
-            # Expert weights split over the row (or, "local", replicated), the rest replicated; the unsplit stage
-            # models are dropped.
-            models = [place_model(m, row, split_experts=experts != "local") for m, row in zip(models, self.row_meshes)]
             self.input_shardings = [NamedSharding(row, P(AXIS)) for row in self.row_meshes]
         else:
             self.input_shardings = [SingleDeviceSharding(d) for d in self.devices]
-        self.models = models
-        self.stores: list = []
         if experts == "ffi":
-            from jax_dwdp.parallel.dwdp_ffi import ExpertStore
-
-            try:
-                for m in models:  # each stage's experts move into its store: the XLA copies are deleted
-                    self.stores.append(ExpertStore.from_sharded(expert_blocks(m), cfg.num_experts))
-            except BaseException as e:
-                self.close(e)
-                raise
             sources = [Store(store, row) for store, row in zip(self.stores, self.row_meshes)]
         elif experts == "xla":
-            sources = [Gather(expert_blocks(m), row) for m, row in zip(models, self.row_meshes)]
+            sources = [Gather(expert_blocks(m), row) for m, row in zip(self.models, self.row_meshes)]
+        elif experts == "dep":
+            sources = [Dispatch(expert_blocks(m)) for m in self.models]
         else:
-            sources = [Local() for _ in models]
-        mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(models)
-        self.runners = [StageRunner(m, source, mesh=row) for m, source, row in zip(models, sources, mesh_of)]
-        self.load_reports: list = []  # one line per stage when loaded from a checkpoint
+            sources = [Local() for _ in self.models]
+        mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(self.models)
+        self.runners = [StageRunner(m, source, mesh=row) for m, source, row in zip(self.models, sources, mesh_of)]
+
+    def _build(self, st: StageSpec, make_range, dtype, owned: bool) -> Qwen35MoeForCausalLM:
+        """Stage `st`: as made, on its device (one rank); else placed on its row one layer at a time (experts
+        split, replicated, or moved into the stage's expert store)."""
+        ranges = functools.partial(make_range, st.stage)
+        if self.ranks == 1:
+            return ranges(st.start_layer, st.end_layer)
+        row = self.row_meshes[st.stage]
+        if self.experts == "ffi":
+            self.stores.append(open_store(row, self.cfg, st.end_layer - st.start_layer, dtype))
+            placement = Placement(row, experts="store", store=self.stores[-1], owned=owned)
+        else:
+            placement = Placement(row, experts="replicate" if self.experts == "local" else "split", owned=owned)
+        return build_placed(self.cfg, st.start_layer, st.end_layer, ranges, placement, dtype=dtype)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -154,25 +171,31 @@ class Pipeline:
         `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(cfg, pipeline, boundaries)
-        models = [init_model(cfg, dtype=dtype, seed=seed, start_layer=st.start_layer, end_layer=st.end_layer,
-                             device=mesh.devices[st.stage, 0], fused_swiglu=fused_swiglu)
-                  for st in stages]
-        return cls(cfg, stages, models, mesh, experts=experts)
+
+        def make_range(stage, a, b):
+            return init_model(cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b, device=mesh.devices[stage, 0],
+                              fused_swiglu=fused_swiglu)
+        return cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts)
 
     @classmethod
     def from_model(cls, model: Qwen35MoeForCausalLM, pipeline: int, *, dwdp: int = 1, boundaries=None,
                    devices=None, experts: str | None = None) -> "Pipeline":
-        """Splits a whole model into stages (for comparing with the one-device model)."""
+        """Splits a whole model into stages (for comparing with the one-device model); `model` is left as it was."""
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(model.cfg, pipeline, boundaries)
-        models = [stage_from_model(model, st.start_layer, st.end_layer, mesh.devices[st.stage, 0]) for st in stages]
-        return cls(model.cfg, stages, models, mesh, experts=experts)
+
+        def make_range(stage, a, b):
+            if mesh.shape[AXIS] == 1:
+                return stage_from_model(model, a, b, mesh.devices[stage, 0])
+            return model_range(model, a, b)  # placed from where it is, not copied first
+        return cls(model.cfg, stages, mesh, make_range, dtype=model.dtype, experts=experts, owned=False)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
                         boundaries=None, devices=None, cfg: ModelConfig | None = None,
                         fused_swiglu: bool = False, experts: str | None = None) -> "Pipeline":
-        """Each stage loads only its own layers (HF or Orbax folder), straight onto its device.
+        """Each stage loads only its own layers (HF or Orbax folder), straight onto its device (one rank) or one
+        layer at a time onto its first device, each placed on the row before the next loads (N ranks).
         `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
         from jax_dwdp.weights import load_checkpoint
         from jax_dwdp.weights.hf_loader import load_config
@@ -180,15 +203,26 @@ class Pipeline:
         cfg = cfg or load_config(checkpoint_dir)
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(cfg, pipeline, boundaries)
-        models, reports = [], []
-        for st in stages:
-            sharding = jax.sharding.SingleDeviceSharding(mesh.devices[st.stage, 0])
-            model, report = load_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=st.start_layer,
-                                            end_layer=st.end_layer, placement=lambda *_, sh=sharding: sh,
-                                            fused_swiglu=fused_swiglu)
-            models.append(model)
+        reports, loaders = [], {}
+
+        def make_range(stage, a, b):
+            device = mesh.devices[stage, 0]
+            if dwdp > 1:
+                if stage not in loaders:
+                    loaders[stage] = CheckpointLayers(checkpoint_dir, cfg, dtype, device, fused_swiglu=fused_swiglu)
+                return loaders[stage](a, b)
+            sharding = SingleDeviceSharding(device)
+            model, report = load_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=a, end_layer=b,
+                                            placement=lambda *_: sharding, fused_swiglu=fused_swiglu)
             reports.append(report)
-        pipe = cls(cfg, stages, models, mesh, experts=experts)
+            return model
+        try:
+            pipe = cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts)
+        finally:
+            for loader in loaders.values():
+                loader.close()
+        if dwdp > 1:
+            reports = [loaders[st.stage].report(st.start_layer, st.end_layer) for st in stages]
         pipe.load_reports = reports
         return pipe
 
@@ -213,14 +247,16 @@ class Pipeline:
                 cache_len: int | None = None, layerwise: bool = False) -> tuple[jax.Array | None, list[Cache]]:
         """Returns (logits on the last stage's device, one Cache per stage on that stage's device).
 
+        Any batch: microbatches of ceil(B / microbatches) sequences rounded up to a multiple of the ranks, padded
+        with rows of length 0 that the results leave out (`microbatch_rows`).
         layerwise=True compiles one program per layer type instead of one per stage (FFI experts: always)."""
         tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
         batch = tokens.shape[0]
-        check_layout(batch, microbatches, self.ranks)
-        size = batch // microbatches
+        size, used = microbatch_rows(batch, microbatches, self.ranks)
+        tokens, lengths = pad_batch(tokens, lengths, size * used)
         wait = cpu_barrier(self.devices[0].platform)
         outs, caches = [], [[] for _ in self.stages]
-        for m in range(microbatches):
+        for m in range(used):
             rows = slice(m * size, (m + 1) * size)
             x = tokens[rows]
             for s, runner in enumerate(self.runners):
@@ -230,7 +266,14 @@ class Pipeline:
                 caches[s].append(cache)
             outs.append(x)
         out = None if logits == "none" else jnp.concatenate(outs, axis=0)
-        return out, [Cache.concat_batch(c) for c in caches]
+        results = out, [Cache.concat_batch(c) for c in caches]
+        return results if size * used == batch else _first_rows(results, batch)
+
+
+def _first_rows(results, batch: int):
+    """(logits, per-stage caches) of a padded batch -> those of its first `batch` rows."""
+    out, caches = results
+    return (None if out is None else out[:batch]), [take_rows((None, c), batch)[1] for c in caches]
 
 
 def stage_weight_bytes(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:

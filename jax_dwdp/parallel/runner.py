@@ -14,15 +14,24 @@ Two ways to compile the same loop:
   `Gather`); others always run layer-wise.
 
 Placement: `mesh` (a 1-D 'dwdp' mesh; the model already placed on it, see dwdp.place_model) runs the programs
-over the ranks with shard_map, the batch split evenly over them; `device` copies the stage's non-expert weights
-to that device (independent ranks); neither runs the model where it is.
+over the ranks with shard_map, the batch split evenly over them (a batch that the ranks do not divide gets rows of
+length 0, dropped from the results); `device` runs them on that device with the stage's non-expert weights there
+(taken from a replicated array's own shard, else copied: independent ranks); neither runs the model where it is.
+The runner keeps only what its programs read: with a source that provides the experts, the model's own expert
+arrays are not referenced (the caller's model may still hold them).
+
+`profile` runs the loop with each layer split into its mixer and its MoE, every rank waited for separately: how
+long each rank waits at the MoE for the slowest one (DEP's per-layer synchronisation).
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -42,7 +51,7 @@ class StageRunner:
                  device: jax.Device | None = None, barrier=lambda x: x):
         """`barrier` (cpu_barrier) waits for each layer on the CPU, for drivers that run several devices' layers
         from Python (see cpu_barrier)."""
-        self.model, self.source, self.mesh, self.device = model, source or Local(), mesh, device
+        self.source, self.mesh, self.device = source or Local(), mesh, device
         self._barrier = barrier
         self.ranks = mesh.shape[AXIS] if mesh is not None else 1
         graphdef, state = nnx.split(model)
@@ -54,7 +63,7 @@ class StageRunner:
             if self.source.replaces_experts and is_expert_weight(path):
                 value = jax.device_put(jnp.zeros((), value.dtype), where)
             elif device is not None:
-                value = jax.device_put(value, device)
+                value = on_device(value, device)
             flat.append((path, type(var)(value)))
         self.graphdef, self.state = graphdef, nnx.from_flat_state(flat)
         self.graph = StaticGraph.of(graphdef)
@@ -101,18 +110,42 @@ class StageRunner:
                  layerwise: bool = True, abort_on_error: bool = True, cache: Cache | None = None):
         """x: tokens [B, T] (first stage) or hidden states [B, T, H]; lengths [B]. `abort_on_error=False` leaves
         the source's abort to the caller (independent ranks abort once, after every rank has stopped). `cache`
-        (one device only): the stage's cache from an earlier prefill of the same sequences, which x continues."""
-        if x.shape[0] % self.ranks:
-            raise ValueError(f"batch {x.shape[0]} cannot be split evenly over {self.ranks} DWDP ranks")
+        (one device only): the stage's cache from an earlier prefill of the same sequences, which x continues.
+        Over N ranks, a batch that N does not divide is padded with rows of length 0, which the results leave out."""
         if cache is not None and (self.mesh is not None or not isinstance(self.source, Local)):
             raise ValueError("a prefill continues a cache on one device with its own experts only")
+        batch = x.shape[0]
+        x, lengths = pad_batch(x, lengths, padded_rows(batch, self.ranks))
         x, lengths = self.place(x), self.place(lengths)
         if cache is not None:
             cache = jax.device_put(cache, self.device) if self.device is not None else cache
         if not layerwise and self.source.whole_program:
             args = (self.state, self.source.operands(), x, lengths) + (() if cache is None else (cache,))
-            return self._whole(logits, cache_len)(*args)
-        return self._run(_Programs(self), x, lengths, logits, cache_len, abort_on_error, cache)
+            out = self._whole(logits, cache_len)(*args)
+        else:
+            out = self._run(_Programs(self), x, lengths, logits, cache_len, abort_on_error, cache)
+        return take_rows(out, batch) if x.shape[0] != batch else out
+
+    def profile(self, x, lengths, *, cache_len: int | None = None) -> dict:
+        """One layer-wise prefill (logits "none") with each layer run as two programs, its mixer (norm, attention
+        or Gated DeltaNet, residual) and its MoE (norm, the source's experts, residual), each waited for on every
+        rank separately (one host thread per rank on GPUs). Every layer starts when the previous one has ended on
+        all ranks, so a rank's mixer end is when it reaches the MoE, where DEP exchanges tokens.
+
+        Returns {"mixer_ms": [layers][ranks] each rank's mixer, "moe_ms": [layers] from the last rank's mixer end
+        to the last rank's MoE end, "wait_ms": [layers][ranks] how long each rank waits at the MoE for the slowest
+        rank (max over ranks of the mixer end minus its own), "layer_ms": [layers]}. Sources that fetch inside the
+        previous layer's program (`Gather`) have no MoE of their own to split off and are refused."""
+        if self.source.gathers:
+            raise ValueError(f"{type(self.source).__name__} experts cannot be profiled layer by layer")
+        batch = x.shape[0]
+        x, lengths = pad_batch(x, lengths, padded_rows(batch, self.ranks))
+        ops = _Profiled(self)
+        try:
+            self._run(ops, self.place(x), self.place(lengths), "none", cache_len, True)
+        finally:
+            ops.close()
+        return ops.report()
 
     def lower(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None):
         """The lowered whole-stage program (to inspect its HLO)."""
@@ -140,10 +173,10 @@ class StageRunner:
                                      logits, cache_len, abort_on_error=False, cache=cache)
             if self.mesh is not None:
                 b = P(AXIS)
-                out = None if (self.model.is_last and logits == "none") else b
+                out = None if (self.stage.is_last and logits == "none") else b
                 cache = Cache(key=P(None, AXIS), value=P(None, AXIS), conv=P(None, AXIS), recurrent=P(None, AXIS),
-                              lengths=b, full_layer_ids=self.model.full_layer_ids,
-                              linear_layer_ids=self.model.linear_layer_ids)
+                              lengths=b, full_layer_ids=self.stage.full_layer_ids,
+                              linear_layer_ids=self.stage.linear_layer_ids)
                 body = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), b, b, b), out_specs=(out, cache),
                                      check_vma=False)
             self._programs[key] = jax.jit(body)
@@ -153,17 +186,23 @@ class StageRunner:
         """The compiled embed / head(mode) / layer(type) program, shared by every call of this runner."""
         if (kind, *key) in self._programs:
             return self._programs[(kind, *key)]
+        b = P(AXIS)
         if kind == "embed":
-            fn, static, specs, out = embed_body, (self.graph,), (P(), P(AXIS)), P(AXIS)
+            fn, static, specs, out = embed_body, (self.graph,), (P(), b), b
         elif kind == "head":
-            fn, static, specs, out = head_body, (self.graph, *key), (P(), P(AXIS), P(AXIS)), P(AXIS)
+            fn, static, specs, out = head_body, (self.graph, *key), (P(), b, b), b
+        elif kind == "mixer":
+            fn, static, specs, out = mixer_body, (self.canonical[key[0]],), (P(), b, b, b, P()), (b, b)
+        elif kind == "moe":
+            fn, static, specs, out = moe_body, (self.canonical[key[0]], self.source), (P(), b, b), b
         else:
             b = P(AXIS)
             # (the last argument, a continued cache, is None on a mesh: see __call__)
             fn, static, specs, out = (layer_body, (self.canonical[key[0]], self.source), (P(), b, b, b, b, b, P()),
                                       ((b, b), b))
         if self.mesh is None:  # the module-level programs, shared with every other runner
-            program = functools.partial({"embed": run_embed, "head": run_head, "layer": run_layer}[kind], *static)
+            program = functools.partial({"embed": run_embed, "head": run_head, "layer": run_layer, "mixer": run_mixer,
+                                         "moe": run_moe}[kind], *static)
         else:
             program = jax.jit(jax.shard_map(functools.partial(fn, *static), mesh=self.mesh, in_specs=specs,
                                             out_specs=out, check_vma=False))
@@ -204,3 +243,108 @@ class _Traced:
 
     def head(self, mode, h, lengths):
         return self.stage.head(h, lengths, mode)
+
+
+class _Profiled(_Programs):
+    """The loop's pieces as compiled programs, each layer as its mixer then its MoE, every rank timed (profile)."""
+
+    def __init__(self, runner: StageRunner):
+        super().__init__(runner)
+        threads = runner.ranks > 1 and jax.devices()[0].platform != "cpu"  # (the CPU client: see cpu_barrier)
+        self._pool = ThreadPoolExecutor(runner.ranks, thread_name_prefix="profile-rank") if threads else None
+        self.mixer_ms, self.moe_ms, self.layer_ms = [], [], []
+
+    def _ready_ms(self, array, t0) -> list[float]:
+        """Per rank (in mesh order), when its shard of `array` was ready, in ms after t0."""
+        shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+
+        def ready(shard):
+            shard.data.block_until_ready()
+            return (time.perf_counter() - t0) * 1e3
+        return list(self._pool.map(ready, shards)) if self._pool is not None else [ready(s) for s in shards]
+
+    def layer(self, i, layer, h, positions, lengths, pending, ahead, layer_cache):
+        runner = self.runner
+        state = runner.layer_states[i]
+        t0 = time.perf_counter()
+        x, out = runner.program("mixer", layer.layer_type)(state, h, positions, lengths, layer_cache)
+        mixer = self._ready_ms(x, t0)
+        h = runner.program("moe", layer.layer_type)(state, x, pending)
+        end = max(self._ready_ms(h, t0))
+        self.mixer_ms.append(mixer)
+        self.moe_ms.append(end - max(mixer))
+        self.layer_ms.append(end)
+        return (h, out), None
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def report(self) -> dict:
+        mixer = np.asarray(self.mixer_ms)
+        wait = mixer.max(axis=1, keepdims=True) - mixer
+        return {"mixer_ms": mixer.round(3).tolist(), "moe_ms": np.round(self.moe_ms, 3).tolist(),
+                "wait_ms": wait.round(3).tolist(), "layer_ms": np.round(self.layer_ms, 3).tolist()}
+
+
+def mixer_body(graph: StaticGraph, state, h, positions, lengths, layer_cache=None):
+    """A decoder layer's first half (DecoderLayer.__call__ up to the MoE): h + attention or GDN of norm(h)."""
+    with precision_scope(h.dtype):
+        layer = nnx.merge(graph.value, state)
+        normed = layer.input_layernorm(h)
+        if hasattr(layer, "linear_attn"):
+            mixed, cache = layer.linear_attn(normed, lengths, layer_cache)
+        else:
+            mixed, cache = layer.self_attn(normed, positions, layer_cache)
+        return h + mixed, cache
+
+
+def moe_body(graph: StaticGraph, source, state, x, pending):
+    """A decoder layer's second half: x + MoE(norm(x)) with the experts from `source`."""
+    with precision_scope(x.dtype):
+        layer = nnx.merge(graph.value, state)
+        return x + layer.mlp(layer.post_attention_layernorm(x), source.experts(pending))
+
+
+run_mixer = jax.jit(mixer_body, static_argnums=(0,))
+run_moe = jax.jit(moe_body, static_argnums=(0, 1))
+
+
+def on_device(value: jax.Array, device: jax.Device) -> jax.Array:
+    """`value` on `device` alone: the shard it already has there when it holds the whole array there (a replicated
+    array), else a copy."""
+    if isinstance(value, jax.Array) and device in value.devices():
+        for shard in value.addressable_shards:
+            if shard.device == device and shard.data.shape == value.shape:
+                return shard.data
+    return jax.device_put(value, device)
+
+
+def padded_rows(batch: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that holds `batch` rows."""
+    return -(-batch // multiple) * multiple
+
+
+def pad_batch(x, lengths, rows: int):
+    """x [B, ...] and lengths [B] grown to `rows` rows of length 0 (token 0 / zero hidden states): a length-0 row
+    changes no other row and its outputs are finite and ignored."""
+    pad = rows - x.shape[0]
+    if pad == 0:
+        return x, lengths
+    if isinstance(x, jax.Array):
+        x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+    else:
+        x = np.concatenate([np.asarray(x), np.zeros((pad, *x.shape[1:]), np.asarray(x).dtype)])
+    lengths = np.concatenate([np.asarray(lengths), np.zeros((pad,), np.asarray(lengths).dtype)])
+    return x, lengths
+
+
+def take_rows(out, batch: int):
+    """(logits or hidden states, Cache) of a padded batch -> those of its first `batch` rows."""
+    logits, cache = out
+    if logits is not None:
+        logits = logits[:batch]
+    rows = slice(0, batch)
+    cache = cache.replace(key=cache.key[:, rows], value=cache.value[:, rows], conv=cache.conv[:, rows],
+                          recurrent=cache.recurrent[:, rows], lengths=cache.lengths[rows])
+    return logits, cache
