@@ -86,6 +86,13 @@ def main() -> None:
         """The three kernels timed alone (inputs prepared once)."""
         qp, kp, vp, gp, bp, lp = gdn_pallas.pad_inputs(q, k, v, g, beta, lengths)
         rep = hv // hk
+        if tuning.fused_output:  # two kernels: prep (with the scores) and the recurrence that writes the output
+            prep = jax.jit(lambda *a: gdn_pallas.prepare(*a, rep=rep, tuning=tuning))
+            w, u, kg, cum, scores, qs = prep(lp, kp, vp, gp, bp, qp)
+            rec = jax.jit(lambda *a: gdn_pallas.fused_recurrence(*a, rep=rep, tuning=tuning))
+            return {"prep_ms": wall_ms(lambda: prep(lp, kp, vp, gp, bp, qp), jsync),
+                    "recurrence_ms": wall_ms(lambda: rec(lp, qp, qs, scores, w, u, kg, cum), jsync),
+                    "output_ms": 0.0}
         prep = jax.jit(lambda *a: gdn_pallas.prepare(*a, rep=rep, tuning=tuning))
         w, u, kg, cum = prep(lp, kp, vp, gp, bp)
         rec = jax.jit(lambda *a: gdn_pallas.recurrence(*a, tuning=tuning))
@@ -107,10 +114,13 @@ def main() -> None:
         # Run B (2026-11-30) settled the recurrence (block_v by _block_v, 4 warps, 3 stages, state not transposed)
         # and showed the prep kernel at half the time: these are its variants.
         # The 64-wide prep ("wide", not yet measured) first; then the 16-row prep (4 warps is run B's best).
-        cases = [("wide", warps, precision) for warps in (4, 8) for precision in ("tf32", "ieee")]
-        cases += [("doubling", 4, "ieee"), ("doubling", 4, "tf32")]
-        for inverse, w1, precision in cases:
-            tuning = gdn_pallas.Tuning(num_warps=(w1, 4, 4), inverse=inverse, merge_precision=precision)
+        # Seventh session: the output fused into the recurrence (fused_output), with 4 or 8 warps for it.
+        cases = [("doubling", 4, "ieee", False, 4), ("doubling", 4, "ieee", True, 4), ("doubling", 4, "ieee", True, 8)]
+        cases += [("wide", warps, precision, False, 4) for warps in (4, 8) for precision in ("tf32", "ieee")]
+        cases += [("doubling", 4, "tf32", False, 4), ("wide", 8, "tf32", True, 4), ("wide", 4, "ieee", True, 4)]
+        for inverse, w1, precision, fused, w2 in cases:
+            tuning = gdn_pallas.Tuning(num_warps=(w1, w2, 4), inverse=inverse, merge_precision=precision,
+                                       fused_output=fused)
             try:
                 kernel = jax.jit(lambda *a, tuning=tuning: gdn_pallas.chunk_gated_delta_rule_pallas(*a, tuning=tuning))
                 ms = wall_ms(lambda: kernel(q, k, v, g, beta, lengths), jsync)

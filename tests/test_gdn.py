@@ -42,6 +42,21 @@ def test_wide_prep_kernel_matches_reference_interpreted(rng):
     check_against_reference(o, state, ref, lengths, "pallas (interpret) wide prep", BOUND)
 
 
+@pytest.mark.parametrize("inverse,hk,hv,initial", [("doubling", 2, 4, True), ("doubling", 1, 4, False),
+                                                    ("wide", 2, 4, False)])
+def test_fused_recurrence_output_matches_reference_interpreted(rng, inverse, hk, hv, initial):
+    """Tuning(fused_output=True): the output computed inside the recurrence (no per-chunk states in memory), the
+    same batch of lengths 1-130 as above, NaN-poisoned output buffer, zero past each length."""
+    lengths = np.array([130, 1, 63, 64, 65], np.int32)
+    q, k, v, g, beta, h0 = gdn_inputs(rng, len(lengths), 130, hk, hv, 16, 32, initial=initial)
+    o, state = chunk_gated_delta_rule_pallas(q, k, v, g, beta, jnp.asarray(lengths), h0,
+                                             poisoned(len(lengths), 130, hv, 32),
+                                             tuning=Tuning(block_v=16, inverse=inverse, fused_output=True),
+                                             interpret=True)
+    ref = reference_per_sequence(q, k, v, g, beta, lengths, h0)
+    check_against_reference(o, state, ref, lengths, f"pallas fused (interpret) {inverse} {hk}/{hv}", BOUND)
+
+
 def test_reference_batch_equals_sequences_alone(rng):
     lengths = np.array([100, 37, 64], np.int32)
     q, k, v, g, beta, h0 = gdn_inputs(rng, 3, 100, 2, 4, 16, 16, initial=True, dtype=jnp.float32)

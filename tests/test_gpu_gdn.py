@@ -30,6 +30,22 @@ def test_kernel_matches_reference(rng, hk, hv, initial):
     check_against_reference(o, state, ref, lengths, f"pallas {hk}/{hv} heads, initial {initial}", BOUND)
 
 
+@pytest.mark.parametrize("options", [dict(fused_output=True), dict(fused_output=False),
+                                     dict(inverse="wide"), dict(inverse="wide", fused_output=True),
+                                     dict(inverse="wide", merge_precision="tf32")])
+def test_kernel_variants_match_reference(rng, options):
+    """Every Tuning the benchmark may pick as the default, on the mixed-length batch with a random initial state."""
+    from jax_dwdp.kernels.gdn_pallas import Tuning, chunk_gated_delta_rule_pallas
+
+    lengths = np.array([4096, 1, 63, 64, 65, 1000], np.int32)
+    b, t = len(lengths), int(lengths.max())
+    q, k, v, g, beta, h0 = gdn_inputs(rng, b, t, 16, 32, 128, 128, initial=True)
+    o, state = chunk_gated_delta_rule_pallas(q, k, v, g, beta, jnp.asarray(lengths), h0, poisoned(b, t, 32, 128),
+                                             tuning=Tuning(**options))
+    ref = reference_per_sequence(q, k, v, g, beta, lengths, h0, batched=True)
+    check_against_reference(o, state, ref, lengths, f"pallas {options}", BOUND)
+
+
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 1000, 4096])
 def test_kernel_single_lengths(rng, t):
     from jax_dwdp.kernels import chunk_gated_delta_rule

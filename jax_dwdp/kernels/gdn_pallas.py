@@ -116,10 +116,35 @@ def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, pre
     cum_ref[...] = cum
 
 
-def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, *, inverse: str,
-                 merge_precision: str):
+def _scores(q_ref, k_ref, g_ref, scale: float):
+    """The chunk's causal decayed scores causal(q.k exp(cum_i - cum_j)) [C, C] (q, k l2-normalised, q scaled) and
+    the row factors of q against the state entering the chunk, rq exp(cum) [C] (fp32): what the fused recurrence
+    needs to produce the output."""
+    q, k = q_ref[...], k_ref[...]
+    qf, kf = q.astype(_F32), k.astype(_F32)
+    rq = lax.rsqrt(jnp.sum(qf * qf, axis=1) + EPS) * scale
+    rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
+    cum = jnp.cumsum(g_ref[...])
+    causal = _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
+    scores = plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :]
+    scores = jnp.where(causal, scores * jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    return scores, rq * jnp.exp(cum)
+
+
+def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, merge_precision: str,
+                 fused: bool, scale: float):
     b, n = pl.program_id(0), pl.program_id(2)
     nb = CHUNK // SUB
+    if fused:  # also the output's pieces that do not depend on the state (see fused_recurrence)
+        q_ref, w_ref, u_ref, kg_ref, cum_ref, a_ref, qs_ref = refs
+
+        @pl.when(n * CHUNK < len_ref[b])
+        def _():
+            scores, q_scale = _scores(q_ref, k_ref, g_ref, scale)
+            a_ref[...] = scores.astype(a_ref.dtype)
+            qs_ref[...] = q_scale
+    else:
+        w_ref, u_ref, kg_ref, cum_ref = refs
 
     if inverse == "wide":
         pl.when(n * CHUNK < len_ref[b])(
@@ -212,6 +237,37 @@ def _recurrence_kernel(len_ref, w_ref, u_ref, kg_ref, cum_ref, *rest, has_initia
     ht_ref[...] = lax.fori_loop(0, num_chunks, chunk, state)
 
 
+def _fused_kernel(len_ref, q_ref, qs_ref, a_ref, w_ref, u_ref, kg_ref, cum_ref, *rest, has_initial: bool):
+    """The recurrence with the output folded in (Tuning.fused_output): per chunk, besides the state update,
+      o = (q @ S) rq exp(cum) + A @ v_new,   A = causal(q.k exp(cum_i - cum_j)) from the prep kernel,
+    so neither the per-chunk states nor v_new go through memory. The output's products hang off the loop's
+    dependency chain (S -> v_new -> S), so they fill its latency instead of lengthening it."""
+    h0_ref = rest[0] if has_initial else None
+    o_ref, ht_ref = rest[-2], rest[-1]  # (an aliased `out` buffer, if any, sits before them: the same memory)
+    b = pl.program_id(0)
+    length = len_ref[b]
+    num_chunks = (length + CHUNK - 1) // CHUNK
+    state = h0_ref[...].astype(_F32) if has_initial else jnp.zeros(ht_ref.shape, _F32)
+    row = _iota((CHUNK, 1), 0)
+
+    def chunk(n, state):
+        rows = pl.ds(n * CHUNK, CHUNK)
+        s_half = state.astype(w_ref.dtype)
+        v_new = (u_ref[rows, :].astype(_F32) - plgpu.dot(w_ref[rows, :], s_half)).astype(w_ref.dtype)
+        o = plgpu.dot(q_ref[rows, :], s_half) * qs_ref[rows][:, None] + plgpu.dot(a_ref[rows, :], v_new)
+        o_ref[rows, :] = jnp.where(n * CHUNK + row < length, o, 0.0).astype(o_ref.dtype)
+        decay = jnp.exp(cum_ref[n * CHUNK + CHUNK - 1])
+        return state * decay + plgpu.dot(kg_ref[rows, :], v_new, trans_a=True)
+
+    ht_ref[...] = lax.fori_loop(0, num_chunks, chunk, state)
+
+    def zero(n, carry):  # chunks past the sequence's end
+        o_ref[pl.ds(n * CHUNK, CHUNK), :] = jnp.zeros((CHUNK, o_ref.shape[-1]), o_ref.dtype)
+        return carry
+
+    lax.fori_loop(num_chunks, o_ref.shape[0] // CHUNK, zero, 0)
+
+
 def _output_kernel(len_ref, q_ref, k_ref, cum_ref, hs_ref, vn_ref, *rest, scale: float):
     o_ref = rest[-1]  # rest is (o,) or, with a buffer to write into, (that buffer as input, o): the same memory
     b, n = pl.program_id(0), pl.program_id(2)
@@ -261,6 +317,7 @@ class Tuning:
     num_stages: tuple[int, int, int] = (2, 3, 2)
     inverse: str = "doubling"
     merge_precision: str = "ieee"
+    fused_output: bool = False
 
     def params(self, i: int) -> plgpu.CompilerParams:
         return plgpu.CompilerParams(num_warps=self.num_warps[i], num_stages=self.num_stages[i])
@@ -283,24 +340,36 @@ def _whole(lengths) -> pl.BlockSpec:
     return pl.BlockSpec(lengths.shape, lambda *_: (0,))
 
 
-def prepare(lengths, k, v, g, beta, *, rep: int, tuning: Tuning = Tuning(), interpret: bool = False):
+def prepare(lengths, k, v, g, beta, q=None, *, rep: int, tuning: Tuning = Tuning(), interpret: bool = False):
     """Kernel 1. k [B, T, HK, dk], v [B, T, HV, dv] (T a multiple of CHUNK); g, beta [B, HV, T] fp32 with padded
     steps zeroed. Returns w, u, kg [B, HV, T, d] in v's dtype and the in-chunk cumulative log-decay [B, HV, T]
-    fp32 (chunks past a sequence's length unwritten)."""
+    fp32 (chunks past a sequence's length unwritten). With q [B, T, HK, dk] (for `fused_recurrence`), also the
+    chunks' causal decayed scores A [B, HV, T, CHUNK] in v's dtype and q's row factors [B, HV, T] fp32."""
     b, tp, hv, dv = v.shape
     dk = k.shape[-1]
+    fused = q is not None
+    in_specs = [_whole(lengths), _key_chunk(dk, rep), pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0)),
+                _GATES, _GATES]
+    out_specs = [_per_chunk(dk), _per_chunk(dv), _per_chunk(dk), _GATES]
+    out_shape = [jax.ShapeDtypeStruct((b, hv, tp, d), v.dtype) for d in (dk, dv, dk)] + [
+        jax.ShapeDtypeStruct((b, hv, tp), _F32)]
+    args = [lengths, k, v, g, beta]
+    if fused:
+        in_specs.append(_key_chunk(dk, rep))
+        out_specs += [_per_chunk(CHUNK), _GATES]
+        out_shape += [jax.ShapeDtypeStruct((b, hv, tp, CHUNK), v.dtype), jax.ShapeDtypeStruct((b, hv, tp), _F32)]
+        args.append(q)
     return pl.pallas_call(
-        functools.partial(_prep_kernel, inverse=tuning.inverse, merge_precision=tuning.merge_precision),
+        functools.partial(_prep_kernel, inverse=tuning.inverse, merge_precision=tuning.merge_precision, fused=fused,
+                          scale=dk**-0.5),
         grid=(b, hv, tp // CHUNK),
-        in_specs=[_whole(lengths), _key_chunk(dk, rep),
-                  pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0)), _GATES, _GATES],
-        out_specs=[_per_chunk(dk), _per_chunk(dv), _per_chunk(dk), _GATES],
-        out_shape=[jax.ShapeDtypeStruct((b, hv, tp, d), v.dtype) for d in (dk, dv, dk)]
-        + [jax.ShapeDtypeStruct((b, hv, tp), _F32)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=tuning.params(0),
         interpret=interpret,
         name="gdn_prep",
-    )(lengths, k, v, g, beta)
+    )(*args)
 
 
 def recurrence(lengths, w, u, kg, cum, initial_state=None, *, tuning: Tuning = Tuning(), interpret: bool = False):
@@ -333,6 +402,45 @@ def recurrence(lengths, w, u, kg, cum, initial_state=None, *, tuning: Tuning = T
         compiler_params=tuning.params(1),
         interpret=interpret,
         name="gdn_recurrence",
+    )(*args)
+
+
+def fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, initial_state=None, out=None, *, rep: int,
+                     tuning: Tuning = Tuning(), interpret: bool = False):
+    """Kernels 2 and 3 in one (Tuning.fused_output): q [B, T, HK, dk] raw, q_scale / scores from `prepare(..., q)`.
+    Returns (o [B, T, HV, dv] in u's dtype, zero past each sequence's length; final state [B, HV, dk, dv] fp32).
+    `out`: an optional [B, T, HV, dv] buffer o is written into."""
+    b, hv, tp, dk = w.shape
+    dv = u.shape[3]
+    bv = min(tuning.block_v or _block_v(b, hv, dv), dv)
+    has_initial = initial_state is not None
+
+    def whole_sequence(d):
+        return pl.BlockSpec((None, None, tp, d), lambda i, h, j: (i, h, 0, 0))
+
+    gates = pl.BlockSpec((None, None, tp), lambda i, h, j: (i, h, 0))
+    state_block = pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j))
+    o_spec = pl.BlockSpec((None, tp, None, bv), lambda i, h, j: (i, 0, h, j))
+    in_specs = [_whole(lengths), pl.BlockSpec((None, tp, None, dk), lambda i, h, j: (i, 0, h // rep, 0)), gates,
+                whole_sequence(CHUNK), whole_sequence(dk), pl.BlockSpec((None, None, tp, bv), lambda i, h, j: (i, h, 0, j)),
+                whole_sequence(dk), gates]
+    args = [lengths, q, q_scale, scores, w, u, kg, cum]
+    if has_initial:
+        in_specs.append(state_block)
+        args.append(initial_state.astype(_F32))
+    if out is not None:
+        in_specs.append(o_spec)
+        args.append(out)
+    return pl.pallas_call(
+        functools.partial(_fused_kernel, has_initial=has_initial),
+        grid=(b, hv, dv // bv),
+        in_specs=in_specs,
+        out_specs=[o_spec, state_block],
+        out_shape=[jax.ShapeDtypeStruct((b, tp, hv, dv), u.dtype), jax.ShapeDtypeStruct((b, hv, dk, dv), _F32)],
+        input_output_aliases={len(args) - 1: 0} if out is not None else {},
+        compiler_params=tuning.params(1),
+        interpret=interpret,
+        name="gdn_recurrence_output",
     )(*args)
 
 
@@ -396,6 +504,12 @@ def chunk_gated_delta_rule_pallas(
     t = q.shape[1]
     rep = v.shape[2] // q.shape[2]
     q, k, v, g, beta, lengths = pad_inputs(q, k, v, g, beta, lengths)
+    if tuning.fused_output:
+        w, u, kg, cum, scores, q_scale = prepare(lengths, k, v, g, beta, q, rep=rep, tuning=tuning,
+                                                 interpret=interpret)
+        o, final = fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, initial_state, out, rep=rep,
+                                    tuning=tuning, interpret=interpret)
+        return o[:, :t] if o.shape[1] != t else o, final
     w, u, kg, cum = prepare(lengths, k, v, g, beta, rep=rep, tuning=tuning, interpret=interpret)
     states, v_new, final = recurrence(lengths, w, u, kg, cum, initial_state, tuning=tuning, interpret=interpret)
     o = output(lengths, q, k, cum, states, v_new, out, rep=rep, tuning=tuning, interpret=interpret)
