@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-xla", action="store_true", help="skip timing the XLA reference path")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--tuning", nargs="+", default=[""], metavar="KWARGS",
+                    help="one or more Tuning keyword lists, e.g. \"fused_output=True\" (\"\" = the default); each "
+                         "runs the whole table")
     args = ap.parse_args()
 
     import jax
@@ -103,7 +106,8 @@ def main() -> None:
                 "output_ms": wall_ms(lambda: outk(lp, qp, kp, cum, states, v_new),
                                      jsync)}
 
-    tunings = {heads: gdn_pallas.Tuning() for heads in args.heads}
+    chosen = [eval(f"gdn_pallas.Tuning({kw})") for kw in args.tuning]  # noqa: S307 (a command-line benchmark)
+    tunings = {heads: chosen[0] for heads in args.heads}
     for heads in args.heads[:1] if args.variants else []:  # the fastest variant of the first layout serves all
         hk, hv = map(int, heads.split("/"))
         t = 16384
@@ -127,8 +131,8 @@ def main() -> None:
                 o, s = kernel(q, k, v, g, beta, lengths)
                 errors = {"output_rel_err": rel_err(o.astype(jnp.float32), ref_o.astype(jnp.float32)),
                           "state_rel_err": rel_err(s, ref_s)}
-                row = {"heads": heads, "tuning": str(tuning), "ms": ms, **errors, **stages(q, k, v, g, beta, lengths, hk, hv,
-                                                                                 tuning)}
+                parts = stages(q, k, v, g, beta, lengths, hk, hv, tuning)
+                row = {"heads": heads, "tuning": str(tuning), "ms": ms, **errors, **parts}
             except Exception as e:  # a variant Triton cannot compile is skipped, and said so
                 print(f"variant {heads} {tuning}: failed ({type(e).__name__}: {str(e)[:300]})", flush=True)
                 continue
@@ -139,9 +143,9 @@ def main() -> None:
         tunings = {h: best[1] for h in args.heads}
         print(f"best {heads}: {best[1]} {best[0]:.3f} ms", flush=True)
 
-    for heads in args.heads:
+    for heads, tuning in [(h, t) for t in (chosen if len(chosen) > 1 else [None]) for h in args.heads]:
         hk, hv = map(int, heads.split("/"))
-        tuning = tunings[heads]
+        tuning = tuning or tunings[heads]
         for t in args.seq_lens:
             q, k, v, g, beta, _ = gdn_inputs(rng, 1, t, hk, hv, dk, dv, initial=False)
             lengths = jnp.array([t], jnp.int32)
@@ -149,7 +153,7 @@ def main() -> None:
             kernel = jax.jit(lambda *a: gdn_pallas.chunk_gated_delta_rule_pallas(*a, tuning=tuning))
             row["pallas_ms"] = wall_ms(lambda: kernel(q, k, v, g, beta, lengths), jsync)
             row.update(stages(q, k, v, g, beta, lengths, hk, hv, tuning))
-            if t <= 16384 and not args.no_xla:  # the XLA reference path (the previous default) for the before/after ratio
+            if t <= 16384 and not args.no_xla:  # the XLA reference path (the old default): the before/after ratio
                 xla = jax.jit(lambda *a: chunk_gated_delta_rule(*a, implementation="xla"))
                 row["xla_ms"] = wall_ms(lambda: xla(q, k, v, g, beta), jsync, calls=3, reps=3)
             o, s = kernel(q, k, v, g, beta, lengths)
@@ -175,7 +179,7 @@ def main() -> None:
         q, k, v, g, beta, _ = gdn_inputs(rng, 4, tmax, hk, hv, dk, dv, initial=False)
         lengths = jnp.asarray(lens)
         kernel = jax.jit(lambda *a: gdn_pallas.chunk_gated_delta_rule_pallas(*a, tuning=tuning))
-        row = {"heads": heads, "tokens": total, "batch": 4, "lengths": lens.tolist(),
+        row = {"heads": heads, "tokens": total, "batch": 4, "lengths": lens.tolist(), "tuning": str(tuning),
                "pallas_ms": wall_ms(lambda: kernel(q, k, v, g, beta, lengths), jsync)}
         if fla is not None:
             packed = [jnp.concatenate([x[i, : lens[i]] for i in range(4)])[None] for x in (q, k, v, g, beta)]
@@ -191,13 +195,14 @@ def main() -> None:
         results["mixer"] = mixer_parts(jsync, rng)
         print(json.dumps(results["mixer"]), flush=True)
 
-    print("\n| heads | tokens | batch | pallas ms | fla ms | vs fla | xla ms | prep | recurrence | output |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| heads | tokens | batch | pallas ms | fla ms | vs fla | xla ms | prep | recurrence | output | tuning |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results["rows"]:
         f = lambda key: f"{r[key]:.3f}" if key in r else "-"  # noqa: E731
         ratio = f"{r['speedup_vs_fla']:.2f}x" if "speedup_vs_fla" in r else "-"
         print(f"| {r['heads']} | {r['tokens']} | {r['batch']} | {f('pallas_ms')} | {f('fla_ms')} | {ratio} | "
-              f"{f('xla_ms')} | {f('prep_ms')} | {f('recurrence_ms')} | {f('output_ms')} |")
+              f"{f('xla_ms')} | {f('prep_ms')} | {f('recurrence_ms')} | {f('output_ms')} | "
+              f"{r['tuning'].replace('Tuning', '').replace('num_stages=(2, 3, 2), ', '')} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

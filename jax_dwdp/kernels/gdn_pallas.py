@@ -5,8 +5,9 @@ C = 64 split into four sub-blocks of 16 for the triangular solve:
 
 1. `_prep_kernel`, one program per (sequence, value head, chunk), all in parallel. From k, v, g, beta of the chunk:
    the l2 norms of k, the in-chunk cumulative log-decay `cum`, the unit lower-triangular system
-   L = I + strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)) and its inverse (16x16 diagonal blocks by doubling,
-   off-diagonal blocks by block products, all fp32; see Tuning for the alternatives), then
+   L = I + strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)) and its inverse on 64x64 tiles (16x16 diagonal
+   blocks by doubling, then the off-diagonal part in two products; fp32 values, TF32 products; see Tuning for
+   the alternatives), then
      w = L^-1 (beta k exp(cum))    keys that read the state entering the chunk,
      u = L^-1 (beta v)             the chunk's values before the state's correction,
      kg = k exp(cum_last - cum)    keys decayed to the chunk's end (they write the state).
@@ -88,7 +89,7 @@ def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, pre
     """The prep kernel's body on whole 64-row tiles (Tuning.inverse = "wide"): a dozen 64x64 products on the
     tensor cores instead of ~70 16-row ones. With N the strictly lower system, split into its 16x16 diagonal blocks
     B and the rest R: D = (I + B)^-1 by doubling (B^16 = 0), M = D R (block nilpotent, M^4 = 0), and
-    (I + N)^-1 = (I + M)^-1 D = (I - M)(I + M^2) D. Not yet run on a GPU (see Tuning)."""
+    (I + N)^-1 = (I + M)^-1 D = (I - M)(I + M^2) D. The default (see Tuning)."""
     k = k_ref[...]
     kf = k.astype(_F32)
     rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
@@ -305,18 +306,28 @@ def _block_v(batch: int, heads: int, dv: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch parameters of the three kernels (prep, recurrence, output); block_v None picks `_block_v`;
-    `inverse` "substitution" | "doubling" for the 16x16 diagonal blocks, or "wide" (the whole prep on 64x64 tiles,
-    `_prep_wide`: correct in interpret mode, NOT YET RUN ON A GPU, the next session's first variant to measure);
-    `merge_precision` "ieee" | "tf32" for the fp32 products of the inverse. The defaults are the fastest measured on an H200 (benchmarks/RESULTS.md, GDN
-    section): doubling 0.64 ms vs substitution 0.85 ms for the prep kernel at 16K tokens, 4 warps vs 2 (1.14 ms) or
-    1 (1.68 ms); the recurrence's block_v and warps from a sweep of 18 launch configurations."""
+    """Launch parameters of the kernels (prep, recurrence, output); block_v None picks `_block_v`.
+
+    `inverse`: "wide" (the whole prep on 64x64 tiles, `_prep_wide`), or the 16-row prep with its 16x16 diagonal
+    blocks by "doubling" or forward "substitution". `merge_precision` "tf32" | "ieee": the fp32 products of the
+    inverse on the tensor cores (TF32) or in exact fp32 on the CUDA cores. `fused_output`: the output computed inside
+    the recurrence (`fused_recurrence`), two kernels instead of three.
+
+    Defaults, measured on an H200 at 16K tokens, 16/32 heads (benchmarks/RESULTS.md, GDN section, 2026-12-01):
+    wide + tf32 1.167 ms (prep 0.45 ms) vs doubling + ieee 1.346 ms (prep 0.66 ms); wide + ieee 9.6 ms (64x64 fp32
+    products on the CUDA cores); 8 prep warps slower than 4. TF32 costs no accuracy that shows: the inverse is
+    rounded to bf16 (2^-9) before it is used, below which TF32's 2^-11 stays (output / state errors vs the fp32
+    reference 3.86e-3 / 3.01e-3 with either precision). The fused output saved 0.11 ms with the doubling prep
+    (1.236 vs 1.346 ms) but failed the GPU test on the mixed-length batch (batch 6, T = 4096; it passed isolated cases
+    with batch 2, lengths 1-256, initial state and output buffer; the likely cause, 128 state columns per program,
+    is now capped at 64, not yet run on a GPU): it stays opt-in until a GPU run passes. The recurrence's block_v
+    and warps come from a sweep of 18 launch configurations (sixth session)."""
 
     block_v: int | None = None
     num_warps: tuple[int, int, int] = (4, 4, 4)
     num_stages: tuple[int, int, int] = (2, 3, 2)
-    inverse: str = "doubling"
-    merge_precision: str = "ieee"
+    inverse: str = "wide"
+    merge_precision: str = "tf32"
     fused_output: bool = False
 
     def params(self, i: int) -> plgpu.CompilerParams:
@@ -348,8 +359,8 @@ def prepare(lengths, k, v, g, beta, q=None, *, rep: int, tuning: Tuning = Tuning
     b, tp, hv, dv = v.shape
     dk = k.shape[-1]
     fused = q is not None
-    in_specs = [_whole(lengths), _key_chunk(dk, rep), pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0)),
-                _GATES, _GATES]
+    values = pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
+    in_specs = [_whole(lengths), _key_chunk(dk, rep), values, _GATES, _GATES]
     out_specs = [_per_chunk(dk), _per_chunk(dv), _per_chunk(dk), _GATES]
     out_shape = [jax.ShapeDtypeStruct((b, hv, tp, d), v.dtype) for d in (dk, dv, dk)] + [
         jax.ShapeDtypeStruct((b, hv, tp), _F32)]
@@ -412,7 +423,10 @@ def fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, initial_state=N
     `out`: an optional [B, T, HV, dv] buffer o is written into."""
     b, hv, tp, dk = w.shape
     dv = u.shape[3]
-    bv = min(tuning.block_v or _block_v(b, hv, dv), dv)
+    # At most 64 state columns: the one GPU failure of this kernel (2026-12-01) was the only case that had 128
+    # (batch 6 x 32 heads, so _block_v kept every column), likely more live registers and shared memory than
+    # Triton can place beside the output's products; every case with 32 or 64 columns passed. Unconfirmed.
+    bv = min(tuning.block_v or _block_v(b, hv, dv), dv, 64)
     has_initial = initial_state is not None
 
     def whole_sequence(d):
@@ -422,8 +436,8 @@ def fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, initial_state=N
     state_block = pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j))
     o_spec = pl.BlockSpec((None, tp, None, bv), lambda i, h, j: (i, 0, h, j))
     in_specs = [_whole(lengths), pl.BlockSpec((None, tp, None, dk), lambda i, h, j: (i, 0, h // rep, 0)), gates,
-                whole_sequence(CHUNK), whole_sequence(dk), pl.BlockSpec((None, None, tp, bv), lambda i, h, j: (i, h, 0, j)),
-                whole_sequence(dk), gates]
+                whole_sequence(CHUNK), whole_sequence(dk),
+                pl.BlockSpec((None, None, tp, bv), lambda i, h, j: (i, h, 0, j)), whole_sequence(dk), gates]
     args = [lengths, q, q_scale, scores, w, u, kg, cum]
     if has_initial:
         in_specs.append(state_block)
