@@ -18,6 +18,7 @@ would pay.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -187,6 +188,13 @@ def main() -> None:
             cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.long, device=tq.device)
             row["fla_ms"] = wall_ms(lambda: run_fla(tq, tk, tv, tg, tb, cu), tsync)
             row["speedup_vs_fla"] = row["fla_ms"] / row["pallas_ms"]
+        # The recurrence's state columns per program: _block_v counts every sequence of the batch, so a batch of 4
+        # gets all 128 columns in one program, and the longest sequence's 32 programs set the time. Smaller
+        # blocks give the longest sequence more programs (seventh session: 0.81x fla here; to be measured).
+        for bv in (32, 64):
+            variant = dataclasses.replace(tuning, block_v=bv)
+            fn = jax.jit(lambda *a, variant=variant: gdn_pallas.chunk_gated_delta_rule_pallas(*a, tuning=variant))
+            row[f"pallas_block_v{bv}_ms"] = wall_ms(lambda: fn(q, k, v, g, beta, lengths), jsync)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
         del q, k, v, g, beta
