@@ -12,7 +12,7 @@ from jax_dwdp.model import Cache, init_model
 from jax_dwdp.parallel import Pipeline
 from jax_dwdp.parallel.dwdp import IndependentRanks
 from jax_dwdp.parallel.expert_layout import ExpertLayout, rank_memory
-from jax_dwdp.prefill import InputError, jit_prefill
+from jax_dwdp.prefill import jit_prefill
 from tests.hf_reference import rel_err
 
 # 6 experts: 4 ranks do not divide them (2 slots each, the last rank holds 2 padding slots).
@@ -85,12 +85,6 @@ def test_each_rank_stores_only_its_expert_block(setup):
         assert not block[len(owned):].any()  # padding slots are zeros
     # Non-expert weights are replicated on every rank.
     assert len(layer.mlp.gate.weight[...].addressable_shards) == 4
-
-
-def test_batch_must_split_over_ranks(setup):
-    model, tokens, lengths, *_ = setup
-    with pytest.raises(InputError, match="cannot be split evenly over 4 DWDP ranks"):
-        Pipeline.from_model(model, 1, dwdp=4).prefill(tokens[:6], lengths[:6])
 
 
 def test_eager_layer_inputs_live_on_the_ranks_device(setup):

@@ -48,7 +48,7 @@ def check_experts_choice(experts: str, ranks: int, choices=EXPERT_CHOICES) -> No
         raise ValueError(f"experts {experts!r}: choose one of {', '.join(choices)}")
     if experts != "local" and ranks < 2:
         kind = "DEP" if experts == "dep" else "DWDP"
-        raise ValueError(f"experts {experts!r} ({kind}) needs ranks > 1; one rank holds its experts: 'local'")
+        raise ValueError(f"experts {experts!r} ({kind}) needs {kind} ranks > 1; one rank holds its experts: 'local'")
 
 
 def pad_experts(array, layout: ExpertLayout):
@@ -245,14 +245,15 @@ class IndependentRanks:
 
     @classmethod
     def random(cls, cfg: ModelConfig, devices, *, experts: str = "xla", dtype=jnp.bfloat16, seed: int = 0,
-               fused_swiglu: bool = False) -> "IndependentRanks":
-        """Random weights (the same model as init_model(cfg, seed=seed)), made one layer at a time on devices[0]."""
+               fused_swiglu: bool = False, store_options: dict | None = None) -> "IndependentRanks":
+        """Random weights (the same model as init_model(cfg, seed=seed)), made one layer at a time on devices[0].
+        `store_options` (experts="ffi"): ExpertStore options, e.g. timing=True to read each layer's copy time."""
         from jax_dwdp.model import init_model
 
         ranks = cls.__new__(cls)
         ranks._setup(cfg, devices, experts, lambda a, b: init_model(
             cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b, device=devices[0], fused_swiglu=fused_swiglu),
-            dtype, owned=True)
+            dtype, owned=True, store_options=store_options)
         return ranks
 
     @classmethod
@@ -271,7 +272,8 @@ class IndependentRanks:
         ranks.load_report = layers.report(0, cfg.num_hidden_layers)
         return ranks
 
-    def _setup(self, cfg: ModelConfig, devices, experts: str, make_range, dtype, *, owned: bool) -> None:
+    def _setup(self, cfg: ModelConfig, devices, experts: str, make_range, dtype, *, owned: bool,
+               store_options: dict | None = None) -> None:
         check_experts_choice(experts, 2, ("local", "xla", "ffi"))
         if experts == "ffi":
             from jax_dwdp.parallel.dwdp_ffi import require_gpus
@@ -283,7 +285,7 @@ class IndependentRanks:
         barrier = cpu_barrier(self.devices[0].platform)
         try:
             if experts == "ffi":
-                self.store = open_store(mesh, cfg, cfg.num_hidden_layers, dtype)
+                self.store = open_store(mesh, cfg, cfg.num_hidden_layers, dtype, **(store_options or {}))
                 placement = Placement(mesh, experts="store", store=self.store, owned=owned)
             else:
                 placement = Placement(mesh, experts="replicate" if experts == "local" else "split", owned=owned)
