@@ -394,31 +394,37 @@ def _print_human(result: dict) -> None:
 
 
 def cmd_plan(args) -> dict:
-    from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
-    from jax_dwdp.parallel.pipeline import cache_bytes_per_sequence, cache_bytes_per_token, plan_stages, stage_weight_bytes
-
     dtype = _dtype(args.dtype)
     cfg = _model_config(args)
     if min(args.dwdp, args.dep) < 1:
         raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
-    n = _ranks(args)
     try:
-        stages = plan_stages(cfg, args.pipeline, _boundaries(args))
+        stages = plan_layout(cfg, args.pipeline, _ranks(args), dtype, boundaries=_boundaries(args), dep=args.dep > 1)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    try:
-        layout = ExpertLayout(cfg.num_experts, n)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    itemsize = 2 if args.dtype == "bfloat16" else 4
+    return {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
+            "dwdp": args.dwdp, "dep": args.dep, "stages": stages}
+
+
+def plan_layout(cfg, pipeline: int, ranks: int, dtype, *, boundaries=None, dep: bool = False) -> list[dict]:
+    """What `jax-dwdp plan` prints per stage: layers, weight and cache bytes, and per rank its experts, resident
+    bytes (non-expert weights + its expert block) and buffers (dep=True: none, the experts never move)."""
+    import jax.numpy as jnp
+
+    from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
+    from jax_dwdp.parallel.pipeline import cache_bytes_per_sequence, cache_bytes_per_token, plan_stages, stage_weight_bytes
+
+    stages = plan_stages(cfg, pipeline, boundaries)
+    layout = ExpertLayout(cfg.num_experts, ranks)
+    itemsize = jnp.dtype(dtype).itemsize
     out = []
     for st in stages:
         moe_layers = st.end_layer - st.start_layer  # every layer is MoE
         weights = stage_weight_bytes(cfg, st, dtype)
         non_expert = weights - moe_layers * cfg.num_experts * expert_bytes_per_layer(cfg, itemsize)
-        ranks = [dict(rank_memory(cfg, layout, r, moe_layers, itemsize, prefetch=args.dep == 1,
-                                  non_expert_bytes=non_expert), device=st.stage * n + r)
-                 for r in range(n)]
+        rank_rows = [dict(rank_memory(cfg, layout, r, moe_layers, itemsize, prefetch=not dep,
+                                      non_expert_bytes=non_expert), device=st.stage * ranks + r)
+                     for r in range(ranks)]
         out.append({
             "stage": st.stage,
             "start_layer": st.start_layer,
@@ -430,11 +436,10 @@ def cmd_plan(args) -> dict:
             "cache_bytes_per_token": cache_bytes_per_token(cfg, st, dtype),
             "cache_bytes_per_sequence": cache_bytes_per_sequence(cfg, st, dtype),
             # Positions in jax.devices() order: row `stage` of the (pipeline, dwdp) mesh.
-            "devices": list(range(st.stage * n, (st.stage + 1) * n)),
-            "dwdp_ranks": ranks,
+            "devices": list(range(st.stage * ranks, (st.stage + 1) * ranks)),
+            "dwdp_ranks": rank_rows,
         })
-    return {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
-            "dwdp": args.dwdp, "dep": args.dep, "stages": out}
+    return out
 
 
 def cmd_convert(args) -> dict:
