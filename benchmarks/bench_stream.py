@@ -224,7 +224,8 @@ def dep_wait(pipe, steps) -> dict:
     wait = np.concatenate([np.asarray(p["wait_ms"]) for p in profiles])
     mixer = np.concatenate([np.asarray(p["mixer_ms"]) for p in profiles])
     moe = np.concatenate([p["moe_ms"] for p in profiles])
-    return dict(dep_wait_ms_per_layer=round(float(wait.mean()), 3), dep_wait_ms_per_layer_max=round(float(wait.max()), 3),
+    return dict(dep_wait_ms_per_layer=round(float(wait.mean()), 3),
+                dep_wait_ms_per_layer_max=round(float(wait.max()), 3),
                 dep_mixer_ms_per_layer=round(float(mixer.mean()), 3), dep_moe_ms_per_layer=round(float(moe.mean()), 3),
                 dep_profiled_steps=len(profiles))
 
@@ -307,8 +308,8 @@ def parse(argv=None):
     ap.add_argument("--only", choices=SCHEMES, help=argparse.SUPPRESS)  # a child process: this scheme
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    raw = list(sys.argv[1:] if argv is None else argv)
-    args.argv = [a for i, a in enumerate(raw) if a not in ("--out", "--only") and (i == 0 or raw[i - 1] not in ("--out", "--only"))]
+    raw, own = list(sys.argv[1:] if argv is None else argv), ("--out", "--only")
+    args.argv = [a for i, a in enumerate(raw) if a not in own and (i == 0 or raw[i - 1] not in own)]  # for children
     return args
 
 
@@ -342,7 +343,8 @@ def report(args, rows, summary) -> None:
             print(f"| | {r['scheme']} | {r['error']} |")
             continue
         print(f"| {r['stream']} | {r['scheme']} ({r['experts']}) | {r['tokens_per_s_per_gpu']} | {r['ttft_mean_s']} | "
-              f"{r['ttft_p50_s']} | {r['ttft_p90_s']} | {r['padding_fraction']} | {r.get('dep_wait_ms_per_layer', '')} | "
+              f"{r['ttft_p50_s']} | {r['ttft_p90_s']} | {r['padding_fraction']} | "
+              f"{r.get('dep_wait_ms_per_layer', '')} | "
               f"{r.get('copy_ms_per_layer', '')} | {', '.join(gib(b) for b in r['peak_device_bytes'])} | "
               f"{', '.join(gib(b) for b in r['plan_weights_and_buffers_bytes'])} |")
     for s in summary:

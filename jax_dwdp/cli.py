@@ -412,7 +412,8 @@ def plan_layout(cfg, pipeline: int, ranks: int, dtype, *, boundaries=None, dep: 
     import jax.numpy as jnp
 
     from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
-    from jax_dwdp.parallel.pipeline import cache_bytes_per_sequence, cache_bytes_per_token, plan_stages, stage_weight_bytes
+    from jax_dwdp.parallel.pipeline import (cache_bytes_per_sequence, cache_bytes_per_token, plan_stages,
+                                            stage_weight_bytes)
 
     stages = plan_stages(cfg, pipeline, boundaries)
     layout = ExpertLayout(cfg.num_experts, ranks)

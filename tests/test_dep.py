@@ -287,8 +287,8 @@ def test_checkpoints_load_one_layer_at_a_time_onto_ranks(tmp_path, setup):
     per_layer = [sum(p[:2] == ("layers", i) for p in paths) for i in range(CFG.num_hidden_layers)]
     for ckpt, pipeline, experts in [(hf, 2, "dep"), (orbax, 1, "xla")]:
         pipe = Pipeline.from_checkpoint(ckpt, pipeline, dwdp=2, dtype=jnp.float32, experts=experts)
-        _compare(f"{ckpt.name} P={pipeline} {experts} 2 ranks vs one device", pipe.prefill(tokens, lengths, cache_len=T),
-                 want)
+        got = pipe.prefill(tokens, lengths, cache_len=T)
+        _compare(f"{ckpt.name} P={pipeline} {experts} 2 ranks vs one device", got, want)
         for st, report in zip(pipe.stages, pipe.load_reports):
             own = sum(per_layer[st.start_layer:st.end_layer]) + (st.start_layer == 0) + 2 * (st.end_layer == 4)
             print(f"{ckpt.name} stage {st.stage}: {report.line()}")
