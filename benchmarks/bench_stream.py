@@ -23,8 +23,14 @@ how long a rank waits for the slowest rank there), for DWDP over the store its p
 hidden (1 - max(0, dwdp makespan - replicated makespan) / copy time per rank), and each rank's peak device memory
 (XLA's peak plus the store's VMM bytes) next to `jax-dwdp plan`'s estimate (resident weights plus expert buffers;
 the difference is activations). Each scheme runs in its own process (peak memory is per process) unless
---in-process. Writes {"args", "device", "rows", "summary"} to --out.
-CPU (smoke test): XLA_FLAGS=--xla_force_host_platform_device_count=2 and a tiny preset; numbers mean nothing there.
+--in-process. Writes {"args", "device", "rows", "summary"} to --out. `--merge A.json B.json ...` joins the rows of
+runs made separately (one scheme per run, to stay inside a time limit per command) and summarizes them.
+
+Compilation dominates a short run: every padded length is one set of layer programs per scheme (about 25 s at
+35B-A3B shapes on an H200); the persistent compilation cache (--compile-cache) lets the second rank load the first
+rank's programs (XLA strips the device from the GPU cache key). Fewer --requests or a larger --bucket mean fewer
+lengths. CPU (smoke test): XLA_FLAGS=--xla_force_host_platform_device_count=8 (with 2 host devices XLA:CPU's
+collectives can deadlock) and a tiny preset; numbers mean nothing there.
 """
 
 from __future__ import annotations
@@ -304,6 +310,9 @@ def parse(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--in-process", action="store_true", help="all schemes in this process (peaks then shared)")
+    ap.add_argument("--compile-cache", default="/tmp/jax_dwdp_compile_cache",
+                    help="persistent compilation cache folder ('' for none)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join the rows of these runs' --out files")
     ap.add_argument("--scheme-timeout", type=int, default=600, help="seconds per scheme's process")
     ap.add_argument("--only", choices=SCHEMES, help=argparse.SUPPRESS)  # a child process: this scheme
     ap.add_argument("--out")
@@ -315,26 +324,34 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.only:
+    device = jax.devices()[0].device_kind
+    if args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in args.merge]
+        rows, device = [row for run in runs for row in run["rows"]], runs[0]["device"]
+        args.preset, args.num_layers, args.ranks, args.requests, args.bucket = (
+            runs[0]["args"][k] for k in ("preset", "num_layers", "ranks", "requests", "bucket"))
+    elif args.only:
+        if args.compile_cache:
+            jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         rows = run_scheme(args, args.only)
     else:
         rows = []
         for scheme in args.schemes:
             rows += run_scheme(args, scheme) if args.in_process else child(args, scheme)
     summary = summarize(rows)
-    result = dict(args={k: v for k, v in vars(args).items() if k != "argv"}, device=jax.devices()[0].device_kind,
-                  rows=rows, summary=summary)
+    result = dict(args={k: v for k, v in vars(args).items() if k != "argv"}, device=device, rows=rows,
+                  summary=summary)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.only:
-        report(args, rows, summary)
+        report(args, rows, summary, device)
     return result
 
 
-def report(args, rows, summary) -> None:
+def report(args, rows, summary, device) -> None:
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
-    print(f"\n{args.preset}, {args.num_layers} layers, {args.ranks} x {jax.devices()[0].device_kind}, {args.requests} "
-          f"requests per rank, bucket {args.bucket}")
+    print(f"\n{args.preset}, {args.num_layers} layers, {args.ranks} x {device}, {args.requests} requests per rank, "
+          f"bucket {args.bucket}")
     print("| stream | scheme | tokens/s/GPU | TTFT mean s | p50 | p90 | padding | DEP wait ms/layer | copy ms/layer "
           "| peak GiB per rank | plan weights+buffers GiB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")

@@ -60,3 +60,9 @@ def test_stream_benchmark_runs_every_scheme_on_the_cpu(tmp_path):
     assert rows["dep", "balanced"]["plan_weights_and_buffers_bytes"][0] < rep
     assert {s["stream"] for s in result["summary"]} == {"balanced", "uneven"}
     assert all(s["dwdp_vs_dep"] > 0 and s["dwdp_vs_replicated"] > 0 for s in result["summary"])
+    # runs made one scheme at a time join into the same summary
+    for scheme in ("dwdp", "dep", "replicated"):
+        part = dict(result, rows=[r for r in result["rows"] if r["scheme"] == scheme])
+        (tmp_path / f"{scheme}.json").write_text(json.dumps(part))
+    merged = bench.main(["--merge", *(str(tmp_path / f"{s}.json") for s in ("dwdp", "dep", "replicated"))])
+    assert merged["summary"] == result["summary"] and merged["rows"] == result["rows"]
