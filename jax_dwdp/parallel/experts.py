@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_dwdp.model.moe import routed_experts
+
 AXIS = "dwdp"
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -229,8 +231,6 @@ class DispatchedExperts:
 
     def routed(self, x, ids, weights, *, gate_up_interleaved: bool = False):
         """x [M, H], ids / weights [M, k] of this rank's tokens -> their routed-expert output [M, H]."""
-        from jax_dwdp.model.moe import routed_experts
-
         m = x.shape[0]
         slots = self.gate_up.shape[0]
         ranks = jax.lax.axis_size(AXIS)
