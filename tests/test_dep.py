@@ -295,3 +295,35 @@ def test_checkpoints_load_one_layer_at_a_time_onto_ranks(tmp_path, setup):
             assert report.tensors_loaded == own
             if ckpt is hf:
                 assert report.skipped_other_layers == sum(per_layer) - sum(per_layer[st.start_layer:st.end_layer])
+
+
+def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
+    """Placement(experts="store") (the FFI path, here with a stand-in store): every (layer, weight, rank) block is
+    filled once, on its rank's device, with that rank's experts (zero padding past E), layer by layer; the stage
+    keeps scalar placeholders for the experts and the other weights replicated."""
+    from jax_dwdp.parallel.dwdp import Placement, build_placed, model_range
+
+    model, *_ = setup
+    devices = jax.devices()[:4]
+    order = []
+
+    class Store:
+        def fill(self, layer, weight, rank, block):
+            assert block.devices() == {devices[rank]} and block.shape[0] == 2
+            order.append((layer, weight, rank, np.asarray(block)))
+
+    mesh = Mesh(np.array(devices), (AXIS,))
+    stage = build_placed(CFG, 0, CFG.num_hidden_layers, lambda a, b: model_range(model, a, b),
+                         Placement(mesh, experts="store", store=Store()), dtype=jnp.float32)
+    filled = [o[:3] for o in order]
+    assert sorted(filled) == [(layer, w, r) for layer in range(CFG.num_hidden_layers) for w in (0, 1) for r in range(4)]
+    assert [f[0] for f in filled] == sorted(f[0] for f in filled)  # layer by layer
+    for layer, w, rank, block in order:
+        full = np.asarray(model.layers[layer].mlp.experts.gate_up_proj[...] if w == 0 else
+                          model.layers[layer].mlp.experts.down_proj[...])
+        padded = np.concatenate([full, np.zeros((2, *full.shape[1:]), full.dtype)])
+        np.testing.assert_array_equal(block, padded[2 * rank:2 * rank + 2])
+    experts = stage.layers[1].mlp.experts
+    assert experts.gate_up_proj[...].shape == experts.down_proj[...].shape == ()
+    router = stage.layers[1].mlp.gate.weight[...]
+    assert len(router.addressable_shards) == 4 and router.sharding.is_fully_replicated
