@@ -3,7 +3,7 @@
 # benchmark: DWDP (VMM store, independent ranks) vs DEP (lockstep) vs replicated weights, balanced and uneven streams.
 # One call per step keeps each inside a 10-minute command limit (each scheme: ~1 min of set-up, ~25 s of compilation
 # per padded prompt length, a few seconds of streams):
-#   TESTS=1 BENCH=0 bash benchmarks/gpu/stream_h200x2.sh                       # tests.log
+#   TESTS=1 BENCH=0 bash benchmarks/gpu/stream_h200x2.sh   # tests.log (if it runs out of time: TEST_K=dep_equals, then TEST_K=peak_memory)
 #   TESTS=0 SCHEMES=dwdp bash benchmarks/gpu/stream_h200x2.sh                  # stream_dwdp.json
 #   TESTS=0 SCHEMES=dep bash benchmarks/gpu/stream_h200x2.sh                   # stream_dep.json
 #   TESTS=0 SCHEMES=replicated bash benchmarks/gpu/stream_h200x2.sh            # stream_replicated.json
@@ -15,7 +15,7 @@ source benchmarks/gpu/_dwdp_prologue.sh
 
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests (DEP vs one GPU; peak memory per rank vs plan)"
-  timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -rA -x -s tests/test_gpu_dep.py ${TEST_K:+-k "$TEST_K"} 2>&1 | filter \
+  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -rA -x -s tests/test_gpu_dep.py ${TEST_K:+-k "$TEST_K"} 2>&1 | filter \
     | grep -v "^PASSED\|^tests/" | tail -60 | tee "$OUT/tests.log"
 fi
 
