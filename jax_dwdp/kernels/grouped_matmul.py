@@ -8,9 +8,12 @@ epilogue on the GPU, for weights interleaved by `interleave_gate_up` (opt-in: me
 path on an H200, benchmarks/RESULTS.md, 2026-11-30 fifth session).
 
 Implementations:
-- "xla": `jax.lax.ragged_dot_general`. Exact on the CPU; on the GPU XLA lowers it to a dense masked expansion
+- "xla": portable XLA. On the GPU `jax.lax.ragged_dot_general`, which XLA lowers to a dense masked expansion
   that allocates [M, G, N]-sized buffers and fails at prefill sizes (gpu_facts.md), so it is never the GPU
-  default.
+  default. Everywhere else a loop over the non-empty groups (`_group_loop`): each group's weight matrix is read
+  once and its rows go through dense matmuls in chunks of `CPU_CHUNK` rows plus one power-of-two bucket for the
+  remainder, so work and memory scale with M (ragged_dot_general's CPU lowering is the same expansion over all
+  G groups: G times the FLOPs and a [G, M, K] buffer).
 - "mosaic": jax's Pallas Mosaic GPU kernel `ragged_dot_mgpu` (Hopper wgmma; 216-237 TF/s on 35B-A3B gate_up,
   about 0.4x of torch._grouped_mm).
 - "cutlass": the project's CUTLASS sm90 grouped GEMM (ffi/grouped_gemm, issue 6) behind an XLA FFI custom call,
@@ -38,10 +41,83 @@ _DIMS = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def _xla(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def _ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot_general(
         x, w, group_sizes, _DIMS, preferred_element_type=jnp.float32
     ).astype(x.dtype)
+
+
+CPU_CHUNK = 128  # rows per dense matmul of the CPU loop (buckets of 8, 16, ... CPU_CHUNK rows for the remainder)
+_MIN_BUCKET = 8
+
+
+def _group_loop(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The CPU's grouped matmul: for each non-empty group g (in row order), w[g] is sliced once, then its rows run
+    as dense [CPU_CHUNK, K] x [K, N] matmuls and one remainder matmul of the smallest power-of-two bucket that
+    holds them. A matmul may write up to a chunk of rows past its group; those belong to later groups (rewritten
+    when their turn comes) or lie past sum(group_sizes) (zeroed at the end).
+
+    Two things keep XLA's CPU backend from copying whole operands (measured: 1-2 GB and 5x the time at 35B-A3B
+    shapes): 2-byte floats are sliced and carried as uint16 (the CPU upcasts bf16 slices and loop-carried
+    buffers to fp32), and every slice reads its operand through an optimization_barrier together with its
+    index, so the conversion cannot be hoisted out of the loop onto the whole array.
+    """
+    m, _ = x.shape
+    g, n, _ = w.shape
+    dtype = x.dtype
+    store = jnp.dtype(jnp.uint16) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(dtype)
+
+    def bits(a):
+        return jax.lax.bitcast_convert_type(a, store) if store != dtype else a
+
+    def unbits(a):
+        return jax.lax.bitcast_convert_type(a, dtype) if store != dtype else a
+
+    def matmul(rows, weight):
+        return bits(jax.lax.dot_general(rows, weight, (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32).astype(dtype))
+
+    def rows_at(xs, start, count):
+        xs, start = jax.lax.optimization_barrier((xs, start))
+        return unbits(jax.lax.dynamic_slice_in_dim(bits(xs), start, count))
+
+    buckets = [CPU_CHUNK >> i for i in range(CPU_CHUNK.bit_length()) if CPU_CHUNK >> i >= _MIN_BUCKET][::-1]
+
+    def bucket(rows):
+        def run(xs, start, weight):
+            y = matmul(rows_at(xs, start, rows), weight)
+            return jnp.pad(y, ((0, CPU_CHUNK - rows), (0, 0)))
+        return run
+
+    # branch 0: no remainder; branch i: buckets[i - 1] rows
+    branches = [lambda xs, start, weight: jnp.zeros((CPU_CHUNK, n), store)] + [bucket(b) for b in buckets]
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    nonempty = jnp.nonzero(sizes > 0, size=g, fill_value=0)[0].astype(jnp.int32)
+    x_padded = jnp.pad(x, ((0, CPU_CHUNK), (0, 0)))  # a chunk read at the last row stays in bounds
+
+    def one_group(i, out):
+        xs, ws, e = jax.lax.optimization_barrier((x_padded, w, nonempty[i]))
+        weight = unbits(jax.lax.dynamic_index_in_dim(bits(ws), e, keepdims=False))
+        start, count = starts[e], sizes[e]
+
+        def chunk(j, out):
+            row = start + j * CPU_CHUNK
+            return jax.lax.dynamic_update_slice_in_dim(out, matmul(rows_at(xs, row, CPU_CHUNK), weight), row, 0)
+
+        full = count // CPU_CHUNK
+        out = jax.lax.fori_loop(0, full, chunk, out)
+        rest, row = count - full * CPU_CHUNK, start + full * CPU_CHUNK
+        which = jnp.where(rest > 0, 1 + jnp.sum(jnp.asarray(buckets, jnp.int32) < rest), 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.switch(which, branches, xs, row, weight), row, 0)
+
+    out = jax.lax.fori_loop(0, jnp.sum(sizes > 0), one_group, jnp.zeros((m + CPU_CHUNK, n), store))[:m]
+    out = jnp.where((jnp.arange(m) < jnp.sum(sizes))[:, None], out, jnp.zeros((), store))
+    return unbits(out)
+
+
+def _xla(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return _ragged_dot(x, w, group_sizes) if on_gpu() else _group_loop(x, w, group_sizes)
 
 
 def _mosaic_config(n: int, k: int) -> dict[str, int]:
