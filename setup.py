@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -15,6 +16,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "ffi"))
+from build_notice import SKIP, notice  # noqa: E402
 from cuda_paths import cuda_home, cutlass_include_dir  # noqa: E402
 
 
@@ -32,8 +34,11 @@ class CMakeFfiBuild(build_ext):
                 raise RuntimeError(f"jax_dwdp: cannot build the FFI libraries: {why}")
             print(f"jax_dwdp: {why}; FFI libraries not built (the XLA paths do not need them)")
             return
+        notice(f"building the FFI libraries with CMake (CUDA toolkit at {home}; a few minutes on 2 cores); {SKIP}")
+        start = time.monotonic()
         try:
             self._cmake(ext, home, cmake)
+            notice(f"FFI libraries built in {time.monotonic() - start:.0f} s")
         except (subprocess.CalledProcessError, ImportError, OSError) as e:
             if mode == "1":
                 raise

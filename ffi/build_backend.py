@@ -14,6 +14,7 @@ from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F401,F403  (the PEP 517 hooks this module does not override)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_notice import SKIP, notice  # noqa: E402
 from cuda_paths import cuda_home  # noqa: E402
 
 def _jaxlib_pins() -> list[str]:
@@ -27,9 +28,16 @@ _FFI_REQUIRES = ["cmake>=3.24", *_jaxlib_pins(), "nvidia-cutlass==4.2.0.0"]
 
 
 def _ffi_requires() -> list[str]:
-    if os.environ.get("JAX_DWDP_BUILD_FFI") == "0":
+    mode = os.environ.get("JAX_DWDP_BUILD_FFI")
+    if mode == "0":
         return []
-    return _FFI_REQUIRES if (cuda_home() or os.environ.get("JAX_DWDP_BUILD_FFI") == "1") else []
+    home = cuda_home()
+    if not (home or mode == "1"):
+        return []
+    where = f"a CUDA toolkit is at {home}" if home else "JAX_DWDP_BUILD_FFI=1"
+    notice(f"{where}: this install also builds the FFI libraries with CMake (fetching cmake and the CUTLASS "
+           f"headers, then a few minutes of compiling on 2 cores); {SKIP}")
+    return _FFI_REQUIRES
 
 
 def get_requires_for_build_wheel(config_settings=None):
