@@ -1,0 +1,423 @@
+"""The benchmark results the notebooks plot: read from benchmarks/results/ (the committed GPU runs) or from a fresh
+run's JSON, and drawn with matplotlib at a small size (the executed notebooks stay small).
+
+Each `*_rows` / `*_runs` function turns one JSON layout into plain rows; each `plot_*` function draws them and
+returns the figure. Fresh runs are subprocesses (`fresh_run`): the benchmark scripts of benchmarks/ and, for the
+layer parts, this module itself (`python notebooks/results_plots.py layer-parts ...`), so a notebook never holds a
+GPU while a benchmark needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+FIG_DPI = 72  # small PNGs: a notebook's outputs stay in the tens of KB
+
+
+def load(name: str | Path) -> dict:
+    """A results file by name (under benchmarks/results/) or path."""
+    path = Path(name)
+    return json.loads((path if path.is_absolute() else RESULTS / path).read_text())
+
+
+def tokens_axis(ax, values, label: str = "tokens") -> None:
+    """A log2 x axis with ticks at the measured token counts, labelled 4K, 16K, ..."""
+    values = sorted(set(values))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [f"{v // 1024}K" if v % 1024 == 0 else str(v) for v in values])
+    ax.minorticks_off()
+    ax.set_xlabel(label)
+
+
+def plain_log_y(ax) -> None:
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def figure(ncols: int = 1, width: float = 9.0, height: float = 3.2):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width, height), dpi=FIG_DPI, squeeze=False)
+    return fig, list(axes[0])
+
+
+# ---- fresh runs (GPU machines) -----------------------------------------------------------------------------------
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs on this machine (nvidia-smi -L), without starting JAX; 0 when there is no driver."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.stdout.splitlines()) if listing.returncode == 0 else 0
+
+
+def fresh_runs_wanted(gpus_needed: int) -> bool:
+    """True on a machine with enough GPUs, unless JAX_DWDP_FRESH_RUNS=0."""
+    return os.environ.get("JAX_DWDP_FRESH_RUNS", "1") != "0" and gpu_count() >= gpus_needed
+
+
+def fresh_run(script_args: list[str], out: Path, timeout_s: int = 900) -> dict | None:
+    """Runs `python SCRIPT ARGS --out OUT` from the repository root; the JSON it wrote, or None (with the reason
+    printed) when it failed."""
+    cmd = [sys.executable, *script_args, "--out", str(out)]
+    print("fresh run:", " ".join(cmd[1:]), flush=True)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"fresh run stopped after {timeout_s} s")
+        return None
+    if done.returncode != 0 or not out.is_file():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        print(f"fresh run failed (exit {done.returncode}): " + " | ".join(tail))
+        return None
+    return json.loads(out.read_text())
+
+
+# ---- 1. layer time by part and sequence length -------------------------------------------------------------------
+
+LAYER_PARTS = {"linear": ("gdn_mixer_ms", "linear_layer_ms"), "full": ("attention_mixer_ms", "full_layer_ms")}
+
+
+def plot_layer_parts(rows: list[dict], title: str):
+    """Per sequence length, a linear-attention and a full-attention layer: mixer and MoE block stacked (each timed
+    alone), the whole layer as a black bar-wide tick (timed on its own, so the two need not add up exactly)."""
+    fig, (ax,) = figure(width=8.0)
+    width = 0.38
+    for i, row in enumerate(rows):
+        for j, (kind, (mixer, whole)) in enumerate(LAYER_PARTS.items()):
+            x = i + (j - 0.5) * width * 1.05
+            color = "tab:blue" if kind == "linear" else "tab:orange"
+            ax.bar(x, row[mixer], width, color=color, label=f"{kind}-attention mixer" if i == 0 else None)
+            if kind == "linear" and "gdn_core_ms" in row:
+                ax.bar(x, row["gdn_core_ms"], width * 0.5, color="navy", label="of it: GDN core" if i == 0 else None)
+            ax.bar(x, row["moe_block_ms"], width, bottom=row[mixer], color="tab:green",
+                   label="MoE block" if i == 0 and j == 0 else None)
+            ax.hlines(row[whole], x - width / 2, x + width / 2, colors="black", linewidth=2,
+                      label="whole layer" if i == 0 and j == 0 else None)
+    ax.set_xticks(range(len(rows)), [f"{r['tokens'] // 1024}K tokens\nlinear | full" for r in rows])
+    ax.set_ylabel("ms per layer")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+MIXER_PARTS = {  # bench_gdn.py --mixer keys -> what they time
+    "mixer_ms": "whole mixer",
+    "in_proj_qkv_ms": "in_proj_qkv (matmul)",
+    "conv_silu_ms": "causal conv + SiLU",
+    "gates_ms": "g / beta gate math",
+    "core_ms": "core (Pallas)",
+    "z_norm_out_proj_ms": "in_proj_z + gated norm + out_proj",
+    "gated_norm_ms": "  of it: gated RMSNorm",
+}
+
+
+def plot_mixer_parts(mixer: dict, title: str):
+    """The Gated DeltaNet mixer's parts (bench_gdn.py --mixer) as horizontal bars, the whole mixer on top."""
+    parts = [(label, mixer[key]) for key, label in MIXER_PARTS.items() if key in mixer]
+    fig, (ax,) = figure(width=7.0, height=2.6)
+    names, values = zip(*parts)
+    ax.barh(range(len(parts)), values, color=["black" if n == "whole mixer" else "tab:blue" for n in names])
+    ax.set_yticks(range(len(parts)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def measure_layer_parts(preset: str, seq_lens: list[int], *, dtype: str = "bfloat16", iters: int = 5,
+                        num_layers: int | None = None) -> list[dict]:
+    """Times, on the default device, a linear- and a full-attention layer of `preset` (random weights, batch 1)
+    and their parts, each jitted alone: rows like layer_parts_*.json's (without the GDN core and fla)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+    from jax_dwdp.model import init_model
+    from jax_dwdp.timing import median_seconds
+
+    cfg = ModelConfig.preset(preset)
+    linear, full = cfg.layer_types.index(LINEAR_ATTENTION), cfg.layer_types.index(FULL_ATTENTION)
+    cfg = cfg.replace(num_hidden_layers=num_layers or max(linear, full) + 1)
+    model = init_model(cfg, dtype=jnp.dtype(dtype), seed=0)
+
+    def jitted(module, fn):
+        graphdef, state = nnx.split(module)
+        compiled = jax.jit(lambda st, *args: fn(nnx.merge(graphdef, st), *args))
+        return lambda *args: compiled(state, *args)
+
+    lin, fl = model.layers[linear], model.layers[full]
+    parts = {
+        "gdn_mixer_ms": jitted(lin.linear_attn, lambda m, x, p, n: m(x, n)[0]),
+        "attention_mixer_ms": jitted(fl.self_attn, lambda m, x, p, n: m(x, p)[0]),
+        "moe_block_ms": jitted(lin.mlp, lambda m, x, p, n: m(x)),
+        "linear_layer_ms": jitted(lin, lambda m, x, p, n: m(x, p, n)[0]),
+        "full_layer_ms": jitted(fl, lambda m, x, p, n: m(x, p, n)[0]),
+    }
+    rng = np.random.default_rng(0)
+    rows = []
+    for t in seq_lens:
+        x = jnp.asarray(rng.standard_normal((1, t, cfg.hidden_size)), jnp.dtype(dtype))
+        positions = jnp.arange(t, dtype=jnp.int32)[None]
+        lengths = jnp.full((1,), t, jnp.int32)
+        row = {"tokens": t}
+        for name, fn in parts.items():
+            jax.block_until_ready(fn(x, positions, lengths))  # compile, warm up
+            row[name] = round(median_seconds(lambda: fn(x, positions, lengths), iters)[0] * 1e3, 3)
+        rows.append(row)
+    return rows
+
+
+# ---- 2. DWDP: copy vs compute per layer, hidden fraction; 3. FFI vs XLA vs replicated (and DEP) ----------------
+
+DWDP_RUNS = [
+    ("fourth session, XLA GDN (before the stage-runner redesign)", "dwdp_ffi_h200x2_4k_32k_2026-11-30_fourth.json"),
+    ("seventh session, XLA GDN", "dwdp_h200x2_2026-11-30_seventh_xla_gdn.json"),
+    ("seventh session, Pallas GDN", "dwdp_h200x2_2026-11-30_seventh_pallas_gdn.json"),
+]
+
+
+def dwdp_runs() -> list[tuple[str, list[dict]]]:
+    """(label, rows of `bench_dwdp.py stage`) of the committed two-H200 runs, oldest first."""
+    return [(label, load(name)["rows"]) for label, name in DWDP_RUNS]
+
+
+def plot_dwdp_copy(runs: list[tuple[str, list[dict]]]):
+    """Left: per layer, the compute (replicated weights: nothing copied), its MoE part, and the peer copy of the
+    next layer's experts, under compute and on an idle GPU. Right: the fraction of the copy hidden under compute."""
+    fig, (ax, ax2) = figure(ncols=2, width=10.0, height=3.6)
+    markers = "osD^v"
+    for (label, rows), marker in zip(runs, markers):
+        x = [r["seq_len_per_rank"] for r in rows]
+        style = dict(marker=marker, markersize=4)
+        ax.plot(x, [r["layer_ms_replicated"] for r in rows], color="tab:blue", **style,
+                label="layer (replicated)" if marker == "o" else None)
+        ax.plot(x, [r["moe_ms_per_layer"] for r in rows], color="tab:green", **style,
+                label="MoE of it" if marker == "o" else None)
+        ax.plot(x, [r["ffi_copy_ms_per_layer"] for r in rows], color="tab:red", **style,
+                label="copy under compute" if marker == "o" else None)
+        ax.plot(x, [r["ffi_copy_ms_per_layer_idle"] for r in rows], color="tab:red", linestyle=":", **style,
+                label="copy, idle GPU" if marker == "o" else None)
+        ax2.plot(x, [r["ffi_copy_hidden_fraction"] for r in rows], marker=marker, label=label)
+    every = [r["seq_len_per_rank"] for _, rows in runs for r in rows]
+    for a in (ax, ax2):
+        tokens_axis(a, every, "tokens per rank")
+    ax.set_ylabel("ms per layer")
+    plain_log_y(ax)
+    ax.legend(fontsize=7, title="marker = run (right)", title_fontsize=7)
+    ax2.set_ylim(0, 1.05)
+    ax2.set_ylabel("copy hidden under compute")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def dep_points(results_dir: Path = RESULTS) -> list[dict]:
+    """DEP measurements under results_dir as {label, tokens_per_rank, vs_replicated} (DEP time / replicated time):
+    rows with `dep_ms` next to `replicated_ms` and a tokens-per-rank key, or `bench_stream.py` output (the balanced
+    stream: every prompt --mean tokens; time ratio = replicated tokens/s / DEP tokens/s). Empty when none exist."""
+    points = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        rows = data.get("rows") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            continue
+        for r in rows:
+            tokens = r.get("seq_len_per_rank", r.get("tokens_per_rank"))
+            if "dep_ms" in r and "replicated_ms" in r and tokens:
+                points.append(dict(label=path.stem, tokens_per_rank=tokens, vs_replicated=r["dep_ms"] / r["replicated_ms"]))
+        by = {(r.get("scheme"), r.get("stream")): r for r in rows if "tokens_per_s_per_gpu" in r and "error" not in r}
+        dep, rep = by.get(("dep", "balanced")), by.get(("replicated", "balanced"))
+        mean = (data.get("args") or {}).get("mean")
+        if dep and rep and mean:
+            points.append(dict(label=f"{path.stem} (balanced stream)", tokens_per_rank=mean,
+                               vs_replicated=rep["tokens_per_s_per_gpu"] / dep["tokens_per_s_per_gpu"]))
+    return points
+
+
+def plot_dwdp_vs_replicated(runs: list[tuple[str, list[dict]]], dep: list[dict]):
+    """Prefill time relative to replicated weights (1 = as fast as holding every expert) against tokens per rank:
+    DWDP over the CUDA VMM store (FFI) and over XLA all-gathers, each run; DEP where measured."""
+    fig, (ax,) = figure(width=8.0, height=3.6)
+    for (label, rows), marker in zip(runs, "osD^v"):
+        x = [r["seq_len_per_rank"] for r in rows]
+        ax.plot(x, [r["ffi_vs_replicated"] for r in rows], marker=marker, color="tab:red", label=f"FFI: {label}")
+        ax.plot(x, [r["xla_vs_replicated"] for r in rows], marker=marker, color="tab:purple", linestyle="--",
+                label=f"XLA: {label}")
+    for p in dep:
+        ax.plot([p["tokens_per_rank"]], [p["vs_replicated"]], marker="*", markersize=10, color="black", linestyle="",
+                label=f"DEP: {p['label']}")
+    ax.axhline(1.0, color="gray", linewidth=1, label="replicated weights")
+    tokens_axis(ax, [r["seq_len_per_rank"] for _, rows in runs for r in rows] + [p["tokens_per_rank"] for p in dep],
+                "tokens per rank")
+    ax.set_ylabel("time / replicated")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+# ---- 4. the pipeline schedule ------------------------------------------------------------------------------------
+
+
+def pipeline_schedule(stage_ms: list[float], microbatches: int) -> list[tuple[int, int, float, float]]:
+    """(stage, microbatch, start, end) in ms: microbatch j runs on stage s once stage s - 1 has finished it and
+    stage s has finished microbatch j - 1 (the order Pipeline.prefill enqueues them), each taking stage s's time."""
+    end: dict[tuple[int, int], float] = {}
+    bars = []
+    for j in range(microbatches):
+        for s, t in enumerate(stage_ms):
+            start = max(end.get((s, j - 1), 0.0), end.get((s - 1, j), 0.0))
+            end[s, j] = start + t
+            bars.append((s, j, start, start + t))
+    return bars
+
+
+def plot_pipeline(rows: list[dict], title: str):
+    """One timeline per measured microbatch count: stages x microbatches from each stage's measured time on one
+    microbatch; the dashed line is the measured wall time of the whole pipelined prefill."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = figure(ncols=len(rows), width=3.2 * len(rows), height=2.4)
+    colors = plt.get_cmap("tab10")
+    for ax, row in zip(axes, rows):
+        bars = pipeline_schedule(row["stage_ms"], row["microbatches"])
+        for s, j, start, stop in bars:
+            ax.barh(s, stop - start, left=start, color=colors(j % 10), edgecolor="white")
+            ax.text((start + stop) / 2, s, str(j), ha="center", va="center", fontsize=7, color="white")
+        ax.axvline(row["pipeline_ms"], color="black", linestyle="--", linewidth=1)
+        ax.set_yticks(range(len(row["stage_ms"])), [f"stage {s}" for s in range(len(row["stage_ms"]))], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms", fontsize=8)
+        ax.set_title(f"{row['microbatches']} microbatches: {row['speedup']}x one GPU", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# ---- 5. grouped GEMM vs torch ------------------------------------------------------------------------------------
+
+GEMM_RUNS = [  # (file, models taken from it, the column that is the automatic config today)
+    ("grouped_matmul_h200_2026-11-30_fourth_b.json", ("35b-a3b", "122b-a10b"), "cutlass"),
+    ("grouped_matmul_h200_2026-11-30_fourth_a.json", ("397b-a17b",), "cutlass[coop_128x256x64_c1x1]"),
+]
+
+
+def gemm_rows(data: dict, models=None, column: str = "cutlass") -> list[dict]:
+    """Rows of `bench_grouped_matmul.py calls` with jax_dwdp's time (`column`), torch._grouped_mm's and a dense
+    matmul's of the same FLOPs, and speedup = torch / jax_dwdp."""
+    out = []
+    for r in data["rows"]:
+        t = r["times_ms"]
+        if (models is None or r["model"] in models) and column in t and "torch" in t:
+            out.append(dict(model=r["model"], proj=r["proj"], tokens=r["tokens"], routing=r["routing"],
+                            jax_ms=t[column], torch_ms=t["torch"], dense_ms=t.get("dense"),
+                            speedup=t["torch"] / t[column]))
+    return out
+
+
+def committed_gemm_rows() -> list[dict]:
+    return [row for name, models, column in GEMM_RUNS for row in gemm_rows(load(name), models, column)]
+
+
+def plot_gemm(rows: list[dict], title: str):
+    """torch._grouped_mm time / jax_dwdp's CUTLASS grouped GEMM time, per model, projection, tokens and routing."""
+    models = sorted({r["model"] for r in rows}, key=lambda m: int(m.split("b")[0]))
+    fig, axes = figure(ncols=len(models), width=3.3 * len(models), height=3.0)
+    for ax, model in zip(axes, models):
+        mine = [r for r in rows if r["model"] == model]
+        cases = sorted({(r["proj"], r["tokens"]) for r in mine}, key=lambda c: (c[0] != "gate_up", -c[1]))
+        for k, routing in enumerate(("uniform", "skewed")):
+            vals = [next((r["speedup"] for r in mine if (r["proj"], r["tokens"]) == c and r["routing"] == routing),
+                         0.0) for c in cases]
+            ax.bar([i + (k - 0.5) * 0.4 for i in range(len(cases))], vals, 0.4, label=routing)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_xticks(range(len(cases)), [f"{p}\n{t // 1024}K" for p, t in cases], fontsize=7)
+        ax.set_title(model, fontsize=9)
+        ax.set_ylim(0, 1.5)
+    axes[0].set_ylabel("torch time / jax_dwdp time")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# ---- 6. the Gated DeltaNet kernel vs fla -------------------------------------------------------------------------
+
+
+def plot_gdn(current: list[dict], before: list[dict], title: str):
+    """Left: the core's time against tokens (35b-a3b heads, batch 1): today's Pallas kernels and fla in the same
+    run, the first Pallas version and the XLA scan it replaced. Right: fla time / Pallas time per measured shape."""
+    fig, (ax, ax2) = figure(ncols=2, width=10.0, height=3.4)
+
+    def line(rows, key, **style):
+        runs = [r.get("run") for r in rows if r["heads"] == "16/32" and r.get("batch", 1) == 1]
+        longest = max(set(runs), key=runs.count) if runs else None  # one run per line: the one with most lengths
+        pts = sorted((r["tokens"], r[key]) for r in rows if r["heads"] == "16/32" and r.get("batch", 1) == 1
+                     and r.get("run") == longest and r.get(key) is not None)
+        if pts:
+            ax.plot(*zip(*pts), **style)
+        return [t for t, _ in pts]
+
+    xs = line(current, "pallas_ms", marker="o", color="tab:blue", label="Pallas (today's default)")
+    xs += line(current, "fla_ms", marker="s", color="tab:orange", label="fla 0.6 (same run)")
+    xs += line(before, "pallas_ms", marker="o", color="tab:blue", linestyle=":", label="Pallas, first version")
+    xs += line(before, "xla_ms", marker="^", color="gray", label="XLA chunked scan")
+    tokens_axis(ax, xs)
+    plain_log_y(ax)
+    ax.set_ylabel("ms (16/32 heads, batch 1)")
+    ax.legend(fontsize=7)
+    compared = [r for r in current if r.get("fla_ms")]
+    labels = [f"{r['heads']} {r['tokens'] // 1024}K" + (f" x{r['batch']}" if r.get("batch", 1) > 1 else "")
+              + (f" ({r['run']})" if "run" in r else "") for r in compared]
+    ax2.bar(range(len(compared)), [r["fla_ms"] / r["pallas_ms"] for r in compared], color="tab:blue")
+    ax2.axhline(1.0, color="black", linewidth=1)
+    ax2.set_xticks(range(len(compared)), labels, rotation=45, ha="right", fontsize=7)
+    ax2.set_ylabel("fla time / Pallas time")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="fresh measurements for the notebooks' plots")
+    sub = ap.add_subparsers(dest="command", required=True)
+    parts = sub.add_parser("layer-parts", help="a linear and a full layer and their parts, each jitted alone")
+    parts.add_argument("--preset", default="35b-a3b")
+    parts.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
+    parts.add_argument("--dtype", default="bfloat16")
+    parts.add_argument("--iters", type=int, default=5)
+    parts.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    import jax
+
+    rows = measure_layer_parts(args.preset, args.seq_lens, dtype=args.dtype, iters=args.iters)
+    Path(args.out).write_text(json.dumps({"what": "layer_parts", "device": jax.devices()[0].device_kind,
+                                          "args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
