@@ -57,7 +57,8 @@ def test_setup_py_announces_the_cmake_build(tmp_path):
     (bin_dir / "cmake").write_text("#!/bin/sh\nexit 3\n")
     (bin_dir / "cmake").chmod(0o755)
     env = _env(tmp_path, home, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-temp", str(tmp_path / "build")],
+    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-temp", str(tmp_path / "build"),
+                          "--build-lib", str(tmp_path / "lib")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     tty = (tmp_path / "tty").read_text()
     print(tty, run.stdout[-2000:], run.stderr[-2000:])
