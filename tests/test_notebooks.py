@@ -29,6 +29,7 @@ def test_notebook_runs_and_leaves_nothing_behind(path, tmp_path, monkeypatch):
     temp.mkdir()
     monkeypatch.setenv("TMPDIR", str(temp))
     monkeypatch.setenv("JAX_DWDP_FRESH_RUNS", "0")  # a GPU machine would otherwise re-run the benchmarks (minutes)
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "matplotlib"))  # its font cache (else in TMPDIR if no home)
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
