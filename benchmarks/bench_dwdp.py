@@ -13,6 +13,26 @@ stage: one stage's N ranks in one SPMD program, every rank prefilling its own se
   (no communication: the bound). All three are one StageRunner over the 'dwdp' mesh, layer-wise. Per layer it
   reports the FFI copy time (CUDA events on the copy stream) under compute and on an idle GPU, the MoE block alone
   on the same tokens, and the fraction of copy time hidden: 1 - max(0, t_ffi - t_replicated) / total copy time.
+  Where FFI's time over (c) goes, three more `--variants`, each its own ExpertSource over the same store (defined
+  here, not in jax_dwdp; on GPUs only):
+    ffi-nowait  TIMING-ONLY PROBE, WRONG NUMBERS ON PURPOSE: the copies run exactly as in (a), but the MoE takes
+                the prefetch outputs without the wait custom call, so it may read experts still being copied. Its
+                results are never checked (only whether the logits are finite: NaN routing would make its timing
+                meaningless). Every prefetch output is kept alive until the prefill has ended and store.sync() has
+                waited for the copies (inside the timed call), so no copy outlives its buffer. After the warm-up
+                a buffer most likely holds an earlier run's copy of the same layer (the allocations repeat run to
+                run), so the routing stays that of real weights.
+    ffi-unused  TIMING-ONLY PROBE: the MoE computes on replicated weights (as in (c)) while the store's copies of
+                every layer still run, with no wait: the copies' cost to the compute (HBM and NVLink contention)
+                alone. Outputs kept alive and synced as for ffi-nowait.
+    ffi-depth2  a correct variant: prefetch depth 2, layer l+2's copy enqueued before layer l (three layers'
+                experts in buffers), by a source wrapper that runs one layer ahead of the runner's l+1 prefetch.
+  Reading them (per layer = difference / layers): stall = ffi - ffi-nowait, the time the MoE waits for its
+  experts; contention = ffi-unused - (c), the copies slowing the compute. ffi-nowait ~ (c) => the gap is the wait
+  stalling (the copy starts late or runs long: depth 2 should then close it); ffi-unused ~ ffi => the gap is
+  contention (no schedule helps; only fewer bytes: ffi/README.md, "Next: not copying the rank's own block").
+  ffi-nowait and ffi-unused are both wait-free and differ only in which buffers the MoE reads, so they should
+  agree; ffi-depth2 ~ ffi-nowait => starting the copy a layer earlier removes the stall.
 ranks: independent ranks (each its own programs on its own device): one rank alone, all ranks dispatched in turn
   from one thread and from one thread each (`prefill_all`; ~1.0x one rank when they run concurrently), the host
   time to enqueue one rank's prefill; --ffi: the same ranks on the FFI store; then one whole-model SPMD program
@@ -89,6 +109,105 @@ def copy_only(runner: StageRunner, store, tokens) -> None:
         store.sync()  # nobody waits for these copies: finish them before their outputs are freed
 
 
+# The probes of the FFI path (see the module doc): sources over the same store, local to this benchmark.
+
+class NoWait(Store):
+    """ffi-nowait, a TIMING-ONLY probe whose numbers are wrong on purpose: the copies run as in `Store`, but the
+    MoE takes the prefetch outputs without the wait custom call. Every output is held until `settle` (after the
+    prefill), which waits for the copies first: a copy must never write into a buffer XLA has freed."""
+
+    timing_only = True
+
+    def __init__(self, store, mesh=None):
+        super().__init__(store, mesh)
+        self.held = []
+
+    def prefetch(self, index, h):
+        out = super().prefetch(index, h)
+        self.held.append(out)
+        return out
+
+    def experts(self, pending):
+        return pending  # no dwdp_wait: the MoE may read experts still being copied
+
+    def settle(self):
+        """After a prefill (its outputs ready): wait for every copy, forget the unwaited prefetches, free them."""
+        self.store.sync()
+        self.held.clear()
+
+    def abort(self):
+        self.settle()
+
+
+class Unused(NoWait):
+    """ffi-unused, a TIMING-ONLY probe: the MoE computes on the layers' own (replicated) experts while the store
+    still copies every layer's experts, unwaited: the copies' contention with the compute, alone."""
+
+    replaces_experts = False  # the runner keeps the model's replicated experts, which the MoE reads
+
+    def experts(self, pending):
+        return None
+
+
+class Ahead(Store):
+    """ffi-depth2: prefetch depth `depth`. The runner asks for layer l+1 right before enqueuing layer l; this
+    source then starts layer l + depth's copy and hands over layer l+1's, started depth - 1 layers earlier. Each
+    copy still waits (the write-after-read guard) for everything enqueued before it, and the MoE waits for its copy
+    as in `Store`; depth + 1 layers' experts are in buffers at a time. Needs no change to the runner."""
+
+    def __init__(self, store, mesh=None, depth: int = 2):
+        super().__init__(store, mesh)
+        self.depth, self.started = depth, {}
+
+    def first(self, h):
+        self.started = {i: super(Ahead, self).prefetch(i, h) for i in range(min(self.depth, self.store.num_layers))}
+        return self.started.pop(0)
+
+    def prefetch(self, index, h):
+        start = index + self.depth - 1
+        if start < self.store.num_layers:
+            self.started[start] = super().prefetch(start, h)
+        return self.started.pop(index)
+
+    def abort(self):
+        super().abort()
+        self.started = {}
+
+
+STORE_SOURCES = {"ffi": Store, "ffi-nowait": NoWait, "ffi-unused": Unused, "ffi-depth2": Ahead}
+VARIANTS = ("ffi", "xla", "replicated", *list(STORE_SOURCES)[1:])
+
+
+def make_store(placed, cfg, *, delete: bool = True):
+    """A CUDA VMM store of a placed model's split experts, each layer's copy timed (delete: the model's expert
+    arrays are moved into it). A function of its own so that the CPU test can put a stand-in here."""
+    from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+
+    return ExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, delete=delete, timing=True)
+
+
+def stage_program(cfg, variant, mesh, dtype):
+    """(StageRunner, store or None) for one variant, the model made afresh (seed 1: every variant's weights)."""
+    model = init_model(cfg, dtype=dtype, seed=1, device=mesh.devices.flat[0])
+    store = None
+    if variant == "ffi-unused":  # the runner's model keeps all experts; the store gets a split copy of them
+        placed = place_model(model, mesh, split_experts=False)
+        split = place_model(model, mesh, split_experts=True)
+        store = make_store(split, cfg, delete=False)  # (a shard may share the model's buffers: drop, not delete)
+        del split
+    else:
+        placed = place_model(model, mesh, split_experts=variant != "replicated")
+        if variant in STORE_SOURCES:
+            store = make_store(placed, cfg)
+    del model
+    gc.collect()
+    if store is not None:
+        source = STORE_SOURCES[variant](store, mesh)
+    else:
+        source = Gather(expert_blocks(placed), mesh) if variant == "xla" else Local()
+    return StageRunner(placed, source, mesh=mesh), store
+
+
 def bench_stage(cfg, args) -> list[dict]:
     ranks, seqs, iters, dtype = args.ranks, args.seq_lens, args.iters, jnp.dtype(args.dtype)
     devices = jax.devices()[:ranks]
@@ -99,36 +218,35 @@ def bench_stage(cfg, args) -> list[dict]:
         return random_tokens(cfg, ranks, seq, seed=0), np.full((ranks,), seq, np.int32)
 
     for variant in args.variants:
+        key = variant.replace("-", "_")  # JSON keys: ffi_nowait_ms, ...
         t0 = time.perf_counter()
-        model = init_model(cfg, dtype=dtype, seed=1, device=devices[0])
-        placed = place_model(model, mesh, split_experts=variant != "replicated")
-        del model
-        gc.collect()
-        store = None
-        if variant == "ffi":  # timed copies: store.copy_ms() reads each layer's copy time
-            from jax_dwdp.parallel.dwdp_ffi import ExpertStore
-
-            store = ExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, timing=True)
-            source = Store(store, mesh)
-        else:
-            source = Gather(expert_blocks(placed), mesh) if variant == "xla" else Local()
-        program = StageRunner(placed, source, mesh=mesh)
-        del placed, source
+        program, store = stage_program(cfg, variant, mesh, dtype)
+        settle = getattr(program.source, "settle", None)
         setup_s = time.perf_counter() - t0
         for seq in seqs:
             tokens, lengths = inputs(seq)
 
             def run():
-                return program(tokens, lengths, logits="last")
+                out = program(tokens, lengths, logits="last")
+                if settle is not None:  # the probes: the prefill ends when its copies have (timed)
+                    jax.block_until_ready(out)
+                    settle()
+                return out
             t0 = time.perf_counter()
             jax.block_until_ready(run())
             first_s = time.perf_counter() - t0
             ms = timed(run, iters) * 1e3
             row = rows[seq]
-            row[f"{variant}_ms"] = round(ms, 2)
-            row[f"{variant}_first_call_s"] = round(first_s, 1)
-            row[f"{variant}_setup_s"] = round(setup_s, 1)
-            if store is not None:
+            row[f"{key}_ms"] = round(ms, 2)
+            row[f"{key}_first_call_s"] = round(first_s, 1)
+            row[f"{key}_setup_s"] = round(setup_s, 1)
+            if getattr(program.source, "timing_only", False):
+                logits = np.asarray(run()[0], np.float32)
+                row[f"{key}_logits_finite"] = bool(np.isfinite(logits).all())  # not a check: NaN would skew routing
+                row.setdefault("timing_only", []).append(variant)
+            if store is not None and variant != "ffi":
+                row[f"{key}_copy_ms_per_layer"] = round(float(np.nanmean(store.copy_ms())), 3)
+            if variant == "ffi":
                 copy = store.copy_ms()  # [ranks, layers], of the last timed run
                 row["ffi_copy_ms_per_layer"] = round(float(np.nanmean(copy)), 3)
                 row["ffi_copy_ms_total"] = round(float(np.nanmean(copy.sum(axis=1))), 2)
@@ -160,6 +278,7 @@ def bench_stage(cfg, args) -> list[dict]:
                 row["ffi_copy_hidden_fraction"] = round(1 - min(1.0, exposed / row["ffi_copy_ms_total"]), 3)
         if "ffi_ms" in row and "xla_ms" in row:
             row["ffi_vs_xla"] = round(row["ffi_ms"] / row["xla_ms"], 3)
+        attribute(row, cfg.num_hidden_layers)
     rows = list(rows.values())
     print(f"\n{args.preset}, {cfg.num_hidden_layers} layers, {ranks} x {devices[0].device_kind}, one sequence "
           "per rank (ms per prefill; ratios vs replicated weights)")
@@ -172,7 +291,50 @@ def bench_stage(cfg, args) -> list[dict]:
               f"{g('ffi_vs_replicated')} | {g('xla_vs_replicated')} | {g('ffi_vs_xla')} | {g('ffi_copy_ms_per_layer')} "
               f"| {g('ffi_copy_ms_per_layer_idle')} | {g('moe_ms_per_layer')} | {g('layer_ms_replicated')} "
               f"| {g('ffi_copy_hidden_fraction')} |")
+    if any(f"{v.replace('-', '_')}_ms" in r for r in rows for v in PROBES):
+        print_attribution(rows)
     return rows
+
+
+PROBES = ("ffi-nowait", "ffi-unused", "ffi-depth2")
+
+
+def attribute(row: dict, layers: int) -> None:
+    """The probes' ratios to (c) and to (a), and the per-layer stall and contention (see the module doc)."""
+    rep, ffi = row.get("replicated_ms"), row.get("ffi_ms")
+    for v in PROBES:
+        key = v.replace("-", "_")
+        if f"{key}_ms" not in row:
+            continue
+        if rep:
+            row[f"{key}_vs_replicated"] = round(row[f"{key}_ms"] / rep, 3)
+        if ffi:
+            row[f"{key}_vs_ffi"] = round(row[f"{key}_ms"] / ffi, 3)
+    if ffi and "ffi_nowait_ms" in row:
+        row["ffi_stall_ms_per_layer"] = round((ffi - row["ffi_nowait_ms"]) / layers, 3)
+    if rep and "ffi_unused_ms" in row:
+        row["ffi_contention_ms_per_layer"] = round((row["ffi_unused_ms"] - rep) / layers, 3)
+    if rep and ffi:
+        row["ffi_over_replicated_ms_per_layer"] = round((ffi - rep) / layers, 3)
+
+
+def print_attribution(rows) -> None:
+    print("\nWhere (a)'s time over (c) goes (ms per prefill; ratios vs (c); per layer: difference / layers). "
+          "ffi-nowait and ffi-unused are timing-only probes (wrong results on purpose, never checked).")
+    print("| tokens/rank | (a) ffi | nowait | unused | depth2 | (c) | a/c | nowait/c | unused/c | depth2/c "
+          "| a - c ms/layer | stall (a - nowait) ms/layer | contention (unused - c) ms/layer "
+          "| copy ms/layer a, nowait, unused, depth2 | probe logits finite |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        g = r.get
+        copies = ", ".join(str(g(f"{k}_copy_ms_per_layer")) for k in ("ffi", "ffi_nowait", "ffi_unused", "ffi_depth2"))
+        finite = ", ".join(f"{k}: {g(f'{k}_logits_finite')}" for k in ("ffi_nowait", "ffi_unused")
+                           if f"{k}_logits_finite" in r)
+        print(f"| {r['seq_len_per_rank']} | {g('ffi_ms')} | {g('ffi_nowait_ms')} | {g('ffi_unused_ms')} "
+              f"| {g('ffi_depth2_ms')} | {g('replicated_ms')} | {g('ffi_vs_replicated')} "
+              f"| {g('ffi_nowait_vs_replicated')} | {g('ffi_unused_vs_replicated')} | {g('ffi_depth2_vs_replicated')} "
+              f"| {g('ffi_over_replicated_ms_per_layer')} | {g('ffi_stall_ms_per_layer')} "
+              f"| {g('ffi_contention_ms_per_layer')} | {copies} | {finite} |")
 
 
 # --- ranks: independent ranks, concurrency, the FFI store, XLA DWDP ---------------------------------------------
@@ -359,7 +521,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(num_layers=16)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    p.add_argument("--variants", nargs="+", default=["ffi", "xla", "replicated"], choices=["ffi", "xla", "replicated"])
+    p.add_argument("--variants", nargs="+", default=["ffi", "xla", "replicated"], choices=VARIANTS,
+                   help="ffi-nowait / ffi-unused: timing-only probes (wrong results); ffi-depth2: prefetch depth 2")
 
     p = sub.add_parser("ranks", parents=[common], help="independent ranks: concurrency, FFI store, XLA DWDP")
     p.set_defaults(num_layers=8)
