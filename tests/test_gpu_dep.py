@@ -27,15 +27,8 @@ from jax_dwdp.parallel import Pipeline
 from jax_dwdp.prefill import jit_prefill
 from tests.hf_reference import rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
-                       reason="needs two CUDA GPUs (set JAX_DWDP_TEST_GPU=1)"),
-]
-
-# As in test_gpu_dwdp.py: 6 experts over 2 ranks; moe_intermediate_size 64 for the Mosaic grouped matmul (bf16).
-SMALL = ModelConfig.preset("tiny").replace(num_hidden_layers=4, vocab_size=300, num_experts=6, num_experts_per_tok=2,
-                                           moe_intermediate_size=64)
+# The two-GPU skip and the small model (6 experts over 2 ranks) of the DWDP GPU tests.
+from tests.test_gpu_dwdp import SMALL, pytestmark  # noqa: F401 (pytestmark applies here)
 
 
 @pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)], ids=["fp32", "bf16"])

@@ -117,15 +117,13 @@ def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, pre
     cum_ref[...] = cum
 
 
-def _scores(q_ref, k_ref, g_ref, scale: float):
+def _scores(q, k, cum, scale: float):
     """The chunk's causal decayed scores causal(q.k exp(cum_i - cum_j)) [C, C] (q, k l2-normalised, q scaled) and
-    the row factors of q against the state entering the chunk, rq exp(cum) [C] (fp32): what the fused recurrence
-    needs to produce the output."""
-    q, k = q_ref[...], k_ref[...]
+    the row factors of q against the state entering the chunk, rq exp(cum) [C] (fp32): the output's pieces that do
+    not depend on the state (the output kernel, and the prep kernel for the fused recurrence)."""
     qf, kf = q.astype(_F32), k.astype(_F32)
     rq = lax.rsqrt(jnp.sum(qf * qf, axis=1) + EPS) * scale
     rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
-    cum = jnp.cumsum(g_ref[...])
     causal = _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
     scores = plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :]
     scores = jnp.where(causal, scores * jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
@@ -141,7 +139,7 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, me
 
         @pl.when(n * CHUNK < len_ref[b])
         def _():
-            scores, q_scale = _scores(q_ref, k_ref, g_ref, scale)
+            scores, q_scale = _scores(q_ref[...], k_ref[...], jnp.cumsum(g_ref[...]), scale)
             a_ref[...] = scores.astype(a_ref.dtype)
             qs_ref[...] = q_scale
     else:
@@ -276,18 +274,10 @@ def _output_kernel(len_ref, q_ref, k_ref, cum_ref, hs_ref, vn_ref, *rest, scale:
 
     @pl.when(inside)
     def _():
-        q, k = q_ref[...], k_ref[...]
-        qf, kf = q.astype(_F32), k.astype(_F32)
-        rq = lax.rsqrt(jnp.sum(qf * qf, axis=1) + EPS) * scale
-        rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
-        cum = cum_ref[...]
-        rows, cols = _iota((CHUNK, CHUNK), 0), _iota((CHUNK, CHUNK), 1)
-        causal = rows >= cols
-        decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0))
-        scores = plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :]
-        scores = jnp.where(causal, scores * decay, 0.0).astype(vn_ref.dtype)
-        inter = plgpu.dot(q, hs_ref[...]) * (rq * jnp.exp(cum))[:, None]
-        intra = plgpu.dot(scores, vn_ref[...])
+        q = q_ref[...]
+        scores, q_scale = _scores(q, k_ref[...], cum_ref[...], scale)
+        inter = plgpu.dot(q, hs_ref[...]) * q_scale[:, None]
+        intra = plgpu.dot(scores.astype(vn_ref.dtype), vn_ref[...])
         valid = n * CHUNK + _iota((CHUNK, 1), 0) < len_ref[b]  # zeros past the sequence's end
         o_ref[...] = jnp.where(valid, inter + intra, 0.0).astype(o_ref.dtype)
 
