@@ -196,7 +196,6 @@ class StageRunner:
         elif kind == "moe":
             fn, static, specs, out = moe_body, (self.canonical[key[0]], self.source), (P(), b, b), b
         else:
-            b = P(AXIS)
             # (the last argument, a continued cache, is None on a mesh: see __call__)
             fn, static, specs, out = (layer_body, (self.canonical[key[0]], self.source), (P(), b, b, b, b, b, P()),
                                       ((b, b), b))
