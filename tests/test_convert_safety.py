@@ -41,8 +41,10 @@ def hf_dir(tmp_path_factory):
 
 def cli(*argv: str, **kw) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    # SIGINT at its default in the child even when this test run inherited it ignored (a background launch).
     return subprocess.Popen([sys.executable, "-m", "jax_dwdp.cli", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
 def error_lines(stderr: str) -> list[str]:

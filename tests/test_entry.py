@@ -23,8 +23,11 @@ def _slow_jax(tmp_path: Path) -> dict[str, str]:
 
 
 def _start(env, *args):
+    # SIGINT back to its default in the child: a launcher without job control (a background `&`) starts the
+    # test run with SIGINT ignored, which the child would inherit and Python then keeps.
     return subprocess.Popen([sys.executable, "-c", ENTRY, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_console_script_is_the_entry_module():
