@@ -120,9 +120,9 @@ def main() -> None:
         # and showed the prep kernel at half the time: these are its variants.
         # The 64-wide prep ("wide", not yet measured) first; then the 16-row prep (4 warps is run B's best).
         # Seventh session: the output fused into the recurrence (fused_output), with 4 or 8 warps for it.
-        cases = [("doubling", 4, "ieee", False, 4), ("doubling", 4, "ieee", True, 4), ("doubling", 4, "ieee", True, 8)]
-        cases += [("wide", warps, precision, False, 4) for warps in (4, 8) for precision in ("tf32", "ieee")]
-        cases += [("doubling", 4, "tf32", False, 4), ("wide", 8, "tf32", True, 4), ("wide", 4, "ieee", True, 4)]
+        # Eighth session: the inverse's products with bf16 operands (all, or the merge only: "mixed"), and the fused
+        # output again (its recurrence capped at 64 state columns).
+        cases = [("wide", 4, precision, fused, 4) for fused in (False, True) for precision in ("tf32", "bf16", "mixed")]
         for inverse, w1, precision, fused, w2 in cases:
             tuning = gdn_pallas.Tuning(num_warps=(w1, w2, 4), inverse=inverse, merge_precision=precision,
                                        fused_output=fused)

@@ -32,14 +32,24 @@ def test_pallas_kernels_match_reference_interpreted(rng, hk, hv, initial):
     check_against_reference(o, state, ref, lengths, f"pallas (interpret) {hk}/{hv} heads", BOUND)
 
 
-def test_wide_prep_kernel_matches_reference_interpreted(rng):
-    """The prep kernel on 64x64 tiles (Tuning(inverse="wide")): the same outputs within the same bound."""
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "mixed"])
+def test_wide_prep_kernel_matches_reference_interpreted(rng, precision):
+    """The prep kernel on 64x64 tiles (Tuning(inverse="wide")), its inverse's products at each precision: the same
+    outputs within the same bound."""
     lengths = np.array([130, 1, 65], np.int32)
     q, k, v, g, beta, h0 = gdn_inputs(rng, 3, 130, 2, 4, 16, 32, initial=True)
     o, state = chunk_gated_delta_rule_pallas(q, k, v, g, beta, jnp.asarray(lengths), h0, poisoned(3, 130, 4, 32),
-                                             tuning=Tuning(block_v=16, inverse="wide"), interpret=True)
+                                             tuning=Tuning(block_v=16, inverse="wide", merge_precision=precision),
+                                             interpret=True)
     ref = reference_per_sequence(q, k, v, g, beta, lengths, h0)
-    check_against_reference(o, state, ref, lengths, "pallas (interpret) wide prep", BOUND)
+    check_against_reference(o, state, ref, lengths, f"pallas (interpret) wide prep, {precision}", BOUND)
+
+
+def test_tuning_rejects_unknown_options():
+    with pytest.raises(ValueError, match="merge_precision='fp8'"):
+        Tuning(merge_precision="fp8")
+    with pytest.raises(ValueError, match="inverse='lu'"):
+        Tuning(inverse="lu")
 
 
 @pytest.mark.parametrize("inverse,hk,hv,initial", [("doubling", 2, 4, True), ("doubling", 1, 4, False),

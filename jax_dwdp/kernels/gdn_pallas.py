@@ -45,7 +45,17 @@ CHUNK = 64
 SUB = 16  # sub-block of the triangular solve
 EPS = 1e-6  # l2 norm epsilon, as the reference
 _F32 = jnp.float32
-_MERGE_PRECISION = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}  # fp32 dots of the inverse
+# The fp32 products of the triangular inverse, (the 16x16 diagonal blocks' doubling, the merge of the blocks): exact
+# fp32 (CUDA cores), TF32, or bf16 operands with fp32 accumulation ("mixed": TF32 blocks, bf16 merge).
+_HI, _TF32 = lax.Precision.HIGHEST, lax.Precision.DEFAULT
+_MERGE_PRECISION = {"ieee": (_HI, _HI), "tf32": (_TF32, _TF32), "bf16": ("bf16", "bf16"), "mixed": (_TF32, "bf16")}
+
+
+def _mm(a, b, precision):
+    """a @ b for the inverse's fp32 tiles at `precision` (a value of _MERGE_PRECISION)."""
+    if precision == "bf16":
+        return plgpu.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+    return plgpu.dot(a, b, precision=precision)
 
 
 def supported(dk: int, dv: int) -> bool:
@@ -79,13 +89,13 @@ def _inverse_unit_lower_doubling(a: jax.Array, precision, order: int = SUB) -> j
     x, power = eye - a, a
     p = 2
     while p < order:
-        power = plgpu.dot(power, power, precision=precision)
-        x = x + plgpu.dot(x, power, precision=precision)
+        power = _mm(power, power, precision)
+        x = x + _mm(x, power, precision)
         p *= 2
     return x
 
 
-def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, precision):
+def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, precisions):
     """The prep kernel's body on whole 64-row tiles (Tuning.inverse = "wide"): a dozen 64x64 products on the
     tensor cores instead of ~70 16-row ones. With N the strictly lower system, split into its 16x16 diagonal blocks
     B and the rest R: D = (I + B)^-1 by doubling (B^16 = 0), M = D R (block nilpotent, M^4 = 0), and
@@ -104,11 +114,12 @@ def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, pre
     diagonal = (rows // SUB) == (cols // SUB)
     blocks, rest = jnp.where(diagonal, system, 0.0), jnp.where(diagonal, 0.0, system)
     eye = (rows == cols).astype(_F32)
-    inv_blocks = _inverse_unit_lower_doubling(blocks, precision)
-    m = plgpu.dot(inv_blocks, rest, precision=precision)
+    block_precision, precision = precisions
+    inv_blocks = _inverse_unit_lower_doubling(blocks, block_precision)
+    m = _mm(inv_blocks, rest, precision)
     left = eye - m
-    left = left + plgpu.dot(left, plgpu.dot(m, m, precision=precision), precision=precision)
-    inverse = plgpu.dot(left, inv_blocks, precision=precision).astype(jnp.bfloat16)
+    left = left + _mm(left, _mm(m, m, precision), precision)
+    inverse = _mm(left, inv_blocks, precision).astype(jnp.bfloat16)
     kbe = (kn * (beta * jnp.exp(cum))[:, None]).astype(jnp.bfloat16)
     vb = (v_ref[...].astype(_F32) * beta[:, None]).astype(jnp.bfloat16)
     w_ref[...] = plgpu.dot(inverse, kbe).astype(w_ref.dtype)
@@ -186,16 +197,16 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, me
                 system[a, c] = blk
 
         # L^-1 by blocks: diagonal blocks D_a alone, then X[a, c] = -D_a sum_{m=c}^{a-1} A[a, m] X[m, c].
-        precision = _MERGE_PRECISION[merge_precision]
+        block_precision, precision = _MERGE_PRECISION[merge_precision]
         inv = {}
         for a in range(nb):
             if inverse == "doubling":
-                inv[a, a] = _inverse_unit_lower_doubling(system[a, a], precision)
+                inv[a, a] = _inverse_unit_lower_doubling(system[a, a], block_precision)
             else:
                 inv[a, a] = _inverse_unit_lower(system[a, a])
             for c in range(a):
-                acc = sum(plgpu.dot(system[a, m], inv[m, c], precision=precision) for m in range(c, a))
-                inv[a, c] = -plgpu.dot(inv[a, a], acc, precision=precision)
+                acc = sum(_mm(system[a, m], inv[m, c], precision) for m in range(c, a))
+                inv[a, c] = -_mm(inv[a, a], acc, precision)
 
         for a in range(nb):
             rows_a = pl.ds(a * SUB, SUB)
@@ -299,8 +310,9 @@ class Tuning:
     """Launch parameters of the kernels (prep, recurrence, output); block_v None picks `_block_v`.
 
     `inverse`: "wide" (the whole prep on 64x64 tiles, `_prep_wide`), or the 16-row prep with its 16x16 diagonal
-    blocks by "doubling" or forward "substitution". `merge_precision` "tf32" | "ieee": the fp32 products of the
-    inverse on the tensor cores (TF32) or in exact fp32 on the CUDA cores. `fused_output`: the output computed inside
+    blocks by "doubling" or forward "substitution". `merge_precision` "tf32" | "ieee" | "bf16" | "mixed": the fp32
+    products of the inverse on the tensor cores (TF32), in exact fp32 on the CUDA cores, on the tensor cores with
+    bf16 operands (half TF32's cost), or TF32 for the diagonal blocks and bf16 for their merge. `fused_output`: the output computed inside
     the recurrence (`fused_recurrence`), two kernels instead of three.
 
     Defaults, measured on an H200 at 16K tokens, 16/32 heads (benchmarks/RESULTS.md, GDN section, 2026-12-01):
@@ -319,6 +331,13 @@ class Tuning:
     inverse: str = "wide"
     merge_precision: str = "tf32"
     fused_output: bool = False
+
+    def __post_init__(self):
+        if self.inverse not in ("wide", "doubling", "substitution"):
+            raise ValueError(f"Tuning.inverse={self.inverse!r}: expected 'wide', 'doubling' or 'substitution'")
+        if self.merge_precision not in _MERGE_PRECISION:
+            raise ValueError(f"Tuning.merge_precision={self.merge_precision!r}: expected one of "
+                             f"{sorted(_MERGE_PRECISION)}")
 
     def params(self, i: int) -> plgpu.CompilerParams:
         return plgpu.CompilerParams(num_warps=self.num_warps[i], num_stages=self.num_stages[i])
