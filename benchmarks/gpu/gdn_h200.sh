@@ -29,7 +29,7 @@ fi
 # MODEL40=1: the whole 35b-a3b model (40 layers) at 4K and 16K tokens, layer-wise, XLA then Pallas gated delta rule,
 # in one run (the before / after).
 if [ "${MODEL40:-0}" = 1 ]; then
-  for impl in xla pallas; do
+  for impl in ${MODEL40_IMPLS:-xla pallas}; do
     JAX_DWDP_GDN=$impl XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${MODEL40_TIMEOUT:-240} python3 \
       benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 4096 16384 --layerwise --iters 5 \
       --out "$OUT/prefill40_gdn_$impl.json" 2>&1 | quiet | tail -4 | sed "s/^/gdn=$impl: /"

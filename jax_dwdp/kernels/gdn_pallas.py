@@ -1,4 +1,4 @@
-"""Chunked gated delta rule on the GPU: three Pallas (Triton) kernels.
+"""Chunked gated delta rule on the GPU: Pallas (Triton) kernels, two by default (three unfused).
 
 The math is the chunked WY form of `gated_delta_rule.chunk_gated_delta_rule` (the fp32 reference), with chunk
 C = 64 split into four sub-blocks of 16 for the triangular solve:
@@ -6,28 +6,32 @@ C = 64 split into four sub-blocks of 16 for the triangular solve:
 1. `_prep_kernel`, one program per (sequence, value head, chunk), all in parallel. From k, v, g, beta of the chunk:
    the l2 norms of k, the in-chunk cumulative log-decay `cum`, the unit lower-triangular system
    L = I + strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)) and its inverse on 64x64 tiles (16x16 diagonal
-   blocks by doubling, then the off-diagonal part in two products; fp32 values, TF32 products; see Tuning for
-   the alternatives), then
+   blocks by doubling, then the off-diagonal part in two products; fp32 values, products with bf16 operands and
+   fp32 accumulation; see Tuning for the alternatives), then
      w = L^-1 (beta k exp(cum))    keys that read the state entering the chunk,
      u = L^-1 (beta v)             the chunk's values before the state's correction,
-     kg = k exp(cum_last - cum)    keys decayed to the chunk's end (they write the state).
-2. `_recurrence_kernel`, one program per (sequence, value head, block of dv columns): the only sequential part, a
-   loop over the chunks carrying the [dk, BV] state S in fp32:
-     v_new = u - w @ S;   S <- exp(cum_last) S + kg^T @ v_new,
-   writing the state entering each chunk (bf16) and v_new (bf16); the final state stays fp32.
-3. `_output_kernel`, one program per (sequence, value head, chunk), in parallel:
-     o = (q exp(cum)) @ S_chunk + causal(q.k exp(cum_i - cum_j)) @ v_new.
+     kg = k exp(cum_last - cum)    keys decayed to the chunk's end (they write the state),
+   and, for the fused output (the default), the chunk's causal decayed scores causal(q.k exp(cum_i - cum_j)) and
+   q's row factors.
+2. `_fused_kernel` (default) or `_recurrence_kernel`, one program per (sequence, value head, block of dv columns):
+   the only sequential part, a loop over the chunks carrying the [dk, BV] state S in fp32:
+     v_new = u - w @ S;   o = (q exp(cum)) @ S + scores @ v_new;   S <- exp(cum_last) S + kg^T @ v_new.
+   Unfused, the recurrence writes the state entering each chunk (bf16) and v_new (bf16) instead of o, and
+3. `_output_kernel`, one program per (sequence, value head, chunk), computes o from them in parallel.
+   The final state stays fp32.
 
 q and k are l2-normalised inside the kernels (q also scaled by dk^-0.5). Raw bf16 q and k enter the tensor-core
 dot products and their norms are applied to the fp32 results, which rounds less than normalising first. Key heads
-are shared by groups of value heads through the BlockSpec index maps: the repeat is never materialised.
+are shared by groups of value heads through the BlockSpec index maps: the repeat is never materialised. q, k, v
+and o are not padded to the chunk: the last chunk's rows past T are loaded and stored with masks, so a batch of
+any length costs no copies (only the fp32 gates are laid out [B, HV, T'], T' = T rounded up to C).
 Sequences of a right-padded batch stop at their own length: chunks past it are skipped (their outputs are
 zeros), and padded steps inside the last chunk get g = beta = 0, which leaves the state as it is, so each
 sequence's output and final state are those of the sequence alone. An initial state [B, HV, dk, dv] continues a
 prefill from an earlier one's cache.
 
 Tensor-core dot products take bf16 operands with fp32 accumulation (the state is rounded to bf16 only where it
-enters a dot; it is accumulated in fp32), as flash-linear-attention does; the triangular inverse is fp32 (IEEE).
+enters a dot; it is accumulated in fp32), as flash-linear-attention does.
 """
 
 from __future__ import annotations
@@ -67,6 +71,22 @@ def _iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def _load(ref, n, t: int, start: int = 0):
+    """ref[...] for rows [n*CHUNK + start, ...) of a [.., t, ..] array (t static) that is not padded to the chunk:
+    rows past t read as zeros (a masked load; a plain load when t is a multiple of CHUNK)."""
+    if t % CHUNK == 0:
+        return ref[...]
+    return plgpu.load(ref, mask=n * CHUNK + start + _iota(ref.shape, 0) < t, other=jnp.zeros((), ref.dtype))
+
+
+def _store(ref, value, n, t: int):
+    """ref[...] = value for rows [n*CHUNK, ...) of a [.., t, ..] array: rows past t are not written."""
+    if t % CHUNK == 0:
+        ref[...] = value
+    else:
+        plgpu.store(ref, value, mask=n * CHUNK + _iota(ref.shape, 0) < t)
+
+
 def _inverse_unit_lower(a: jax.Array) -> jax.Array:
     """(I + a)^-1 for a strictly lower-triangular [S, S] tile, by forward substitution over its rows."""
     s = a.shape[0]
@@ -95,12 +115,11 @@ def _inverse_unit_lower_doubling(a: jax.Array, precision, order: int = SUB) -> j
     return x
 
 
-def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, precisions):
+def _prep_wide(k, v, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, precisions):
     """The prep kernel's body on whole 64-row tiles (Tuning.inverse = "wide"): a dozen 64x64 products on the
     tensor cores instead of ~70 16-row ones. With N the strictly lower system, split into its 16x16 diagonal blocks
     B and the rest R: D = (I + B)^-1 by doubling (B^16 = 0), M = D R (block nilpotent, M^4 = 0), and
     (I + N)^-1 = (I + M)^-1 D = (I - M)(I + M^2) D. The default (see Tuning)."""
-    k = k_ref[...]
     kf = k.astype(_F32)
     rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
     kn = kf * rk[:, None]
@@ -121,7 +140,7 @@ def _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, pre
     left = left + _mm(left, _mm(m, m, precision), precision)
     inverse = _mm(left, inv_blocks, precision).astype(jnp.bfloat16)
     kbe = (kn * (beta * jnp.exp(cum))[:, None]).astype(jnp.bfloat16)
-    vb = (v_ref[...].astype(_F32) * beta[:, None]).astype(jnp.bfloat16)
+    vb = (v.astype(_F32) * beta[:, None]).astype(jnp.bfloat16)
     w_ref[...] = plgpu.dot(inverse, kbe).astype(w_ref.dtype)
     u_ref[...] = plgpu.dot(inverse, vb).astype(u_ref.dtype)
     kg_ref[...] = (kn * jnp.exp(total - cum)[:, None]).astype(kg_ref.dtype)
@@ -142,7 +161,7 @@ def _scores(q, k, cum, scale: float):
 
 
 def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, merge_precision: str,
-                 fused: bool, scale: float):
+                 fused: bool, scale: float, t: int):
     b, n = pl.program_id(0), pl.program_id(2)
     nb = CHUNK // SUB
     if fused:  # also the output's pieces that do not depend on the state (see fused_recurrence)
@@ -150,7 +169,7 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, me
 
         @pl.when(n * CHUNK < len_ref[b])
         def _():
-            scores, q_scale = _scores(q_ref[...], k_ref[...], jnp.cumsum(g_ref[...]), scale)
+            scores, q_scale = _scores(_load(q_ref, n, t), _load(k_ref, n, t), jnp.cumsum(g_ref[...]), scale)
             a_ref[...] = scores.astype(a_ref.dtype)
             qs_ref[...] = q_scale
     else:
@@ -158,7 +177,7 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, me
 
     if inverse == "wide":
         pl.when(n * CHUNK < len_ref[b])(
-            lambda: _prep_wide(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref,
+            lambda: _prep_wide(_load(k_ref, n, t), _load(v_ref, n, t), g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref,
                                _MERGE_PRECISION[merge_precision]))
         return
 
@@ -168,7 +187,7 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, me
         total = jnp.zeros((), _F32)
         for a in range(nb):
             rows = pl.ds(a * SUB, SUB)
-            k_a = k_ref[rows, :]
+            k_a = _load(k_ref.at[rows, :], n, t, a * SUB)
             kf = k_a.astype(_F32)
             rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
             g_a, beta_a = g_ref[rows], beta_ref[rows]
@@ -178,7 +197,7 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, me
             kns.append(kf * rk[:, None])
             cums.append(cum)
             betas.append(beta_a)
-            vbs.append(v_ref[rows, :].astype(_F32) * beta_a[:, None])
+            vbs.append(_load(v_ref.at[rows, :], n, t, a * SUB).astype(_F32) * beta_a[:, None])
         rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
 
         # Blocks of the strictly lower system A (a >= c), from raw bf16 k on the tensor cores.
@@ -247,7 +266,7 @@ def _recurrence_kernel(len_ref, w_ref, u_ref, kg_ref, cum_ref, *rest, has_initia
     ht_ref[...] = lax.fori_loop(0, num_chunks, chunk, state)
 
 
-def _fused_kernel(len_ref, q_ref, qs_ref, a_ref, w_ref, u_ref, kg_ref, cum_ref, *rest, has_initial: bool):
+def _fused_kernel(len_ref, q_ref, qs_ref, a_ref, w_ref, u_ref, kg_ref, cum_ref, *rest, has_initial: bool, t: int):
     """The recurrence with the output folded in (Tuning.fused_output): per chunk, besides the state update,
       o = (q @ S) rq exp(cum) + A @ v_new,   A = causal(q.k exp(cum_i - cum_j)) from the prep kernel,
     so neither the per-chunk states nor v_new go through memory. The output's products hang off the loop's
@@ -264,37 +283,37 @@ def _fused_kernel(len_ref, q_ref, qs_ref, a_ref, w_ref, u_ref, kg_ref, cum_ref, 
         rows = pl.ds(n * CHUNK, CHUNK)
         s_half = state.astype(w_ref.dtype)
         v_new = (u_ref[rows, :].astype(_F32) - plgpu.dot(w_ref[rows, :], s_half)).astype(w_ref.dtype)
-        o = plgpu.dot(q_ref[rows, :], s_half) * qs_ref[rows][:, None] + plgpu.dot(a_ref[rows, :], v_new)
-        o_ref[rows, :] = jnp.where(n * CHUNK + row < length, o, 0.0).astype(o_ref.dtype)
+        o = plgpu.dot(_load(q_ref.at[rows, :], n, t), s_half) * qs_ref[rows][:, None] + plgpu.dot(a_ref[rows, :], v_new)
+        _store(o_ref.at[rows, :], jnp.where(n * CHUNK + row < length, o, 0.0).astype(o_ref.dtype), n, t)
         decay = jnp.exp(cum_ref[n * CHUNK + CHUNK - 1])
         return state * decay + plgpu.dot(kg_ref[rows, :], v_new, trans_a=True)
 
     ht_ref[...] = lax.fori_loop(0, num_chunks, chunk, state)
 
     def zero(n, carry):  # chunks past the sequence's end
-        o_ref[pl.ds(n * CHUNK, CHUNK), :] = jnp.zeros((CHUNK, o_ref.shape[-1]), o_ref.dtype)
+        _store(o_ref.at[pl.ds(n * CHUNK, CHUNK), :], jnp.zeros((CHUNK, o_ref.shape[-1]), o_ref.dtype), n, t)
         return carry
 
-    lax.fori_loop(num_chunks, o_ref.shape[0] // CHUNK, zero, 0)
+    lax.fori_loop(num_chunks, -(-t // CHUNK), zero, 0)
 
 
-def _output_kernel(len_ref, q_ref, k_ref, cum_ref, hs_ref, vn_ref, *rest, scale: float):
+def _output_kernel(len_ref, q_ref, k_ref, cum_ref, hs_ref, vn_ref, *rest, scale: float, t: int):
     o_ref = rest[-1]  # rest is (o,) or, with a buffer to write into, (that buffer as input, o): the same memory
     b, n = pl.program_id(0), pl.program_id(2)
     inside = n * CHUNK < len_ref[b]
 
     @pl.when(inside)
     def _():
-        q = q_ref[...]
-        scores, q_scale = _scores(q, k_ref[...], cum_ref[...], scale)
+        q = _load(q_ref, n, t)
+        scores, q_scale = _scores(q, _load(k_ref, n, t), cum_ref[...], scale)
         inter = plgpu.dot(q, hs_ref[...]) * q_scale[:, None]
         intra = plgpu.dot(scores.astype(vn_ref.dtype), vn_ref[...])
         valid = n * CHUNK + _iota((CHUNK, 1), 0) < len_ref[b]  # zeros past the sequence's end
-        o_ref[...] = jnp.where(valid, inter + intra, 0.0).astype(o_ref.dtype)
+        _store(o_ref, jnp.where(valid, inter + intra, 0.0).astype(o_ref.dtype), n, t)
 
     @pl.when(jnp.logical_not(inside))
     def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        _store(o_ref, jnp.zeros(o_ref.shape, o_ref.dtype), n, t)
 
 
 def _block_v(batch: int, heads: int, dv: int) -> int:
@@ -312,25 +331,25 @@ class Tuning:
     `inverse`: "wide" (the whole prep on 64x64 tiles, `_prep_wide`), or the 16-row prep with its 16x16 diagonal
     blocks by "doubling" or forward "substitution". `merge_precision` "tf32" | "ieee" | "bf16" | "mixed": the fp32
     products of the inverse on the tensor cores (TF32), in exact fp32 on the CUDA cores, on the tensor cores with
-    bf16 operands (half TF32's cost), or TF32 for the diagonal blocks and bf16 for their merge. `fused_output`: the output computed inside
-    the recurrence (`fused_recurrence`), two kernels instead of three.
+    bf16 operands (half TF32's cost), or TF32 for the diagonal blocks and bf16 for their merge.
+    `fused_output`: the output computed inside the recurrence (`fused_recurrence`), two kernels instead of three.
 
-    Defaults, measured on an H200 at 16K tokens, 16/32 heads (benchmarks/RESULTS.md, GDN section, 2026-12-01):
-    wide + tf32 1.167 ms (prep 0.45 ms) vs doubling + ieee 1.346 ms (prep 0.66 ms); wide + ieee 9.6 ms (64x64 fp32
-    products on the CUDA cores); 8 prep warps slower than 4. TF32 costs no accuracy that shows: the inverse is
-    rounded to bf16 (2^-9) before it is used, below which TF32's 2^-11 stays (output / state errors vs the fp32
-    reference 3.86e-3 / 3.01e-3 with either precision). The fused output saved 0.11 ms with the doubling prep
-    (1.236 vs 1.346 ms) but failed the GPU test on the mixed-length batch (batch 6, T = 4096; it passed isolated cases
-    with batch 2, lengths 1-256, initial state and output buffer; the likely cause, 128 state columns per program,
-    is now capped at 64, not yet run on a GPU): it stays opt-in until a GPU run passes. The recurrence's block_v
-    and warps come from a sweep of 18 launch configurations (sixth session)."""
+    Defaults, measured on an H200 at 16K tokens, 16/32 heads (benchmarks/RESULTS.md, GDN section, eighth session):
+    the wide prep with bf16 products and the fused output, 0.933 ms, vs 0.999 unfused, 1.019 / 1.081 with the merge
+    only in bf16 ("mixed"), 1.101 / 1.151 with TF32 (the seventh session's default), 9.6 ms in exact fp32 (64x64
+    fp32 products on the CUDA cores); 8 prep warps slower than 4. The inverse's precision costs no accuracy that
+    shows: it is rounded to bf16 (2^-9) before it is used, and the output / state errors vs the fp32 reference are
+    3.86e-3 / 3.01e-3 at every precision (the bf16 inputs set them). The fused output saves the output kernel and
+    the per-chunk states' round trip through memory (0.07 ms); its recurrence keeps at most 64 state columns per
+    program (with 128 it failed the mixed-length GPU test in the seventh session; capped, it passes). The
+    recurrence's block_v and warps come from a sweep of 18 launch configurations (sixth session)."""
 
     block_v: int | None = None
     num_warps: tuple[int, int, int] = (4, 4, 4)
     num_stages: tuple[int, int, int] = (2, 3, 2)
     inverse: str = "wide"
-    merge_precision: str = "tf32"
-    fused_output: bool = False
+    merge_precision: str = "bf16"
+    fused_output: bool = True
 
     def __post_init__(self):
         if self.inverse not in ("wide", "doubling", "substitution"):
@@ -361,11 +380,13 @@ def _whole(lengths) -> pl.BlockSpec:
 
 
 def prepare(lengths, k, v, g, beta, q=None, *, rep: int, tuning: Tuning = Tuning(), interpret: bool = False):
-    """Kernel 1. k [B, T, HK, dk], v [B, T, HV, dv] (T a multiple of CHUNK); g, beta [B, HV, T] fp32 with padded
-    steps zeroed. Returns w, u, kg [B, HV, T, d] in v's dtype and the in-chunk cumulative log-decay [B, HV, T]
-    fp32 (chunks past a sequence's length unwritten). With q [B, T, HK, dk] (for `fused_recurrence`), also the
-    chunks' causal decayed scores A [B, HV, T, CHUNK] in v's dtype and q's row factors [B, HV, T] fp32."""
-    b, tp, hv, dv = v.shape
+    """Kernel 1. k [B, T, HK, dk], v [B, T, HV, dv] (any T: the last chunk's loads are masked); g, beta [B, HV, T']
+    fp32 (T' = T rounded up to CHUNK) with padded steps zeroed. Returns w, u, kg [B, HV, T', d] in v's dtype and the
+    in-chunk cumulative log-decay [B, HV, T'] fp32 (chunks past a sequence's length unwritten). With q
+    [B, T, HK, dk] (for `fused_recurrence`), also the chunks' causal decayed scores A [B, HV, T', CHUNK] in v's
+    dtype and q's row factors [B, HV, T'] fp32."""
+    b, t, hv, dv = v.shape
+    tp = g.shape[-1]
     dk = k.shape[-1]
     fused = q is not None
     values = pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
@@ -381,7 +402,7 @@ def prepare(lengths, k, v, g, beta, q=None, *, rep: int, tuning: Tuning = Tuning
         args.append(q)
     return pl.pallas_call(
         functools.partial(_prep_kernel, inverse=tuning.inverse, merge_precision=tuning.merge_precision, fused=fused,
-                          scale=dk**-0.5),
+                          scale=dk**-0.5, t=t),
         grid=(b, hv, tp // CHUNK),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -429,8 +450,10 @@ def fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, initial_state=N
                      tuning: Tuning = Tuning(), interpret: bool = False):
     """Kernels 2 and 3 in one (Tuning.fused_output): q [B, T, HK, dk] raw, q_scale / scores from `prepare(..., q)`.
     Returns (o [B, T, HV, dv] in u's dtype, zero past each sequence's length; final state [B, HV, dk, dv] fp32).
-    `out`: an optional [B, T, HV, dv] buffer o is written into."""
+    `out`: an optional [B, T, HV, dv] buffer o is written into. T (q's) need not be a multiple of CHUNK: q and o are
+    read and written with masks (their whole-sequence blocks span T', past the arrays' end, never touched)."""
     b, hv, tp, dk = w.shape
+    t = q.shape[1]
     dv = u.shape[3]
     # At most 64 state columns: the one GPU failure of this kernel (2026-12-01) was the only case that had 128
     # (batch 6 x 32 heads, so _block_v kept every column), likely more live registers and shared memory than
@@ -455,11 +478,11 @@ def fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, initial_state=N
         in_specs.append(o_spec)
         args.append(out)
     return pl.pallas_call(
-        functools.partial(_fused_kernel, has_initial=has_initial),
+        functools.partial(_fused_kernel, has_initial=has_initial, t=t),
         grid=(b, hv, dv // bv),
         in_specs=in_specs,
         out_specs=[o_spec, state_block],
-        out_shape=[jax.ShapeDtypeStruct((b, tp, hv, dv), u.dtype), jax.ShapeDtypeStruct((b, hv, dk, dv), _F32)],
+        out_shape=[jax.ShapeDtypeStruct((b, t, hv, dv), u.dtype), jax.ShapeDtypeStruct((b, hv, dk, dv), _F32)],
         input_output_aliases={len(args) - 1: 0} if out is not None else {},
         compiler_params=tuning.params(1),
         interpret=interpret,
@@ -469,10 +492,11 @@ def fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, initial_state=N
 
 def output(lengths, q, k, cum, states, v_new, out=None, *, rep: int, tuning: Tuning = Tuning(),
            interpret: bool = False):
-    """Kernel 3. Returns o [B, T, HV, dv] in v_new's dtype, zero past each sequence's length. `out`, if given, is
-    the buffer written in place (tests fill it with NaN to prove every element is written)."""
+    """Kernel 3. Returns o [B, T, HV, dv] (T: q's, any length; v_new and the states span T' = T rounded up to CHUNK)
+    in v_new's dtype, zero past each sequence's length. `out`, if given, is the buffer written in place (tests fill
+    it with NaN to prove every element is written)."""
     b, hv, tp, dv = v_new.shape
-    dk = q.shape[-1]
+    t, dk = q.shape[1], q.shape[-1]
     args = [lengths, q, k, cum, states, v_new]
     spec = pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
     in_specs = [_whole(lengths), _key_chunk(dk, rep), _key_chunk(dk, rep), _GATES,
@@ -481,11 +505,11 @@ def output(lengths, q, k, cum, states, v_new, out=None, *, rep: int, tuning: Tun
         args.append(out)
         in_specs.append(spec)
     return pl.pallas_call(
-        functools.partial(_output_kernel, scale=dk**-0.5),
+        functools.partial(_output_kernel, scale=dk**-0.5, t=t),
         grid=(b, hv, tp // CHUNK),
         in_specs=in_specs,
         out_specs=spec,
-        out_shape=jax.ShapeDtypeStruct((b, tp, hv, dv), v_new.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, t, hv, dv), v_new.dtype),
         input_output_aliases={len(args) - 1: 0} if out is not None else {},
         compiler_params=tuning.params(2),
         interpret=interpret,
@@ -494,12 +518,13 @@ def output(lengths, q, k, cum, states, v_new, out=None, *, rep: int, tuning: Tun
 
 
 def pad_inputs(q, k, v, g, beta, lengths):
-    """Pads T to a multiple of CHUNK, casts q, k, v to one half type, zeroes g and beta past each length and lays the
-    gates out as [B, HV, T]. Returns (q, k, v, g, beta, lengths clipped to T)."""
+    """Casts q, k, v to one half type (no copy when they are one already: they are not padded, the kernels mask the
+    last chunk's rows past T), zeroes g and beta past each length and lays them out as [B, HV, T'], T' = T rounded
+    up to CHUNK. Returns (q, k, v, g, beta, lengths clipped to T)."""
     t = q.shape[1]
     pad = (-t) % CHUNK
     dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
-    q, k, v = (jnp.pad(x.astype(dtype), ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
     valid = jnp.arange(t + pad)[None, :, None] < lengths[:, None, None]
     g, beta = (jnp.where(valid, jnp.pad(x.astype(_F32), ((0, 0), (0, pad), (0, 0))), 0.0).transpose(0, 2, 1)
                for x in (g, beta))
@@ -521,19 +546,20 @@ def chunk_gated_delta_rule_pallas(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q, k [B, T, HK, dk]; v [B, T, HV, dv] (HV a multiple of HK); g, beta [B, T, HV]; lengths [B] int32;
-    initial_state [B, HV, dk, dv] or None; `out` an optional [B, T', HV, dv] buffer (T' = T rounded up to CHUNK)
-    that o is written into. Returns (o [B, T, HV, dv] in v's dtype (bf16 unless fp16), zero at and past each
+    initial_state [B, HV, dk, dv] or None; `out` an optional [B, T, HV, dv] buffer of v's half type that o is written
+    into. Returns (o [B, T, HV, dv] in v's dtype (bf16 unless fp16), zero at and past each
     sequence's length, final state [B, HV, dk, dv] fp32)."""
-    t = q.shape[1]
     rep = v.shape[2] // q.shape[2]
     q, k, v, g, beta, lengths = pad_inputs(q, k, v, g, beta, lengths)
+    if out is not None and (out.shape != v.shape or out.dtype != v.dtype):
+        raise ValueError(f"out: expected a {v.dtype} buffer of shape {v.shape} (o's), got {out.dtype} {out.shape}")
     if tuning.fused_output:
         w, u, kg, cum, scores, q_scale = prepare(lengths, k, v, g, beta, q, rep=rep, tuning=tuning,
                                                  interpret=interpret)
         o, final = fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, initial_state, out, rep=rep,
                                     tuning=tuning, interpret=interpret)
-        return o[:, :t] if o.shape[1] != t else o, final
+        return o, final
     w, u, kg, cum = prepare(lengths, k, v, g, beta, rep=rep, tuning=tuning, interpret=interpret)
     states, v_new, final = recurrence(lengths, w, u, kg, cum, initial_state, tuning=tuning, interpret=interpret)
     o = output(lengths, q, k, cum, states, v_new, out, rep=rep, tuning=tuning, interpret=interpret)
-    return o[:, :t] if o.shape[1] != t else o, final
+    return o, final
