@@ -98,6 +98,17 @@ def test_cpu_default_is_xla_and_env_switch_is_gpu_only(monkeypatch):
     assert gm.default_implementation(jnp.bfloat16) == want
 
 
+def test_env_switch_leaves_fp32_on_the_reference_path(monkeypatch):
+    """On a GPU, JAX_DWDP_GROUPED_MATMUL picks the kernel of half-type models only: an fp32 model (the reference run
+    beside a bf16 one) stays on "xla" (the Mosaic kernel on fp32 tiles asked for 256 KiB of shared memory on an H200,
+    more than the 227 KiB there are, eighth session)."""
+    monkeypatch.setattr(gm, "on_gpu", lambda: True)
+    monkeypatch.setenv(gm.ENV_IMPLEMENTATION, "mosaic")
+    assert gm.default_implementation(jnp.bfloat16) == "mosaic"
+    assert gm.default_implementation(jnp.float16) == "mosaic"
+    assert gm.default_implementation(jnp.float32) == "xla"
+
+
 def test_bad_implementation_and_shapes(rng):
     x, w, sizes = make_case(rng, 32, 2, 16, 16)
     with pytest.raises(ValueError, match="unknown grouped matmul implementation"):

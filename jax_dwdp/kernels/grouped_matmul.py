@@ -22,7 +22,7 @@ Implementations:
   first use, never at import.
 
 GPU default: "cutlass" for bf16 when its library is built, else "mosaic"; $JAX_DWDP_GROUPED_MATMUL
-(cutlass|mosaic|xla) overrides the GPU choice. The CPU always takes "xla".
+(cutlass|mosaic|xla) overrides the GPU choice for half types. The CPU and fp32 inputs always take "xla".
 """
 
 from __future__ import annotations
@@ -160,9 +160,10 @@ ENV_IMPLEMENTATION = "JAX_DWDP_GROUPED_MATMUL"
 
 
 def default_implementation(dtype) -> str:
-    """The CPU takes "xla". On the GPU: $JAX_DWDP_GROUPED_MATMUL if set; else "cutlass" for bf16 when its library
-    is built, "mosaic" for other half types, "xla" otherwise."""
-    if not on_gpu():
+    """The CPU takes "xla", and so do fp32 inputs (the reference precision; the GPU kernels are half-type kernels:
+    the Mosaic one runs out of shared memory on fp32 tiles). On the GPU, for half types: $JAX_DWDP_GROUPED_MATMUL
+    if set; else "cutlass" for bf16 when its library is built, "mosaic" otherwise."""
+    if not on_gpu() or dtype not in (jnp.bfloat16, jnp.float16):
         return "xla"
     env = os.environ.get(ENV_IMPLEMENTATION)
     if env:
@@ -174,7 +175,7 @@ def default_implementation(dtype) -> str:
 
         if cutlass.available():
             return "cutlass"
-    return "mosaic" if dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    return "mosaic"
 
 
 def grouped_matmul(
