@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(chunked prefill; one device)")
     p.add_argument("--fused-swiglu", action="store_true",
                    help="expert gate_up weights interleaved for the fused SwiGLU GPU kernel (opt-in: measured at parity)")
+    p.add_argument("--num-processes", type=int, default=1, metavar="N",
+                   help="one process per device: start N local processes (or, with --coordinator and --process-id, "
+                        "join a launch of N made by another tool); N must equal the devices the layout uses")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator of an outside launch")
+    p.add_argument("--process-id", type=int, metavar="I", help="this process's index in an outside launch")
+    p.add_argument("--process-timeout", type=int, default=60, metavar="S",
+                   help="seconds to wait for the other processes to start, and for a silent peer before it counts "
+                        "as dead (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-verify", action="store_true",
                    help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
@@ -268,7 +276,7 @@ def _peak_memory_bytes(devices=None) -> list[int | None]:
     platform does not say (CPU). Memory outside XLA's allocator (an FFI expert store) is not in it."""
     import jax
 
-    return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.devices()[:1])]
+    return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.local_devices()[:1])]
 
 
 def _partial_path(path: Path) -> Path:
@@ -353,6 +361,11 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
     logits, caches = run(tokens, lengths)  # warm-up
     jax.block_until_ready((logits, caches))
     seconds, _ = median_seconds(lambda: run(tokens, lengths), args.iters)
+    if jax.process_count() > 1:  # logits split over the processes: every process takes part in gathering them
+        from jax.experimental import multihost_utils
+
+        logits = multihost_utils.process_allgather(logits, tiled=True)
+        devices = [d for d in devices if d.process_index == jax.process_index()]
     n_tokens = int(tokens.size)
     logits_positions = n_tokens if mode == "all" else tokens.shape[0]
     flops = cfg.prefill_flops(tokens.shape[0], tokens.shape[1], logits_positions)
@@ -475,8 +488,45 @@ def _ensure_cpu_devices(args) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(need, 8)}".strip()
 
 
+def _check_processes(args) -> None:
+    """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
+    n = args.num_processes
+    joined = args.coordinator is not None or args.process_id is not None
+    if n < 1:
+        raise UsageError(f"--num-processes must be >= 1, got {n}")
+    if joined and (args.coordinator is None or args.process_id is None or n < 2):
+        raise UsageError("joining a launch needs --coordinator HOST:PORT, --process-id I and --num-processes N (N >= 2)")
+    if joined and not 0 <= args.process_id < n:
+        raise UsageError(f"--process-id must lie in [0, {n}), got {args.process_id}")
+    if n == 1:
+        return
+    devices = args.pipeline * _ranks(args)
+    if devices != n:
+        raise UsageError(f"--num-processes {n}: one process per device, but the layout (--pipeline {args.pipeline} x "
+                         f"{_ranks(args)} ranks) uses {devices} device(s)")
+    if args.pipeline > 1:
+        raise UsageError("--pipeline across processes is not supported yet (stage-to-stage transfers between "
+                         "processes); use one process, or --dwdp / --dep ranks across processes")
+    if args.dwdp > 1 and args.dwdp_backend == "ffi":
+        raise UsageError("--dwdp-backend ffi across processes is not supported yet (the VMM handle exchange); use "
+                         "--dwdp-backend xla, or one process driving every GPU")
+    if args.prefill_chunk is not None:
+        raise UsageError("--prefill-chunk runs on one device, in one process")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.command == "prefill" and args.num_processes > 1 and args.process_id is None:
+        try:
+            _check_processes(args)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        from jax_dwdp.distributed import launch
+
+        return launch(argv, args.num_processes, timeout_s=args.process_timeout,
+                      status=lambda text: print(text, file=sys.stderr, flush=True))
     try:
         return _main(args)
     except KeyboardInterrupt:  # what was being written is already removed (e.g. a conversion's partial folder)
@@ -487,7 +537,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
-    _ensure_cpu_devices(args)
+    if getattr(args, "process_id", None) is not None:
+        try:
+            _check_processes(args)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        from jax_dwdp.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.process_timeout)
+        if args.process_id != 0:  # process 0 reports; the others only compute
+            args.json = True
+    else:
+        _ensure_cpu_devices(args)
     from jax_dwdp.config import ConfigError
     from jax_dwdp.prefill import InputError
     from jax_dwdp.weights.safetensors_reader import CheckpointError
@@ -505,6 +567,8 @@ def _main(args) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"error: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
         return EXIT_RUNTIME
+    if getattr(args, "process_id", None):  # not process 0 of a multi-process launch
+        return 0
     if args.command == "plan" or args.json:
         print(json.dumps(result))
     elif args.command == "verify":

@@ -51,7 +51,9 @@ def _positions(h, b: int, t: int):
     sharding = getattr(h, "sharding", None)
     if isinstance(sharding, NamedSharding):
         spec = (*sharding.spec, None, None)[:2]
-        return jax.device_put(positions, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+        from jax_dwdp.parallel.mesh import put  # (jax_dwdp.parallel imports this module)
+
+        return put(positions, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
     return positions
 
 

@@ -36,7 +36,7 @@ from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.experts import _EXPERT_WEIGHTS, AXIS, Local, PeerCopy, Store, is_expert_weight
-from jax_dwdp.parallel.mesh import cpu_barrier
+from jax_dwdp.parallel.mesh import cpu_barrier, put
 from jax_dwdp.parallel.runner import StageRunner
 
 EXPERT_CHOICES = ("local", "xla", "ffi", "dep")
@@ -81,15 +81,15 @@ class Placement:
     def __call__(self, path: tuple, value: jax.Array, layer: int, num_experts: int) -> jax.Array:
         """`value` of the flat state path `path`, of the stage's layer `layer` (position in the stage)."""
         if not is_expert_weight(path) or self.experts == "replicate":
-            placed = jax.device_put(value, self.replicated)
+            placed = put(value, self.replicated)
         else:
             layout = ExpertLayout(num_experts, self.mesh.shape[AXIS])
             padded = pad_experts(value, layout)
             if self.experts == "split":
-                placed = jax.device_put(padded, self.split)
+                placed = put(padded, self.split)
             else:
                 self._fill(layer, _EXPERT_WEIGHTS.index(path[-1]), padded, layout)
-                placed = jax.device_put(jnp.zeros((), value.dtype), self.replicated)
+                placed = put(jnp.zeros((), value.dtype), self.replicated)
             if padded is not value:
                 padded.delete()
         return placed

@@ -9,6 +9,25 @@ from jax.sharding import Mesh
 AXES = ("pipeline", "dwdp")
 
 
+def builder_device(row) -> jax.Device:
+    """The device of a mesh row (an array of devices) that this process builds a stage's weights on before they are
+    placed on the row: the first one it drives (with one process per device, its own), else the row's first."""
+    flat = list(np.asarray(row).flat)
+    mine = [d for d in flat if d.process_index == jax.process_index()]
+    return mine[0] if mine else flat[0]
+
+
+def put(value, sharding):
+    """jax.device_put onto `sharding`, also when the sharding spans devices of other processes (one process per
+    device, jax.distributed): there every process passes the same whole value (a host array, or an array on one of
+    its own devices) and keeps only its own devices' shards."""
+    if jax.process_count() == 1 or sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:  # already a global array
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(np.shape(value), sharding, lambda index: value[index])
+
+
 def make_mesh(pipeline: int = 1, dwdp: int = 1, devices: list[jax.Device] | None = None) -> Mesh:
     """A (pipeline, dwdp) mesh over the first pipeline * dwdp devices (all of them by default).
 

@@ -28,7 +28,7 @@ from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.dwdp import (CheckpointLayers, Placement, build_placed, check_experts_choice, expert_blocks,
                                     model_range, open_store)
 from jax_dwdp.parallel.experts import AXIS, Dispatch, Gather, Local, Store
-from jax_dwdp.parallel.mesh import cpu_barrier, make_mesh
+from jax_dwdp.parallel.mesh import builder_device, cpu_barrier, make_mesh, put
 from jax_dwdp.parallel.runner import StageRunner, pad_batch, padded_rows, take_rows
 from jax_dwdp.prefill import InputError, check_tokens
 
@@ -173,8 +173,8 @@ class Pipeline:
         stages = plan_stages(cfg, pipeline, boundaries)
 
         def make_range(stage, a, b):
-            return init_model(cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b, device=mesh.devices[stage, 0],
-                              fused_swiglu=fused_swiglu)
+            return init_model(cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b,
+                              device=builder_device(mesh.devices[stage]), fused_swiglu=fused_swiglu)
         return cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts)
 
     @classmethod
@@ -206,7 +206,7 @@ class Pipeline:
         reports, loaders = [], {}
 
         def make_range(stage, a, b):
-            device = mesh.devices[stage, 0]
+            device = builder_device(mesh.devices[stage])
             if dwdp > 1:
                 if stage not in loaders:
                     loaders[stage] = CheckpointLayers(checkpoint_dir, cfg, dtype, device, fused_swiglu=fused_swiglu)
@@ -260,8 +260,8 @@ class Pipeline:
             rows = slice(m * size, (m + 1) * size)
             x = tokens[rows]
             for s, runner in enumerate(self.runners):
-                x = jax.device_put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
-                lens = jax.device_put(lengths[rows], self.input_shardings[s])
+                x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
+                lens = put(lengths[rows], self.input_shardings[s])
                 x, cache = wait(runner(x, lens, logits=logits, cache_len=cache_len, layerwise=layerwise))
                 caches[s].append(cache)
             outs.append(x)

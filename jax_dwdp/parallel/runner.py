@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.experts import AXIS, ExpertSource, Local, is_expert_weight
+from jax_dwdp.parallel.mesh import put
 from jax_dwdp.programs import (StaticGraph, canonical_graphs, embed_body, head_body, layer_body, precision_scope,
                                run_embed, run_head, run_layer)
 
@@ -61,7 +62,8 @@ class StageRunner:
         for path, var in nnx.to_flat_state(state):
             value = var.get_value()
             if self.source.replaces_experts and is_expert_weight(path):
-                value = jax.device_put(jnp.zeros((), value.dtype), where)
+                value = put(jnp.zeros((), value.dtype), where) if mesh is not None else jax.device_put(
+                    jnp.zeros((), value.dtype), where)
             elif device is not None:
                 value = on_device(value, device)
             flat.append((path, type(var)(value)))
@@ -103,7 +105,7 @@ class StageRunner:
     # ---- running -----------------------------------------------------------------------------------------------
     def place(self, x):
         if self.mesh is not None:
-            return jax.device_put(x, NamedSharding(self.mesh, P(AXIS)))
+            return put(x, NamedSharding(self.mesh, P(AXIS)))
         return jax.device_put(x, self.device) if self.device is not None else jnp.asarray(x)
 
     def __call__(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None,

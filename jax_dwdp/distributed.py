@@ -1,0 +1,144 @@
+"""One process per device: each process's start (jax.distributed) and the local launcher.
+
+`jax-dwdp prefill ... --num-processes N` starts N local processes of the same command (`launch`), one device each
+(on a GPU machine each sees one GPU through CUDA_VISIBLE_DEVICES; on the CPU each has one host device), with a
+coordinator on a free local port; `--coordinator HOST:PORT --process-id I --num-processes N` instead joins a launch
+made by another tool (a cluster scheduler, mpirun, a notebook), which then also chooses each process's device.
+
+Every process runs the whole program (multi-controller JAX): the mesh spans all processes' devices, each builds
+the same weights and keeps only its own devices' shards (`jax_dwdp.parallel.mesh.put`), and the collectives (the
+DWDP all-gather, DEP's all-to-all) cross processes; on the CPU through gloo. Process 0 prints the results.
+
+Failure: the launcher watches its processes; when one exits with an error or is killed, it stops the others
+(SIGTERM, then SIGKILL after `GRACE_S`), names the process, and exits non-zero: nobody waits on a dead peer's
+collective. Children die with the launcher (PR_SET_PDEATHSIG), so no orphan survives it either. A process of an
+outside launch learns of a dead peer through JAX's heartbeat (`--process-timeout` seconds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+GRACE_S = 5.0  # how long a stopped process gets to exit after SIGTERM before SIGKILL
+EXIT_RUNTIME = 1
+EXIT_INTERRUPTED = 130
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60) -> None:
+    """Joins the launch: jax.distributed with CPU collectives over gloo (the GPU backends bring their own).
+    Must run before anything touches a JAX device."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout_s,
+                               heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=timeout_s)
+
+
+def shutdown() -> None:
+    import jax
+
+    jax.distributed.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpu_count() -> int:
+    """GPUs on this machine (nvidia-smi), without starting JAX (the launcher must not hold a device)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=None) -> int:
+    """Runs `jax-dwdp ARGV --process-id I --coordinator 127.0.0.1:PORT` for I in [0, N); returns the exit code:
+    0 when all succeed, else the first failure's (the others stopped). `status(text)` reports progress (stderr)."""
+    status = status or (lambda text: print(text, file=sys.stderr, flush=True))
+    coordinator = f"127.0.0.1:{free_port()}"
+    gpus = _gpu_count()
+    if gpus and gpus < num_processes:
+        status(f"error: --num-processes {num_processes} needs a GPU per process; this machine has {gpus}")
+        return EXIT_RUNTIME
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(num_processes):
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(i)
+            cmd = [sys.executable, "-m", "jax_dwdp.cli", *argv, "--process-id", str(i), "--coordinator", coordinator,
+                   "--process-timeout", str(timeout_s)]
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent,
+                                          stdout=None if i == 0 else subprocess.DEVNULL))
+        status(f"started {num_processes} processes (coordinator {coordinator}): "
+               + ", ".join(f"process {i} pid {p.pid}" for i, p in enumerate(procs)))
+        return _wait(procs, status)
+    except KeyboardInterrupt:
+        _stop(procs)
+        status("error: interrupted; stopped every process")
+        return EXIT_INTERRUPTED
+    finally:
+        _stop(procs)
+
+
+def _wait(procs: list[subprocess.Popen], status) -> int:
+    """Waits for every process; on the first failure stops the rest and names it."""
+    running = dict(enumerate(procs))
+    while running:
+        for i, p in list(running.items()):
+            code = p.poll()
+            if code is None:
+                continue
+            del running[i]
+            if code != 0:
+                others = [f"process {j}" for j in running]
+                _stop(list(running.values()))
+                stopped = f"; stopped {', '.join(others)}" if others else ""
+                status(f"error: process {i} (pid {p.pid}) {_describe(code)}{stopped}")
+                return code if code > 0 else EXIT_RUNTIME
+        time.sleep(0.05)
+    return 0
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM, then SIGKILL after GRACE_S, to every process still running; waits for all of them."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in alive:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
