@@ -1,0 +1,161 @@
+"""One process per device on the CPU (`--num-processes`, jax.distributed with gloo): results equal one process, a
+dead process stops the launch with a clear error, and no process outlives it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_dwdp.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "jax_dwdp.cli"]
+PIDS = re.compile(r"process (\d+) pid (\d+)")
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)  # each process: one host device
+    return env
+
+
+def _prefill(args, out: Path, timeout=600):
+    proc = subprocess.run(CLI + ["prefill", *args, "--dtype", "float32", "--iters", "1", "--logits-out", str(out)],
+                          capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.load(out), proc
+
+
+def _rel(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, one device: the tiny preset, 3 sequences of 24 tokens (random tokens of seed 0)."""
+    out = tmp_path_factory.mktemp("ref") / "ref.npy"
+    return _prefill(["--preset", "tiny", "--batch", "3", "--seq-len", "24"], out)[0]
+
+
+@pytest.mark.parametrize("scheme", [["--dwdp", "2"], ["--dep", "2"], ["--dwdp", "2", "--dwdp-backend", "local"]],
+                         ids=["dwdp-xla", "dep", "replicated"])
+def test_two_processes_equal_one(tmp_path, reference, scheme):
+    """3 sequences over 2 processes (one padding row): DWDP's all-gather / DEP's all-to-all cross processes."""
+    logits, proc = _prefill(["--preset", "tiny", "--batch", "3", "--seq-len", "24", "--num-processes", "2", *scheme],
+                            tmp_path / "mp.npy")
+    err = _rel(logits, reference)
+    print(f"{' '.join(scheme)}, 2 processes vs one: {err:.2e}")
+    assert logits.shape == reference.shape and err <= 1e-5
+    assert "started 2 processes" in proc.stderr
+    assert proc.stdout.count("logits written") == 1 and proc.stdout.count("model:") == 1  # process 0 reports, alone
+
+
+def test_four_processes_six_experts_from_a_checkpoint(tmp_path):
+    """6 experts over 4 ranks (2 slots each, two of them empty), each process loading the HF checkpoint."""
+    from tests.checkpoint_helpers import write_hf
+
+    cfg = ModelConfig.preset("tiny").replace(num_experts=6, num_hidden_layers=2)
+    hf = write_hf(tmp_path / "hf", cfg, seed=3)
+    args = ["--checkpoint", str(hf), "--batch", "4", "--seq-len", "20"]
+    ref, _ = _prefill(args, tmp_path / "ref.npy")
+    logits, _ = _prefill(args + ["--num-processes", "4", "--dwdp", "4"], tmp_path / "mp.npy")
+    err = _rel(logits, ref)
+    print(f"4 processes, dwdp 4, 6 experts vs one process: {err:.2e}")
+    assert err <= 1e-5
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class _Launch:
+    """A long multi-process prefill whose stderr is read as it comes."""
+
+    def __init__(self, tmp_path):
+        args = ["prefill", "--preset", "tiny", "--batch", "2", "--seq-len", "16", "--dwdp", "2", "--num-processes", "2",
+                "--iters", "100000", "--process-timeout", "30"]
+        self.proc = subprocess.Popen(CLI + args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env=_env(), cwd=ROOT, start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stderr.readline, "")), daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None, f"the launch ended early: {''.join(self.lines)[-2000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} in {timeout} s: {''.join(self.lines)[-2000:]}"
+            time.sleep(0.1)
+
+    def pids(self) -> dict[int, int]:
+        line = next(line for line in self.lines if "started 2 processes" in line)
+        return {int(i): int(pid) for i, pid in PIDS.findall(line)}
+
+    def close(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def test_a_killed_process_stops_the_launch_with_a_clear_error(tmp_path):
+    launch = _Launch(tmp_path)
+    try:
+        launch.wait_for("running 1 warm-up")  # both processes are in the timed loop (collectives every layer)
+        pids = launch.pids()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        code = launch.proc.wait(timeout=60)
+        took = time.monotonic() - t0
+        text = "".join(launch.lines)
+        print(f"launcher exit {code} {took:.1f} s after the kill: {text.strip().splitlines()[-1]}")
+        assert code != 0
+        assert "error: process 1" in text and "SIGKILL" in text and "stopped process 0" in text
+        assert not any(_alive(pid) for pid in pids.values()), "a process outlived the launch"
+    finally:
+        launch.close()
+
+
+def test_processes_die_with_their_launcher(tmp_path):
+    launch = _Launch(tmp_path)
+    try:
+        launch.wait_for("started 2 processes")
+        pids = launch.pids()
+        os.kill(launch.proc.pid, signal.SIGKILL)
+        launch.proc.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids.values()), "a process outlived its killed launcher"
+    finally:
+        launch.close()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dwdp", "2", "--num-processes", "3"], "one process per device"),
+    (["--pipeline", "2", "--num-processes", "2"], "--pipeline across processes is not supported yet"),
+    (["--dwdp", "2", "--num-processes", "2", "--process-id", "0"], "joining a launch needs --coordinator"),
+    (["--dwdp", "2", "--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"],
+     "--process-id must lie in [0, 2)"),
+])
+def test_inconsistent_process_options_are_one_line_errors(args, message):
+    proc = subprocess.run(CLI + ["prefill", "--preset", "tiny", *args], capture_output=True, text=True, timeout=120,
+                          env=_env(), cwd=ROOT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    assert message in lines[0]
