@@ -208,6 +208,7 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
         except ValueError as e:  # layout and mesh problems (too many stages, too few devices)
             raise UsageError(str(e)) from None
         resources.enter_context(pipe)
+        args.reporter = pipe.reports  # one process per device: the last stage's (first) process reports
 
         def run(tokens, lengths):
             return pipe.prefill(tokens, lengths, microbatches=args.microbatches, logits=mode, layerwise=args.layerwise)
@@ -313,7 +314,7 @@ def _save_npy_atomically(path: Path, array, flag: str) -> None:
 
 def _status(args, text: str) -> None:
     """What a long run is doing, on stderr (stdout keeps the results); quiet with --json."""
-    if not args.json:
+    if not args.json and not getattr(args, "quiet", False):
         print(f"{text} ...", file=sys.stderr, flush=True)
 
 
@@ -361,11 +362,15 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
     logits, caches = run(tokens, lengths)  # warm-up
     jax.block_until_ready((logits, caches))
     seconds, _ = median_seconds(lambda: run(tokens, lengths), args.iters)
-    if jax.process_count() > 1:  # logits split over the processes: every process takes part in gathering them
-        from jax.experimental import multihost_utils
+    if jax.process_count() > 1:
+        if logits is not None and not logits.is_fully_addressable:  # split over the ranks' processes: all gather
+            from jax.experimental import multihost_utils
 
-        logits = multihost_utils.process_allgather(logits, tiled=True)
+            logits = multihost_utils.process_allgather(logits, tiled=True)
         devices = [d for d in devices if d.process_index == jax.process_index()]
+        caches = [c for c in caches if c is not None]
+        if not getattr(args, "reporter", True):
+            return {"reporter": False}
     n_tokens = int(tokens.size)
     logits_positions = n_tokens if mode == "all" else tokens.shape[0]
     flops = cfg.prefill_flops(tokens.shape[0], tokens.shape[1], logits_positions)
@@ -504,9 +509,9 @@ def _check_processes(args) -> None:
     if devices != n:
         raise UsageError(f"--num-processes {n}: one process per device, but the layout (--pipeline {args.pipeline} x "
                          f"{_ranks(args)} ranks) uses {devices} device(s)")
-    if args.pipeline > 1:
-        raise UsageError("--pipeline across processes is not supported yet (stage-to-stage transfers between "
-                         "processes); use one process, or --dwdp / --dep ranks across processes")
+    if args.pipeline > 1 and _ranks(args) > 1:
+        raise UsageError("across processes, --pipeline runs one device per stage and --dwdp / --dep ranks one stage: "
+                         "not both yet")
     if args.dwdp > 1 and args.dwdp_backend == "ffi":
         raise UsageError("--dwdp-backend ffi across processes is not supported yet (the VMM handle exchange); use "
                          "--dwdp-backend xla, or one process driving every GPU")
@@ -546,8 +551,7 @@ def _main(args) -> int:
         from jax_dwdp.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.process_timeout)
-        if args.process_id != 0:  # process 0 reports; the others only compute
-            args.json = True
+        args.quiet = args.process_id != 0  # process 0 reports progress
     else:
         _ensure_cpu_devices(args)
     from jax_dwdp.config import ConfigError
@@ -567,7 +571,7 @@ def _main(args) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"error: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
         return EXIT_RUNTIME
-    if getattr(args, "process_id", None):  # not process 0 of a multi-process launch
+    if not result.pop("reporter", True):  # another process of the launch reports
         return 0
     if args.command == "plan" or args.json:
         print(json.dumps(result))

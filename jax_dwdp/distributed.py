@@ -7,7 +7,9 @@ made by another tool (a cluster scheduler, mpirun, a notebook), which then also 
 
 Every process runs the whole program (multi-controller JAX): the mesh spans all processes' devices, each builds
 the same weights and keeps only its own devices' shards (`jax_dwdp.parallel.mesh.put`), and the collectives (the
-DWDP all-gather, DEP's all-to-all) cross processes; on the CPU through gloo. Process 0 prints the results.
+DWDP all-gather, DEP's all-to-all) cross processes; on the CPU through gloo. With `--pipeline P` each process runs its own stage
+and hands its hidden states to the next stage's process (`parallel.pipeline.Handoff`). Process 0 reports
+progress; the process that holds the logits (the last stage's) prints the results and writes --logits-out.
 
 Failure: the launcher watches its processes; when one exits with an error or is killed, it stops the others
 (SIGTERM, then SIGKILL after `GRACE_S`), names the process, and exits non-zero: nobody waits on a dead peer's
@@ -98,8 +100,7 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
                 env["CUDA_VISIBLE_DEVICES"] = str(i)
             cmd = [sys.executable, "-m", "jax_dwdp.cli", *argv, "--process-id", str(i), "--coordinator", coordinator,
                    "--process-timeout", str(timeout_s)]
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent,
-                                          stdout=None if i == 0 else subprocess.DEVNULL))
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
         status(f"started {num_processes} processes (coordinator {coordinator}): "
                + ", ".join(f"process {i} pid {p.pid}" for i, p in enumerate(procs)))
         return _wait(procs, status)

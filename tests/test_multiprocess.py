@@ -46,16 +46,20 @@ def reference(tmp_path_factory):
     return _prefill(["--preset", "tiny", "--batch", "3", "--seq-len", "24"], out)[0]
 
 
-@pytest.mark.parametrize("scheme", [["--dwdp", "2"], ["--dep", "2"], ["--dwdp", "2", "--dwdp-backend", "local"]],
-                         ids=["dwdp-xla", "dep", "replicated"])
-def test_two_processes_equal_one(tmp_path, reference, scheme):
-    """3 sequences over 2 processes (one padding row): DWDP's all-gather / DEP's all-to-all cross processes."""
-    logits, proc = _prefill(["--preset", "tiny", "--batch", "3", "--seq-len", "24", "--num-processes", "2", *scheme],
+@pytest.mark.parametrize("scheme", [["--dwdp", "2"], ["--dep", "2"], ["--dwdp", "2", "--dwdp-backend", "local"],
+                                    ["--pipeline", "2", "--microbatches", "2"], ["--pipeline", "3"]],
+                         ids=["dwdp-xla", "dep", "replicated", "pipeline-2", "pipeline-3"])
+def test_processes_equal_one(tmp_path, reference, scheme):
+    """3 sequences over 2 ranks in 2 processes (one padding row): DWDP's all-gather / DEP's all-to-all cross
+    processes; or 2 (3) pipeline stages in 2 (3) processes, the hidden states handed from process to process (with
+    3, process 0 skips the hand-off between processes 1 and 2)."""
+    n = scheme[1]
+    logits, proc = _prefill(["--preset", "tiny", "--batch", "3", "--seq-len", "24", "--num-processes", n, *scheme],
                             tmp_path / "mp.npy")
     err = _rel(logits, reference)
-    print(f"{' '.join(scheme)}, 2 processes vs one: {err:.2e}")
+    print(f"{' '.join(scheme)}, {n} processes vs one: {err:.2e}")
     assert logits.shape == reference.shape and err <= 1e-5
-    assert "started 2 processes" in proc.stderr
+    assert f"started {n} processes" in proc.stderr
     assert proc.stdout.count("logits written") == 1 and proc.stdout.count("model:") == 1  # process 0 reports, alone
 
 
@@ -148,7 +152,7 @@ def test_processes_die_with_their_launcher(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--dwdp", "2", "--num-processes", "3"], "one process per device"),
-    (["--pipeline", "2", "--num-processes", "2"], "--pipeline across processes is not supported yet"),
+    (["--pipeline", "2", "--dwdp", "2", "--num-processes", "4"], "not both yet"),
     (["--dwdp", "2", "--num-processes", "2", "--process-id", "0"], "joining a launch needs --coordinator"),
     (["--dwdp", "2", "--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"],
      "--process-id must lie in [0, 2)"),

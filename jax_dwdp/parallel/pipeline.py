@@ -7,6 +7,10 @@ slot per linear- or full-attention layer of the range. Stages may cut through th
 The prefill is GPipe-style and MPMD: each stage is its own compiled program. The driver enqueues stage s for
 microbatch m right after stage s-1, and JAX's asynchronous dispatch lets stage s work on microbatch m while stage
 s-1 works on m+1; activations move between the stages' devices with device_put (a device-to-device copy).
+
+With one process per device (jax.distributed, `--num-processes`), each process builds and runs only the stages
+whose devices it drives, and the hidden states go from stage s-1's process to stage s's through a two-device
+program (`Handoff`: a ppermute, which both processes run); the last stage's process holds the logits.
 """
 
 from __future__ import annotations
@@ -116,8 +120,16 @@ class Pipeline:
                  experts: str | None = None, owned: bool = True):
         """make_range(stage index, a, b) -> the model of layers [a, b) on the stage's first device; `owned`: its
         arrays belong to this pipeline (made for it), so they are freed as soon as they are placed."""
-        self.cfg, self.stages, self.mesh = cfg, stages, mesh
+        self.cfg, self.stages, self.mesh, self.dtype = cfg, stages, mesh, dtype
         self.ranks = mesh.shape[AXIS]
+        me = jax.process_index()
+        # With one process per device: the stages this process runs (all of them in a single process).
+        self.mine = [any(d.process_index == me for d in mesh.devices[s].flat) for s in range(len(stages))]
+        self.handoffs = [None] + [Handoff(mesh.devices[s - 1], mesh.devices[s]) if _crosses(mesh, s) else None
+                                  for s in range(1, len(stages))]
+        if any(self.handoffs) and self.ranks > 1:
+            raise ValueError("a pipeline across processes runs one device per stage (--dwdp / --dep ranks across "
+                             "processes with one stage, or stages across processes without ranks)")
         self.experts = experts = experts or ("xla" if self.ranks > 1 else "local")
         check_experts_choice(experts, self.ranks)
         if experts == "ffi":
@@ -129,7 +141,8 @@ class Pipeline:
         self.stores: list = []
         self.load_reports: list = []  # one per stage when loaded from a checkpoint
         try:
-            self.models = [self._build(st, make_range, dtype, owned) for st in stages]
+            self.models = [self._build(st, make_range, dtype, owned) if self.mine[st.stage] else None
+                           for st in stages]
         except BaseException as e:
             self.close(e)
             raise
@@ -140,13 +153,23 @@ class Pipeline:
         if experts == "ffi":
             sources = [Store(store, row) for store, row in zip(self.stores, self.row_meshes)]
         elif experts == "xla":
-            sources = [Gather(expert_blocks(m), row) for m, row in zip(self.models, self.row_meshes)]
+            sources = [m and Gather(expert_blocks(m), row) for m, row in zip(self.models, self.row_meshes)]
         elif experts == "dep":
-            sources = [Dispatch(expert_blocks(m)) for m in self.models]
+            sources = [m and Dispatch(expert_blocks(m)) for m in self.models]
         else:
             sources = [Local() for _ in self.models]
         mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(self.models)
-        self.runners = [StageRunner(m, source, mesh=row) for m, source, row in zip(self.models, sources, mesh_of)]
+        self.runners = [m and StageRunner(m, source, mesh=row) for m, source, row in zip(self.models, sources, mesh_of)]
+
+    @property
+    def holds_logits(self) -> bool:
+        """Whether this process holds (its part of) the prefill's logits: it runs the last stage."""
+        return self.mine[-1]
+
+    @property
+    def reports(self) -> bool:
+        """Whether this process reports the results: the last stage's first device is its own."""
+        return self.mesh.devices[-1, 0].process_index == jax.process_index()
 
     def _build(self, st: StageSpec, make_range, dtype, owned: bool) -> Qwen35MoeForCausalLM:
         """Stage `st`: as made, on its device (one rank); else placed on its row one layer at a time (experts
@@ -245,7 +268,9 @@ class Pipeline:
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
                 cache_len: int | None = None, layerwise: bool = False) -> tuple[jax.Array | None, list[Cache]]:
-        """Returns (logits on the last stage's device, one Cache per stage on that stage's device).
+        """Returns (logits on the last stage's device, one Cache per stage on that stage's device). With one process
+        per device, every process calls it with the same arguments; it returns the logits in the process that holds
+        them (`holds_logits`, else None) and the caches of the stages it runs (None for the others).
 
         Any batch: microbatches of ceil(B / microbatches) sequences rounded up to a multiple of the ranks, padded
         with rows of length 0 that the results leave out (`microbatch_rows`).
@@ -256,24 +281,66 @@ class Pipeline:
         tokens, lengths = pad_batch(tokens, lengths, size * used)
         wait = cpu_barrier(self.devices[0].platform)
         outs, caches = [], [[] for _ in self.stages]
+        hidden = (size, tokens.shape[1], self.cfg.hidden_size)
         for m in range(used):
             rows = slice(m * size, (m + 1) * size)
             x = tokens[rows]
             for s, runner in enumerate(self.runners):
+                if self.handoffs[s] is not None:  # stage s-1's process -> stage s's process
+                    x = wait(self.handoffs[s](x, hidden, self.dtype))
+                if runner is None:
+                    continue
                 x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
                 lens = put(lengths[rows], self.input_shardings[s])
                 x, cache = wait(runner(x, lens, logits=logits, cache_len=cache_len, layerwise=layerwise))
                 caches[s].append(cache)
             outs.append(x)
-        out = None if logits == "none" else jnp.concatenate(outs, axis=0)
-        results = out, [Cache.concat_batch(c) for c in caches]
+        out = None if logits == "none" or not self.holds_logits else jnp.concatenate(outs, axis=0)
+        results = out, [Cache.concat_batch(c) if c else None for c in caches]
         return results if size * used == batch else _first_rows(results, batch)
+
+
+def _crosses(mesh, s: int) -> bool:
+    """Whether the hand-off from stage s-1 to stage s leaves a process (one process per device)."""
+    return any(a.process_index != b.process_index for a, b in zip(mesh.devices[s - 1].flat, mesh.devices[s].flat))
+
+
+class Handoff:
+    """Stage s-1's hidden states [B, T, H] to stage s's device when the two belong to different processes: a
+    two-device program (ppermute from the first to the second) that both processes run; the sender passes its
+    array, the receiver None (it contributes a zero block of the same shape). Returns the array on the receiving
+    device in the receiver, None in the sender."""
+
+    AXIS = "handoff"
+
+    def __init__(self, sending_row, receiving_row):
+        self.send, self.receive = np.asarray(sending_row).flat[0], np.asarray(receiving_row).flat[0]
+        self.mesh = Mesh(np.array([self.send, self.receive]), (self.AXIS,))
+        self.sharding = NamedSharding(self.mesh, P(self.AXIS))
+        self.program = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, self.AXIS, [(0, 1)]), mesh=self.mesh,
+                                             in_specs=P(self.AXIS), out_specs=P(self.AXIS), check_vma=False))
+
+    def __call__(self, x, shape, dtype):
+        me = jax.process_index()
+        if me not in (self.send.process_index, self.receive.process_index):
+            return None  # a hand-off between two other processes
+        blocks = []
+        if self.send.process_index == me:
+            blocks.append(jax.device_put(x, self.send)[None])
+        if self.receive.process_index == me:
+            blocks.append(jax.device_put(jnp.zeros((1, *shape), dtype), self.receive))
+        both = jax.make_array_from_single_device_arrays((2, *shape), self.sharding, blocks)
+        moved = self.program(both)
+        if self.receive.process_index != me:
+            return None
+        return next(s.data[0] for s in moved.addressable_shards if s.device == self.receive)
 
 
 def _first_rows(results, batch: int):
     """(logits, per-stage caches) of a padded batch -> those of its first `batch` rows."""
     out, caches = results
-    return (None if out is None else out[:batch]), [take_rows((None, c), batch)[1] for c in caches]
+    return (None if out is None else out[:batch]), [None if c is None else take_rows((None, c), batch)[1]
+                                                    for c in caches]
 
 
 def stage_weight_bytes(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
