@@ -500,7 +500,8 @@ def _check_processes(args) -> None:
     if n < 1:
         raise UsageError(f"--num-processes must be >= 1, got {n}")
     if joined and (args.coordinator is None or args.process_id is None or n < 2):
-        raise UsageError("joining a launch needs --coordinator HOST:PORT, --process-id I and --num-processes N (N >= 2)")
+        raise UsageError("joining a launch needs --coordinator HOST:PORT, --process-id I and --num-processes N "
+                         "(N >= 2)")
     if joined and not 0 <= args.process_id < n:
         raise UsageError(f"--process-id must lie in [0, {n}), got {args.process_id}")
     if n == 1:

@@ -7,9 +7,9 @@ made by another tool (a cluster scheduler, mpirun, a notebook), which then also 
 
 Every process runs the whole program (multi-controller JAX): the mesh spans all processes' devices, each builds
 the same weights and keeps only its own devices' shards (`jax_dwdp.parallel.mesh.put`), and the collectives (the
-DWDP all-gather, DEP's all-to-all) cross processes; on the CPU through gloo. With `--pipeline P` each process runs its own stage
-and hands its hidden states to the next stage's process (`parallel.pipeline.Handoff`). Process 0 reports
-progress; the process that holds the logits (the last stage's) prints the results and writes --logits-out.
+DWDP all-gather, DEP's all-to-all) cross processes; on the CPU through gloo. With `--pipeline P` each process runs
+its own stage and hands its hidden states to the next stage's process (`parallel.pipeline.Handoff`). Process 0
+reports progress; the process that holds the logits (the last stage's) prints the results and writes --logits-out.
 
 Failure: the launcher watches its processes; when one exits with an error or is killed, it stops the others
 (SIGTERM, then SIGKILL after `GRACE_S`), names the process, and exits non-zero: nobody waits on a dead peer's

@@ -77,6 +77,22 @@ def test_four_processes_six_experts_from_a_checkpoint(tmp_path):
     assert err <= 1e-5
 
 
+def test_two_processes_load_their_experts_split_from_orbax(tmp_path):
+    """8 experts over 2 ranks: each process restores its experts straight into the split placement (its own chunks
+    only, see CheckpointLayers) from a converted Orbax checkpoint; equal to one process."""
+    from tests.checkpoint_helpers import write_hf
+
+    hf = write_hf(tmp_path / "hf", ModelConfig.preset("tiny").replace(num_hidden_layers=2), seed=5)
+    subprocess.run(CLI + ["convert", str(hf), str(tmp_path / "orbax"), "--json"], check=True, capture_output=True,
+                   timeout=300, env=_env(), cwd=ROOT)
+    args = ["--checkpoint", str(tmp_path / "orbax"), "--batch", "2", "--seq-len", "16"]
+    ref, _ = _prefill(args, tmp_path / "ref.npy")
+    logits, _ = _prefill(args + ["--num-processes", "2", "--dwdp", "2"], tmp_path / "mp.npy")
+    err = _rel(logits, ref)
+    print(f"2 processes, dwdp 2, Orbax, experts loaded split vs one process: {err:.2e}")
+    assert err <= 1e-5
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -176,14 +176,21 @@ def _by_rank(array: jax.Array) -> list[jax.Array]:
 
 class CheckpointLayers:
     """make_range for build_placed from a checkpoint: layers [a, b) loaded onto `device` (an HF folder is opened
-    once for every range), and the LoadReport of everything loaded so far."""
+    once for every range), and the LoadReport of everything loaded so far.
 
-    def __init__(self, directory, cfg: ModelConfig, dtype, device, *, fused_swiglu: bool = False):
+    `row` (the stage's mesh row), with one process per device: the expert weights are loaded straight into their
+    split placement over the row when the ranks divide the experts (no padding slots), so each process reads only
+    its own experts' bytes (Orbax: its chunks; HF: its slices of the mapped file, when no cast is needed)."""
+
+    def __init__(self, directory, cfg: ModelConfig, dtype, device, *, fused_swiglu: bool = False, row=None):
         from jax_dwdp.weights.orbax_store import is_orbax_checkpoint
         from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
 
         self.directory, self.cfg, self.dtype, self.fused_swiglu = directory, cfg, dtype, fused_swiglu
         self.sharding = jax.sharding.SingleDeviceSharding(device)
+        ranks = 1 if row is None else row.shape[AXIS]
+        direct = row is not None and jax.process_count() > 1 and cfg.num_experts % ranks == 0 and not fused_swiglu
+        self.split = NamedSharding(row, P(AXIS)) if direct else None
         self.hf = None if is_orbax_checkpoint(directory) else SafetensorsCheckpoint(directory)
         self.reports: list = []
 
@@ -191,7 +198,9 @@ class CheckpointLayers:
         from jax_dwdp.weights import load_checkpoint
         from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 
-        placement = lambda *_: self.sharding  # noqa: E731
+        def placement(path, shape, dtype):
+            return self.split if self.split is not None and is_expert_weight(path) else self.sharding
+
         if self.hf is None:
             model, report = load_checkpoint(self.directory, cfg=self.cfg, dtype=self.dtype, start_layer=start_layer,
                                             end_layer=end_layer, placement=placement, fused_swiglu=self.fused_swiglu)

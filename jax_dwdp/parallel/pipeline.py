@@ -153,13 +153,15 @@ class Pipeline:
         if experts == "ffi":
             sources = [Store(store, row) for store, row in zip(self.stores, self.row_meshes)]
         elif experts == "xla":
-            sources = [m and Gather(expert_blocks(m), row) for m, row in zip(self.models, self.row_meshes)]
+            sources = [None if m is None else Gather(expert_blocks(m), row)
+                       for m, row in zip(self.models, self.row_meshes)]
         elif experts == "dep":
-            sources = [m and Dispatch(expert_blocks(m)) for m in self.models]
+            sources = [None if m is None else Dispatch(expert_blocks(m)) for m in self.models]
         else:
             sources = [Local() for _ in self.models]
         mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(self.models)
-        self.runners = [m and StageRunner(m, source, mesh=row) for m, source, row in zip(self.models, sources, mesh_of)]
+        self.runners = [None if m is None else StageRunner(m, source, mesh=row)
+                        for m, source, row in zip(self.models, sources, mesh_of)]
 
     @property
     def holds_logits(self) -> bool:
@@ -232,7 +234,8 @@ class Pipeline:
             device = builder_device(mesh.devices[stage])
             if dwdp > 1:
                 if stage not in loaders:
-                    loaders[stage] = CheckpointLayers(checkpoint_dir, cfg, dtype, device, fused_swiglu=fused_swiglu)
+                    loaders[stage] = CheckpointLayers(checkpoint_dir, cfg, dtype, device, fused_swiglu=fused_swiglu,
+                                                      row=Mesh(mesh.devices[stage], (AXIS,)))
                 return loaders[stage](a, b)
             sharding = SingleDeviceSharding(device)
             model, report = load_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=a, end_layer=b,

@@ -200,8 +200,10 @@ def load_hf_checkpoint(
         if path in loaded:
             raise CheckpointError(f"{file}: tensor {name} is given twice (as fused and per-expert tensors?)")
         host = _convert(array, None if keep else var.dtype, name, file, report)
-        loaded[path] = jax.device_put(host, placement(path, tuple(var.shape), host.dtype))
+        loaded[path] = put(host, placement(path, tuple(var.shape), host.dtype))
         report.tensors_loaded += 1
+
+    from jax_dwdp.parallel.mesh import put  # (a sharding over other processes' devices too: each keeps its slices)
 
     ckpt = opened if opened is not None else SafetensorsCheckpoint(checkpoint_dir)
     bytes_before = ckpt.bytes_read
