@@ -520,13 +520,28 @@ def _check_processes(args) -> None:
         raise UsageError("--prefill-chunk runs on one device, in one process")
 
 
+def _preflight(args) -> None:
+    """The launcher's checks of a multi-process prefill before it starts any process: the process options, the
+    dtype, the model's config, the output path and the tokens (no device is touched)."""
+    from jax_dwdp.prefill import check_tokens
+
+    _check_processes(args)
+    _dtype(args.dtype)
+    cfg = _model_config(args)
+    if args.logits_out is not None:
+        _check_writable(args.logits_out, "--logits-out")
+    check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.command == "prefill" and args.num_processes > 1 and args.process_id is None:
         try:
-            _check_processes(args)
-        except UsageError as e:
+            _preflight(args)
+        except Exception as e:  # bad input: one line here, not one per process
+            if args.debug or type(e).__name__ not in ("UsageError", "ConfigError", "InputError", "CheckpointError"):
+                raise
             print(f"error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
         from jax_dwdp.distributed import launch

@@ -170,10 +170,14 @@ def test_processes_die_with_their_launcher(tmp_path):
     (["--dwdp", "2", "--num-processes", "3"], "one process per device"),
     (["--pipeline", "2", "--dwdp", "2", "--num-processes", "4"], "not both yet"),
     (["--dwdp", "2", "--num-processes", "2", "--process-id", "0"], "joining a launch needs --coordinator"),
+    (["--dwdp", "2", "--num-processes", "2", "--tokens", "/nonexistent.npy"], "--tokens /nonexistent.npy: no such file"),
+    (["--dwdp", "2", "--num-processes", "2", "--dtype", "fp8"], "dtype 'fp8' is not supported"),
     (["--dwdp", "2", "--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"],
      "--process-id must lie in [0, 2)"),
 ])
 def test_inconsistent_process_options_are_one_line_errors(args, message):
+    """Checked by the launcher before it starts a process (or by a process that joins): one line, not one per
+    process."""
     proc = subprocess.run(CLI + ["prefill", "--preset", "tiny", *args], capture_output=True, text=True, timeout=120,
                           env=_env(), cwd=ROOT)
     lines = proc.stderr.strip().splitlines()
