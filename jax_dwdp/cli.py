@@ -566,6 +566,12 @@ def _main(args) -> int:
             return EXIT_BAD_INPUT
         from jax_dwdp.distributed import initialize
 
+        # Native libraries print to file descriptor 1 (gloo: "Rank i is connected ..."): point it at stderr and keep
+        # stdout, through a duplicate, for the results (--json stays one JSON object).
+        sys.stdout.flush()
+        results = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = os.fdopen(results, "w", buffering=1)
         initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.process_timeout)
         args.quiet = args.process_id != 0  # process 0 reports progress
     else:

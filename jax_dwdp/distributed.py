@@ -39,8 +39,12 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service catches SIGTERM (a stopped process would run on until SIGKILL): a process stopped by
+    # the launcher, or by a scheduler, ends at once instead.
+    jax.config.update("jax_enable_preemption_service", False)
+    # The exit barrier waits for the slowest process, which may be writing the logits: not bounded by timeout_s.
     jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout_s,
-                               heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=timeout_s)
+                               heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=max(timeout_s, 3600))
 
 
 def shutdown() -> None:
@@ -55,8 +59,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _visible_gpus() -> list[str]:
+    """The GPUs the processes may take, without starting JAX (the launcher must not hold a device): none when
+    JAX_PLATFORMS leaves out CUDA; the entries of CUDA_VISIBLE_DEVICES when it is set; else nvidia-smi's count."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    return [str(i) for i in range(_gpu_count())]
+
+
 def _gpu_count() -> int:
-    """GPUs on this machine (nvidia-smi), without starting JAX (the launcher must not hold a device)."""
+    """GPUs on this machine (nvidia-smi)."""
     if shutil.which("nvidia-smi") is None:
         return 0
     try:
@@ -88,16 +104,16 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
     0 when all succeed, else the first failure's (the others stopped). `status(text)` reports progress (stderr)."""
     status = status or (lambda text: print(text, file=sys.stderr, flush=True))
     coordinator = f"127.0.0.1:{free_port()}"
-    gpus = _gpu_count()
-    if gpus and gpus < num_processes:
-        status(f"error: --num-processes {num_processes} needs a GPU per process; this machine has {gpus}")
+    gpus = _visible_gpus()
+    if gpus and len(gpus) < num_processes:
+        status(f"error: --num-processes {num_processes} needs a GPU per process; {len(gpus)} are visible")
         return EXIT_RUNTIME
     procs: list[subprocess.Popen] = []
     try:
         for i in range(num_processes):
             env = dict(os.environ)
             if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(i)
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i]
             cmd = [sys.executable, "-m", "jax_dwdp.cli", *argv, "--process-id", str(i), "--coordinator", coordinator,
                    "--process-timeout", str(timeout_s)]
             procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))

@@ -183,3 +183,15 @@ def test_inconsistent_process_options_are_one_line_errors(args, message):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
     assert message in lines[0]
+
+
+def test_json_output_is_one_object():
+    """--json over 2 processes: stdout is the reporter's JSON object alone (gloo's own lines go to stderr)."""
+    import json
+
+    proc = subprocess.run(CLI + ["prefill", "--preset", "tiny", "--batch", "2", "--seq-len", "16", "--dwdp", "2",
+                                 "--num-processes", "2", "--iters", "1", "--json"],
+                          capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["command"] == "prefill" and result["logits_finite"]
