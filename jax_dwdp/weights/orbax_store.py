@@ -228,6 +228,25 @@ def _silence_orbax_leftover_reads() -> None:
     hook.drops_orbax_reads = True
     sys.unraisablehook = hook
 
+    # The same "Event loop is closed" from a tensorstore callback thread can also arrive printed through
+    # sys.excepthook (PyErr_Print; seen once in CI, before the error line) or threading.excepthook: dropped too.
+    def loop_closed(tb, value) -> bool:
+        while tb is not None and tb.tb_frame.f_code.co_name != "call_soon_threadsafe":
+            tb = tb.tb_next
+        return tb is not None and isinstance(value, RuntimeError)
+
+    previous_except, previous_thread = sys.excepthook, threading.excepthook
+
+    def excepthook(kind, value, tb):
+        if not loop_closed(tb, value):
+            previous_except(kind, value, tb)
+
+    def thread_hook(args):
+        if not loop_closed(args.exc_traceback, args.exc_value):
+            previous_thread(args)
+
+    sys.excepthook, threading.excepthook = excepthook, thread_hook
+
 
 def _restore_error(directory: Path, item: Path, error: BaseException) -> str:
     """One line for a failed restore: the file tensorstore could not read (with layer and tensor) when it says."""
@@ -633,6 +652,7 @@ def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_la
                     rows[".".join(map(str, p))] = {e for index in indices.values()
                                                    for e in range(*index[0].indices(v.shape[0]))}
             _verify_files(directory, _files_to_read(directory, item, files, rows), crc)
+        _silence_orbax_leftover_reads()  # before: a failed read's leftovers can report before the except clause runs
         try:
             return ckpt.restore(item, item=target, restore_args=args)
         except Exception as e:  # Orbax/tensorstore raise many types for damaged or mismatched data
