@@ -1,0 +1,241 @@
+"""Where a prefill layer's time goes, one GPU: each layer, mixer and MoE pass jitted and timed alone.
+
+    python benchmarks/bench_layer_parts.py --preset 35b-a3b --tokens 4096 16384 32768 --out results/parts.json
+
+For each token count (batch 1, random bf16 weights of one linear-attention and one full-attention layer):
+- the two layers, their mixers, the MoE block (post-attention norm excluded) and its floor: the two grouped GEMMs
+  plus the shared expert, the figure issue 15's MoE target (<= 1.25x of it) is measured against;
+- the MoE block's passes: router (matmul, softmax, top-k), shared expert with its gate, sort by expert, row gather,
+  gate_up GEMM, SwiGLU, down GEMM, un-permute with the weighted top-k sum;
+- the attention mixer's parts and its core by every implementation the image offers (cuDNN through
+  `jax.nn.dot_product_attention`, Pallas Triton `ops.gpu.attention.mha`, Pallas Mosaic GPU `attention_mgpu`);
+  an implementation that fails to compile prints why;
+- candidate fusions beside what they would replace (`--fusions`): the four GDN input projections as one matmul,
+  the router, shared-expert gate and shared gate/up projections as one matmul.
+Times: 10 back-to-back calls / 10, median of 5 (bench_gdn.wall_ms), so launch overheads count as in a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="35b-a3b")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--no-attention-alternatives", action="store_true")
+    ap.add_argument("--fusions", action="store_true", help="also time the candidate fusions")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from bench_gdn import wall_ms
+    from jax_dwdp import kernels
+    from jax_dwdp.config import ModelConfig
+    from jax_dwdp.kernels.grouped_matmul import default_implementation, swiglu
+    from jax_dwdp.model import init_model
+    from jax_dwdp.model.gated_deltanet import causal_depthwise_conv
+    from jax_dwdp.model.moe import route, sort_by_expert
+
+    cfg = ModelConfig.preset(args.preset)
+    cfg = cfg.replace(num_hidden_layers=cfg.full_attention_interval)
+    model = init_model(cfg, dtype=jnp.bfloat16, seed=0)
+    linear = next(layer for layer in model.layers if layer.layer_type == "linear_attention")
+    full = next(layer for layer in model.layers if layer.layer_type == "full_attention")
+    sync = jax.block_until_ready
+    rows = []
+    print(f"{cfg.summary()}; {jax.devices()[0].device_kind}; grouped matmul "
+          f"{default_implementation(jnp.bfloat16)}", flush=True)
+
+    def jit_method(module, fn):
+        graph, state = nnx.split(module)
+        compiled = jax.jit(lambda s, *a: fn(nnx.merge(graph, s), *a))
+        return lambda *a: compiled(state, *a)
+
+    def record(tokens, part, fn, group):
+        try:
+            ms = wall_ms(fn, sync)
+        except Exception as e:  # an implementation that does not compile for these shapes: say why, go on
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+            print(f"  {part:<38} failed: {msg}", flush=True)
+            if "--traceback" in sys.argv:
+                traceback.print_exc()
+            rows.append({"tokens": tokens, "group": group, "part": part, "ms": None, "error": msg})
+            return None
+        rows.append({"tokens": tokens, "group": group, "part": part, "ms": ms})
+        print(f"  {part:<38} {ms:8.3f} ms", flush=True)
+        return ms
+
+    rng = np.random.default_rng(0)
+    for t in args.tokens:
+        print(f"tokens {t}:", flush=True)
+        x = jnp.asarray(rng.standard_normal((1, t, cfg.hidden_size)) * 0.5, jnp.bfloat16)
+        lengths = jnp.array([t], jnp.int32)
+        positions = jnp.arange(t, dtype=jnp.int32)[None]
+        flat = x.reshape(t, -1)
+
+        # Layers and mixers.
+        lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
+        record(t, "linear-attention layer", lambda: lin_layer(x, positions, lengths), "layer")
+        full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
+        record(t, "full-attention layer", lambda: full_layer(x, positions, lengths), "layer")
+        gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
+        record(t, "GDN mixer (with input norm)", lambda: gdn(x, lengths), "layer")
+        attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
+        record(t, "attention mixer (with input norm)", lambda: attn(x, positions), "layer")
+        moe = jit_method(linear, lambda m, x: m.mlp(x))
+        moe_ms = record(t, "MoE block", lambda: moe(x), "layer")
+
+        # The MoE block's passes.
+        mlp = linear.mlp
+        k, e = mlp.top_k, cfg.num_experts
+        router = jit_method(mlp, lambda m, f: route(f, m.gate.weight[...], k))
+        ids, weights = router(flat)
+        record(t, "router (matmul, softmax, top-k)", lambda: router(flat), "moe")
+        shared = jit_method(mlp, lambda m, f: jax.nn.sigmoid(m.shared_expert_gate(f).astype(jnp.float32)).astype(
+            f.dtype) * m.shared_expert(f))
+        shared_ms = record(t, "shared expert with its gate", lambda: shared(flat), "moe")
+        sort = jax.jit(lambda i: sort_by_expert(i, e))
+        order, sizes = sort(ids)
+        record(t, "sort by expert", lambda: sort(ids), "moe")
+        pad = (-t * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
+        gather = jax.jit(lambda f, o: kernels.gather_rows(f, jnp.pad(o, (0, pad)) // k))
+        sorted_rows = gather(flat, order)
+        record(t, "row gather", lambda: gather(flat, order), "moe")
+        gate_up_w, down_w = mlp.experts.gate_up_proj[...], mlp.experts.down_proj[...]
+        gemm = jax.jit(kernels.grouped_matmul)
+        gate_up = gemm(sorted_rows, gate_up_w, sizes)
+        gate_up_ms = record(t, "gate_up grouped GEMM", lambda: gemm(sorted_rows, gate_up_w, sizes), "moe")
+        i2 = gate_up.shape[1] // 2
+        act_fn = jax.jit(lambda y: swiglu(y[:, :i2], y[:, i2:], y.dtype))
+        act = act_fn(gate_up)
+        record(t, "SwiGLU", lambda: act_fn(gate_up), "moe")
+        down = gemm(act, down_w, sizes)
+        down_ms = record(t, "down grouped GEMM", lambda: gemm(act, down_w, sizes), "moe")
+
+        def unpermute(out, order, weights):
+            inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                          unique_indices=True)
+            out = out[inverse] * weights.reshape(-1)[:, None]
+            return jnp.sum(out.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(flat.dtype)
+
+        unperm = jax.jit(unpermute)
+        record(t, "un-permute and weighted sum", lambda: unperm(down, order, weights), "moe")
+        if None not in (moe_ms, gate_up_ms, down_ms, shared_ms):
+            floor = gate_up_ms + down_ms + shared_ms
+            ratio = moe_ms / floor
+            rows.append({"tokens": t, "group": "moe", "part": "floor: GEMMs + shared expert", "ms": floor,
+                         "block_over_floor": ratio})
+            print(f"  {'floor: GEMMs + shared expert':<38} {floor:8.3f} ms; block / floor {ratio:.2f}x", flush=True)
+
+        # The attention mixer's parts and its core by each implementation.
+        sa = full.self_attn
+        project = jit_method(full, lambda m, x, p: m.self_attn._project(m.input_layernorm(x), p))
+        q, gate, kk, vv = project(x, positions)
+        record(t, "attention: norm, q/k/v proj, q/k norm, RoPE", lambda: project(x, positions), "attention")
+        scale = sa.head_dim**-0.5
+        cudnn = jax.jit(lambda q, k, v: kernels.causal_attention(q, k, v, scale=scale))
+        reference = cudnn(q, kk, vv)
+        record(t, "attention core: the model's (cuDNN)", lambda: cudnn(q, kk, vv), "attention")
+        out_gate = jit_method(full, lambda m, a, g: m.self_attn.o_proj(
+            a.reshape(1, t, -1) * jax.nn.sigmoid(g.astype(jnp.float32)).astype(a.dtype)))
+        record(t, "attention: output gate, o_proj", lambda: out_gate(reference, gate), "attention")
+        if not args.no_attention_alternatives:
+            for name, fn in _attention_alternatives(scale).items():
+                try:
+                    compiled = jax.jit(fn)
+                    got = compiled(q, kk, vv)
+                    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - reference.astype(jnp.float32))))
+                except Exception as ex:
+                    msg = f"{type(ex).__name__}: {str(ex).splitlines()[0][:160]}" if str(ex) else type(ex).__name__
+                    print(f"  attention core: {name:<22} failed: {msg}", flush=True)
+                    rows.append({"tokens": t, "group": "attention", "part": f"attention core: {name}", "ms": None,
+                                 "error": msg})
+                    continue
+                record(t, f"attention core: {name}", lambda: compiled(q, kk, vv), "attention")
+                rows[-1]["max_abs_diff_vs_cudnn"] = err
+                print(f"  {'':<38} max |diff| vs cuDNN {err:.2e}", flush=True)
+
+        # The GDN mixer's parts (the core's own benchmark: bench_gdn.py).
+        ga = linear.linear_attn
+        proj = jit_method(linear, lambda m, x: m.linear_attn.in_proj_qkv(m.input_layernorm(x)))
+        mixed = proj(x)
+        record(t, "GDN: input norm, in_proj_qkv", lambda: proj(x), "gdn")
+        conv = jit_method(linear, lambda m, y: jax.nn.silu(causal_depthwise_conv(
+            y, m.linear_attn.conv1d.weight[...])).astype(y.dtype))
+        conv_out = conv(mixed)
+        record(t, "GDN: causal conv + SiLU", lambda: conv(mixed), "gdn")
+        gates = jit_method(linear, lambda m, x: m.linear_attn._gates(x))
+        g, beta = gates(x)
+        record(t, "GDN: b/a projections, gate math", lambda: gates(x), "gdn")
+        qg, kg, vg = ga._split_heads(conv_out)
+        core = jax.jit(lambda q, k, v, g, b, n: kernels.chunk_gated_delta_rule(q, k, v, g, b, lengths=n))
+        o, _ = core(qg, kg, vg, g, beta, lengths)
+        record(t, "GDN: core (gated delta rule)", lambda: core(qg, kg, vg, g, beta, lengths), "gdn")
+        output = jit_method(linear, lambda m, o, x: m.linear_attn._output(o, x))
+        record(t, "GDN: z proj, gated norm, out_proj", lambda: output(o, x), "gdn")
+
+        if args.fusions:
+            ws = [ga.in_proj_qkv.weight[...], ga.in_proj_z.weight[...], ga.in_proj_b.weight[...],
+                  ga.in_proj_a.weight[...]]
+            four = jax.jit(lambda x, *w: tuple(jnp.einsum("mi,oi->mo", x, wi) for wi in w))
+            record(t, "fusion: GDN 4 input matmuls", lambda: four(flat, *ws), "fusion")
+            cat = jnp.concatenate(ws)
+            one = jax.jit(lambda x, w: jnp.einsum("mi,oi->mo", x, w))
+            record(t, "fusion: GDN input matmuls as one", lambda: one(flat, cat), "fusion")
+            small = [mlp.gate.weight[...], mlp.shared_expert_gate.weight[...],
+                     mlp.shared_expert.gate_proj.weight[...], mlp.shared_expert.up_proj.weight[...]]
+            record(t, "fusion: router+shared 4 matmuls", lambda: four(flat, *small), "fusion")
+            cat_small = jnp.concatenate(small)
+            record(t, "fusion: router+shared as one", lambda: one(flat, cat_small), "fusion")
+
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                        "preset": args.preset, "rows": rows}, indent=1))
+
+
+def _attention_alternatives(scale: float) -> dict:
+    """Other causal GQA flash attentions on the image, as f(q, k, v) over [B, T, H, D] inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    def auto(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+
+    def pallas_triton(q, k, v):
+        from jax.experimental.pallas.ops.gpu import attention
+
+        rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        return attention.mha(q, k, v, segment_ids=None, sm_scale=scale, causal=True, block_sizes=attention.BlockSizes(
+            block_q=64, block_k=32))
+
+    def mosaic_gpu(q, k, v, block_kv):
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        # GQA over [B, T, H, D] natively; the kernel applies no softmax scale, so q carries it.
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=True)
+        return attention_mgpu.attention((q.astype(jnp.float32) * scale).astype(q.dtype), k, v, config)
+
+    return {"jax default impl": auto, "Pallas Triton mha": pallas_triton,
+            "Pallas Mosaic GPU kv64": functools.partial(mosaic_gpu, block_kv=64),
+            "Pallas Mosaic GPU kv128": functools.partial(mosaic_gpu, block_kv=128)}
+
+
+if __name__ == "__main__":
+    main()
