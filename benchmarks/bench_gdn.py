@@ -224,7 +224,8 @@ def mixer_parts(jsync, rng, t: int = 16384) -> dict:
 
     from jax_dwdp import kernels
     from jax_dwdp.config import ModelConfig
-    from jax_dwdp.model.gated_deltanet import GatedDeltaNet, causal_depthwise_conv
+    from jax_dwdp.kernels.conv import causal_conv_silu
+    from jax_dwdp.model.gated_deltanet import GatedDeltaNet
 
     cfg = ModelConfig.preset("35b-a3b")
     mixer = GatedDeltaNet(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -237,7 +238,7 @@ def mixer_parts(jsync, rng, t: int = 16384) -> dict:
 
     whole = call(lambda m, x, n: m(x, n))
     proj = call(lambda m, x: m.in_proj_qkv(x))
-    conv = call(lambda m, mixed: jax.nn.silu(causal_depthwise_conv(mixed, m.conv1d.weight[...])).astype(x.dtype))
+    conv = call(lambda m, mixed: causal_conv_silu(mixed, m.conv1d.weight[...]))
     gates = call(lambda m, x: m._gates(x))
     core = jax.jit(lambda q, k, v, g, b, n: kernels.chunk_gated_delta_rule(q, k, v, g, b, lengths=n))
     out = call(lambda m, core, x: m._output(core, x))

@@ -7,9 +7,11 @@ For each token count (batch 1, random bf16 weights of one linear-attention and o
   plus the shared expert, the figure issue 15's MoE target (<= 1.25x of it) is measured against;
 - the MoE block's passes: router (matmul, softmax, top-k), shared expert with its gate, sort by expert, row gather,
   gate_up GEMM, SwiGLU, down GEMM, un-permute with the weighted top-k sum;
-- the attention mixer's parts and its core by every implementation the image offers (cuDNN through
-  `jax.nn.dot_product_attention`, Pallas Triton `ops.gpu.attention.mha`, Pallas Mosaic GPU `attention_mgpu`);
-  an implementation that fails to compile prints why;
+- the attention mixer's parts and its core by cuDNN (the model's, through `jax.nn.dot_product_attention`) and
+  Pallas Triton `ops.gpu.attention.mha` (an implementation that fails prints why). Pallas Mosaic GPU's
+  `attention_mgpu` takes only fp16 and jax's default implementation picks XLA's for head_dim 256 (out of memory at
+  32K): both left out (benchmarks/RESULTS.md, ninth session);
+- the default routing and conv kernels against the XLA code they replaced, as whole layers and as parts;
 - candidate fusions beside what they would replace (`--fusions`): the four GDN input projections as one matmul,
   the router, shared-expert gate and shared gate/up projections as one matmul.
 Times: 10 back-to-back calls / 10, median of 5 (bench_gdn.wall_ms), so launch overheads count as in a model.
@@ -18,8 +20,9 @@ Times: 10 back-to-back calls / 10, median of 5 (bench_gdn.wall_ms), so launch ov
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -48,8 +51,9 @@ def main() -> None:
     from jax_dwdp.config import ModelConfig
     from jax_dwdp.kernels.grouped_matmul import default_implementation, swiglu
     from jax_dwdp.model import init_model
-    from jax_dwdp.model.gated_deltanet import causal_depthwise_conv
-    from jax_dwdp.model.moe import route, sort_by_expert
+    from jax_dwdp.kernels import conv as conv_mod
+    from jax_dwdp.kernels import routing
+    from jax_dwdp.model.moe import route
 
     cfg = ModelConfig.preset(args.preset)
     cfg = cfg.replace(num_hidden_layers=cfg.full_attention_interval)
@@ -88,30 +92,39 @@ def main() -> None:
         positions = jnp.arange(t, dtype=jnp.int32)[None]
         flat = x.reshape(t, -1)
 
-        # Layers and mixers.
-        lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
-        record(t, "linear-attention layer", lambda: lin_layer(x, positions, lengths), "layer")
-        full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
-        record(t, "full-attention layer", lambda: full_layer(x, positions, lengths), "layer")
-        gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
-        record(t, "GDN mixer (with input norm)", lambda: gdn(x, lengths), "layer")
-        attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
-        record(t, "attention mixer (with input norm)", lambda: attn(x, positions), "layer")
-        moe = jit_method(linear, lambda m, x: m.mlp(x))
-        moe_ms = record(t, "MoE block", lambda: moe(x), "layer")
+        # Layers and mixers: with the default kernels, then with the XLA routing and conv they replaced
+        # (the environment is read when a function is traced, i.e. at its first call inside record).
+        moe_ms = None
+        for suffix, env in (("", {}), (BEFORE, {routing.ENV_IMPLEMENTATION: "xla", conv_mod.ENV_IMPLEMENTATION: "xla"})):
+            with _environment(env):
+                lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
+                record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
+                full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
+                record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
+                gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
+                record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
+                if not suffix:
+                    attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
+                    record(t, "attention mixer (with input norm)", lambda: attn(x, positions), "layer")
+                moe = jit_method(linear, lambda m, x: m.mlp(x))
+                ms = record(t, "MoE block" + suffix, lambda: moe(x), "layer")
+                moe_ms = moe_ms if suffix else ms
 
         # The MoE block's passes.
         mlp = linear.mlp
         k, e = mlp.top_k, cfg.num_experts
-        router = jit_method(mlp, lambda m, f: route(f, m.gate.weight[...], k))
-        ids, weights = router(flat)
-        record(t, "router (matmul, softmax, top-k)", lambda: router(flat), "moe")
+        for impl in routing.IMPLEMENTATIONS:
+            router = jit_method(mlp, lambda m, f, impl=impl: routing.topk_softmax(
+                jnp.einsum("mh,eh->me", f, m.gate.weight[...]), k, implementation=impl))
+            record(t, f"router (matmul, softmax, top-k), {impl}", lambda: router(flat), "moe")
+        ids, weights = route(flat, mlp.gate.weight[...], k)
         shared = jit_method(mlp, lambda m, f: jax.nn.sigmoid(m.shared_expert_gate(f).astype(jnp.float32)).astype(
             f.dtype) * m.shared_expert(f))
         shared_ms = record(t, "shared expert with its gate", lambda: shared(flat), "moe")
-        sort = jax.jit(lambda i: sort_by_expert(i, e))
-        order, sizes = sort(ids)
-        record(t, "sort by expert", lambda: sort(ids), "moe")
+        for impl in routing.IMPLEMENTATIONS:
+            sort = jax.jit(lambda i, impl=impl: routing.expert_permutation(i, e, implementation=impl))
+            record(t, f"sort by expert and inverse, {impl}", lambda: sort(ids), "moe")
+        order, inverse, sizes = jax.jit(lambda i: routing.expert_permutation(i, e))(ids)
         pad = (-t * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
         gather = jax.jit(lambda f, o: kernels.gather_rows(f, jnp.pad(o, (0, pad)) // k))
         sorted_rows = gather(flat, order)
@@ -127,14 +140,12 @@ def main() -> None:
         down = gemm(act, down_w, sizes)
         down_ms = record(t, "down grouped GEMM", lambda: gemm(act, down_w, sizes), "moe")
 
-        def unpermute(out, order, weights):
-            inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                          unique_indices=True)
+        def unpermute(out, inverse, weights):
             out = out[inverse] * weights.reshape(-1)[:, None]
             return jnp.sum(out.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(flat.dtype)
 
         unperm = jax.jit(unpermute)
-        record(t, "un-permute and weighted sum", lambda: unperm(down, order, weights), "moe")
+        record(t, "un-permute and weighted sum", lambda: unperm(down, inverse, weights), "moe")
         if None not in (moe_ms, gate_up_ms, down_ms, shared_ms):
             floor = gate_up_ms + down_ms + shared_ms
             ratio = moe_ms / floor
@@ -175,10 +186,11 @@ def main() -> None:
         proj = jit_method(linear, lambda m, x: m.linear_attn.in_proj_qkv(m.input_layernorm(x)))
         mixed = proj(x)
         record(t, "GDN: input norm, in_proj_qkv", lambda: proj(x), "gdn")
-        conv = jit_method(linear, lambda m, y: jax.nn.silu(causal_depthwise_conv(
-            y, m.linear_attn.conv1d.weight[...])).astype(y.dtype))
-        conv_out = conv(mixed)
-        record(t, "GDN: causal conv + SiLU", lambda: conv(mixed), "gdn")
+        for impl in conv_mod.IMPLEMENTATIONS:
+            conv = jit_method(linear, lambda m, y, impl=impl: conv_mod.causal_conv_silu(
+                y, m.linear_attn.conv1d.weight[...], implementation=impl))
+            record(t, f"GDN: causal conv + SiLU, {impl}", lambda: conv(mixed), "gdn")
+        conv_out = conv_mod.causal_conv_silu_xla(mixed, ga.conv1d.weight[...])
         gates = jit_method(linear, lambda m, x: m.linear_attn._gates(x))
         g, beta = gates(x)
         record(t, "GDN: b/a projections, gate math", lambda: gates(x), "gdn")
@@ -209,13 +221,27 @@ def main() -> None:
                                         "preset": args.preset, "rows": rows}, indent=1))
 
 
+BEFORE = " (before: XLA routing, conv)"
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _attention_alternatives(scale: float) -> dict:
     """Other causal GQA flash attentions on the image, as f(q, k, v) over [B, T, H, D] inputs."""
     import jax
     import jax.numpy as jnp
-
-    def auto(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
 
     def pallas_triton(q, k, v):
         from jax.experimental.pallas.ops.gpu import attention
@@ -225,16 +251,7 @@ def _attention_alternatives(scale: float) -> dict:
         return attention.mha(q, k, v, segment_ids=None, sm_scale=scale, causal=True, block_sizes=attention.BlockSizes(
             block_q=64, block_k=32))
 
-    def mosaic_gpu(q, k, v, block_kv):
-        from jax.experimental.pallas.ops.gpu import attention_mgpu
-
-        # GQA over [B, T, H, D] natively; the kernel applies no softmax scale, so q carries it.
-        config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=True)
-        return attention_mgpu.attention((q.astype(jnp.float32) * scale).astype(q.dtype), k, v, config)
-
-    return {"jax default impl": auto, "Pallas Triton mha": pallas_triton,
-            "Pallas Mosaic GPU kv64": functools.partial(mosaic_gpu, block_kv=64),
-            "Pallas Mosaic GPU kv128": functools.partial(mosaic_gpu, block_kv=128)}
+    return {"Pallas Triton mha": pallas_triton}
 
 
 if __name__ == "__main__":

@@ -13,22 +13,8 @@ from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.kernels.conv import causal_conv_silu, causal_conv_silu_xla
 from jax_dwdp.model.layers import GatedRMSNorm, Linear, normal_init
-
-
-def causal_depthwise_conv(x: jax.Array, weight: jax.Array, history: jax.Array | None = None) -> jax.Array:
-    """out[t, c] = sum_j weight[c, 0, j] * x[t - (K-1) + j, c], zeros (or `history` [B, K-1, C]) before t = 0.
-
-    x [B, T, C]; weight [C, 1, K]. Computed in fp32 as K shifted multiply-adds (K = 4: cheaper than a conv op).
-    """
-    kernel = weight.shape[-1]
-    b, t, c = x.shape
-    if history is None:
-        history = jnp.zeros((b, kernel - 1, c), x.dtype)
-    padded = jnp.concatenate([history.astype(x.dtype), x], axis=1).astype(jnp.float32)
-    w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
-    out = sum(padded[:, j : j + t, :] * w[:, j] for j in range(kernel))
-    return out
 
 
 class GatedDeltaNet(nnx.Module):
@@ -81,7 +67,7 @@ class GatedDeltaNet(nnx.Module):
         mixed = self.in_proj_qkv(x)  # [B, T, C]
         history = None if cache is None else jnp.swapaxes(cache[0], 1, 2)  # [B, K-1, C]
         conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1, history)
-        conv_out = jax.nn.silu(causal_depthwise_conv(mixed, self.conv1d.weight[...], history)).astype(x.dtype)
+        conv_out = causal_conv_silu(mixed, self.conv1d.weight[...], history)
         q, k, v = self._split_heads(conv_out)
         g, beta = self._gates(x)
         core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths,
@@ -94,7 +80,7 @@ class GatedDeltaNet(nnx.Module):
         """One token per sequence: x [B, 1, H]; conv_state [B, C, K-1]; state [B, HV, dk, dv] fp32."""
         mixed = self.in_proj_qkv(x)  # [B, 1, C]
         history = jnp.swapaxes(conv_state, 1, 2)  # [B, K-1, C]
-        conv_out = jax.nn.silu(causal_depthwise_conv(mixed, self.conv1d.weight[...], history)).astype(x.dtype)
+        conv_out = causal_conv_silu_xla(mixed, self.conv1d.weight[...], history)
         new_conv_state = jnp.swapaxes(jnp.concatenate([history, mixed.astype(history.dtype)], axis=1)[:, 1:], 1, 2)
         q, k, v = self._split_heads(conv_out[:, 0])
         rep = self.num_v_heads // self.num_k_heads

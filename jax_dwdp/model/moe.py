@@ -14,21 +14,22 @@ from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.kernels import routing
 from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK, swiglu
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
 
 
 def route(x: jax.Array, router_weight: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """x [M, H] -> (expert ids [M, k] int32, weights [M, k] in x's dtype), softmax in fp32, renormalised top-k."""
+    """x [M, H] -> (expert ids [M, k] int32, weights [M, k] in x's dtype), softmax in fp32, renormalised top-k
+    (`kernels.routing.topk_softmax`: one Pallas kernel on the GPU)."""
     logits = jnp.einsum("mh,eh->me", x, router_weight, precision=matmul_precision(x.dtype))
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_p, top_i = jax.lax.top_k(probs, top_k)
-    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    return top_i.astype(jnp.int32), top_p.astype(x.dtype)
+    ids, weights = routing.topk_softmax(logits, top_k)
+    return ids, weights.astype(x.dtype)
 
 
 def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """Flattened (token, slot) pairs sorted by expert: (order [M*k], group_sizes [E] int32)."""
+    """Flattened (token, slot) pairs sorted by expert: (order [M*k], group_sizes [E] int32). Ids >= E (DEP's slots
+    held elsewhere) sort after every group and count in no group."""
     flat = expert_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
@@ -58,7 +59,13 @@ def routed_experts(
     """
     m, k = expert_ids.shape
     num_experts, two_i, _ = gate_up_proj.shape
-    order, group_sizes = sort_by_expert(expert_ids, num_experts)
+    if valid is None:  # every id in [0, E): the counting sort (one Pallas kernel on the GPU) gives the inverse too
+        order, inverse, group_sizes = routing.expert_permutation(expert_ids, num_experts)
+    else:
+        order, group_sizes = sort_by_expert(expert_ids, num_experts)
+        # The inverse permutation is a scatter of iota (no second sort).
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                      unique_indices=True)
     # Row count padded to the kernels' row multiple inside the gather itself (no extra copy); the padded rows
     # belong to no group and are dropped by the final gather.
     pad = (-m * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
@@ -69,8 +76,7 @@ def routed_experts(
         gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
         act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
     out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
-    # Back to (token, slot) order. The inverse permutation is a scatter of iota (no second sort).
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+    # Back to (token, slot) order.
     out = out[inverse] * expert_weights.reshape(-1)[:, None]
     if valid is not None:
         out = jnp.where(valid.reshape(-1)[:, None], out, 0)

@@ -1,0 +1,89 @@
+"""Gated DeltaNet's causal depthwise conv + SiLU: the Pallas kernel (interpret mode on the CPU, compiled on the GPU)
+against a float64 numpy reference, with and without cached inputs (history)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dwdp.kernels import conv
+
+on_gpu = jax.default_backend() == "gpu"
+
+
+def _reference_f64(x, weight, history=None):
+    x = np.asarray(x, np.float64)
+    b, t, c = x.shape
+    k = weight.shape[-1]
+    h = np.zeros((b, k - 1, c)) if history is None else np.asarray(history, np.float64)
+    padded = np.concatenate([h, x], axis=1)
+    w = np.asarray(weight, np.float64)[:, 0, :]
+    out = sum(padded[:, j:j + t, :] * w[:, j] for j in range(k))
+    return out / (1 + np.exp(-out))
+
+
+def _inputs(rng, b, t, c, k, dtype):
+    x = jnp.asarray(rng.standard_normal((b, t, c)), dtype)
+    weight = jnp.asarray(rng.standard_normal((c, 1, k)) * k**-0.5, dtype)
+    history = jnp.asarray(rng.standard_normal((b, k - 1, c)), dtype)
+    return x, weight, history
+
+
+def _check(got, want, what, bound):
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), f"{what}: non-finite output (an unwritten element?)"
+    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    print(f"{what}: max |err| / max |ref| = {err:.2e} (bound {bound:.0e})")
+    assert err <= bound
+
+
+@pytest.mark.parametrize("t", [1, 2, 31, 32, 33, 70])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_kernel_matches_float64(rng, t, with_history):
+    """Lengths around the kernel's 32-row block (1, 2 shorter than the conv's reach), channels not a multiple of the
+    128-wide block (48 -> blocks of 16), fp32 inputs: within fp32 rounding of the float64 reference."""
+    x, weight, history = _inputs(rng, 2, t, 48, 4, jnp.float32)
+    history = history if with_history else None
+    poison = jnp.full(x.shape, jnp.nan, x.dtype)
+    got = conv.causal_conv_silu_pallas(x, weight, history, out=poison, interpret=not on_gpu)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    _check(got, _reference_f64(x, weight, history), f"pallas T={t} history={with_history}", 1e-5)
+    _check(conv.causal_conv_silu_xla(x, weight, history), _reference_f64(x, weight, history), "xla", 1e-5)
+
+
+def test_bf16_matches_the_xla_path(rng):
+    """bf16 in and out: the kernel and the XLA path round the same fp32 result (at most one bf16 ulp apart)."""
+    x, weight, history = _inputs(rng, 1, 100, 256, 4, jnp.bfloat16)
+    got = conv.causal_conv_silu_pallas(x, weight, history, interpret=not on_gpu)
+    want = conv.causal_conv_silu_xla(x, weight, history)
+    _check(got, _reference_f64(x, weight, history), "pallas bf16", 1e-2)
+    diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+    assert np.all(diff <= np.abs(np.asarray(want, np.float32)) * 2**-7 + 1e-6)
+
+
+def test_dispatch_and_unsupported_shapes(rng, monkeypatch):
+    monkeypatch.delenv(conv.ENV_IMPLEMENTATION, raising=False)
+    x, weight, _ = _inputs(rng, 1, 8, 24, 4, jnp.float32)  # 24 channels: no power-of-two block >= 16 divides them
+    assert not conv.supported(24, 4) and conv.supported(48, 4) and not conv.supported(48, 3)
+    np.testing.assert_array_equal(conv.causal_conv_silu(x, weight), conv.causal_conv_silu_xla(x, weight))
+    with pytest.raises(ValueError, match="channels 24"):
+        conv.causal_conv_silu_pallas(x, weight, interpret=True)
+    monkeypatch.setenv(conv.ENV_IMPLEMENTATION, "cudnn")
+    with pytest.raises(ValueError, match="'cudnn' is none of"):
+        conv.causal_conv_silu(x, weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)")
+def test_gpu_model_sizes(rng):
+    """35b-a3b's 8192 channels, 4099 tokens (a partial last block), bf16, in a jit with history, NaN-poisoned
+    neighbours: the output equals the XLA path within one bf16 ulp and matches float64."""
+    x, weight, history = _inputs(rng, 2, 4099, 8192, 4, jnp.bfloat16)
+    got = jax.jit(lambda a, w, h: conv.causal_conv_silu_pallas(a, w, h, out=jnp.full(a.shape, jnp.nan, a.dtype)))(
+        x, weight, history)
+    want = conv.causal_conv_silu_xla(x, weight, history)
+    _check(got, _reference_f64(x, weight, history), "pallas bf16 8192 channels", 1e-2)
+    diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+    assert np.all(diff <= np.abs(np.asarray(want, np.float32)) * 2**-7 + 1e-6)

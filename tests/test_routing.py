@@ -1,0 +1,95 @@
+"""MoE routing kernels (top-k softmax, counting sort by expert) against the XLA reference: in interpret mode on the
+CPU, compiled on the GPU (JAX_DWDP_TEST_GPU=1)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dwdp.kernels import routing
+
+SHAPES = [(100, 8, 2), (37, 6, 3), (64, 256, 8), (130, 512, 10)]  # tokens, experts, top-k (odd sizes padded)
+on_gpu = jax.default_backend() == "gpu"
+
+
+def _topk_reference_f64(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(p, ids, axis=1)
+    return ids, top / top.sum(axis=1, keepdims=True)
+
+
+def _check_topk(ids, weights, logits, k, what):
+    want_ids, want_w = _topk_reference_f64(np.asarray(logits, np.float32), k)
+    xla_ids, xla_w = routing.topk_softmax_xla(logits, k)
+    err = float(np.max(np.abs(np.asarray(weights, np.float64) - want_w)))
+    print(f"{what}: {logits.shape} top-{k}: weights max |err| vs float64 {err:.2e}")
+    assert ids.shape == (logits.shape[0], k) and ids.dtype == jnp.int32 and weights.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(xla_ids))
+    assert err <= 1e-6
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(xla_w), rtol=1e-6, atol=1e-7)
+
+
+def _check_permutation(got, ids, e, what):
+    order, inverse, sizes = (np.asarray(a) for a in got)
+    flat = np.asarray(ids).reshape(-1)
+    want = np.argsort(flat, kind="stable")
+    print(f"{what}: {ids.shape} over {e} experts: order == stable argsort {np.array_equal(order, want)}")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(inverse[order], np.arange(flat.size))
+    np.testing.assert_array_equal(sizes, np.bincount(flat, minlength=e))
+    assert order.dtype == inverse.dtype == sizes.dtype == np.int32
+
+
+@pytest.mark.parametrize("m,e,k", SHAPES)
+def test_topk_kernel_matches_reference(rng, m, e, k):
+    """Fresh random bf16 logits; the kernel chooses exactly the float64 reference's experts, in its order; weights
+    within 1e-6. (bf16 logits tie often: the ties go to the lower id in both.)"""
+    logits = jnp.asarray(rng.standard_normal((m, e)) * 2, jnp.bfloat16)
+    ids, weights = routing.topk_softmax_pallas(logits, k, interpret=not on_gpu)
+    _check_topk(ids, weights, logits, k, "pallas" if on_gpu else "pallas (interpret)")
+
+
+@pytest.mark.parametrize("m,e,k", SHAPES)
+def test_counting_sort_is_the_stable_argsort(rng, m, e, k):
+    """Top-k ids (distinct per token) and arbitrary ids with repeats: the same order, inverse and group sizes as the
+    stable argsort, bit for bit."""
+    logits = jnp.asarray(rng.standard_normal((m, e)), jnp.float32)
+    top_ids, _ = routing.topk_softmax_xla(logits, k)
+    repeats = jnp.asarray(rng.integers(0, e, (m, k)), jnp.int32)
+    skewed = jnp.asarray(np.minimum(rng.geometric(0.5, (m, k)) - 1, e - 1), jnp.int32)  # a few experts take most
+    for what, ids in (("top-k ids", top_ids), ("repeated ids", repeats), ("skewed ids", skewed)):
+        got = routing.expert_permutation_pallas(ids, e, interpret=not on_gpu)
+        _check_permutation(got, ids, e, what)
+        _check_permutation(routing.expert_permutation_xla(ids, e), ids, e, what + " (xla)")
+
+
+def test_implementation_switch(monkeypatch):
+    monkeypatch.delenv(routing.ENV_IMPLEMENTATION, raising=False)
+    assert routing.default_implementation() == ("pallas" if on_gpu else "xla")
+    monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "xla")
+    assert routing.default_implementation() == "xla"
+    monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "cub")
+    with pytest.raises(ValueError, match="JAX_DWDP_ROUTING='cub'"):
+        routing.default_implementation()
+    with pytest.raises(ValueError, match="unknown routing implementation 'cub'"):
+        routing.topk_softmax(jnp.zeros((4, 8)), 2, implementation="cub")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)")
+@pytest.mark.parametrize("e,k", [(256, 8), (512, 10)])  # 35b-a3b / 122b-a10b; 397b-a17b
+def test_gpu_routing_at_model_sizes(rng, e, k):
+    """16K tokens through both kernels inside one jit, as the model calls them: same experts as lax.top_k, the
+    same permutation as the stable argsort."""
+    m = 16384
+    logits = jnp.asarray(rng.standard_normal((m, e)) * 2, jnp.bfloat16)
+    ids, weights = jax.jit(lambda x: routing.topk_softmax(x, k, implementation="pallas"))(logits)
+    _check_topk(ids, weights, logits, k, "pallas, jit")
+    got = jax.jit(lambda i: routing.expert_permutation(i, e, implementation="pallas"))(ids)
+    _check_permutation(got, ids, e, "pallas, jit")
