@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One H200: the routing / conv kernels' GPU tests and the bf16 model test, then where a layer's time goes
+# (bench_layer_parts.py at 4K-32K) and the 40-layer 35b-a3b prefill with the default kernels and (BEFORE=1) with
+# the XLA routing and conv they replaced, in one run. Logs, JSON under $OUT. Knobs: TESTS, PARTS, PARTS_ARGS,
+# MODEL40, MODEL40_SEQ, BEFORE.
+set -o pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+quiet() { grep -v "^\s*@\|^E1[0-9]*\|^W1[0-9]*\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(\|^\s*%\|^\s*}\|^external\|^  ROOT"; }
+if [ "${TESTS:-1}" = 1 ]; then
+  JAX_DWDP_TEST_GPU=1 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/test_routing.py \
+    tests/test_conv.py "tests/test_gpu.py::test_gpu_bf16_prefill_runs_the_fast_kernels" \
+    "tests/test_gpu.py::test_gpu_prefill_matches_cpu_fp32" 2>&1 | tee "$OUT/tests.log" \
+    | grep -E "err|order ==|vs fp32|vs CPU|passed|failed|Error" | tail -${TEST_LINES:-40}
+  grep -q " failed\|[0-9] error" "$OUT/tests.log" && { echo "GPU tests failed: benchmarks skipped"; exit 1; }
+fi
+if [ "${PARTS:-1}" = 1 ]; then
+  timeout ${PARTS_TIMEOUT:-240} python3 benchmarks/bench_layer_parts.py ${PARTS_ARGS:---tokens 4096 16384 32768 \
+    --no-attention-alternatives --fusions} --out "$OUT/parts.json" 2>&1 | quiet | tee "$OUT/parts.log"
+fi
+if [ "${MODEL40:-1}" = 1 ]; then
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${MODEL40_TIMEOUT:-200} python3 benchmarks/bench_prefill.py \
+    --preset 35b-a3b --seq-lens ${MODEL40_SEQ:-4096 16384 32768} --layerwise --iters 5 --out "$OUT/prefill40.json" \
+    2>&1 | quiet | tail -5 | sed "s/^/default: /"
+  if [ "${BEFORE:-1}" = 1 ]; then
+    JAX_DWDP_ROUTING=xla JAX_DWDP_CONV=xla XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${MODEL40_TIMEOUT:-200} \
+      python3 benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 16384 --layerwise --iters 5 \
+      --out "$OUT/prefill40_before.json" 2>&1 | quiet | tail -3 | sed "s/^/xla routing+conv: /"
+  fi
+fi
