@@ -69,16 +69,23 @@ def test_counting_sort_is_the_stable_argsort(rng, m, e, k):
         _check_permutation(routing.expert_permutation_xla(ids, e), ids, e, what + " (xla)")
 
 
-def test_implementation_switch(monkeypatch):
+def test_implementation_switch(rng, monkeypatch):
+    """By default the platform decides when lowering (XLA for a CPU computation, even on a GPU host);
+    $JAX_DWDP_ROUTING forces one; bad names are clear errors."""
+    logits = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
     monkeypatch.delenv(routing.ENV_IMPLEMENTATION, raising=False)
-    assert routing.default_implementation() == ("pallas" if on_gpu else "xla")
-    monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "xla")
-    assert routing.default_implementation() == "xla"
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        text = jax.jit(lambda x: routing.topk_softmax(x, 2)).lower(jax.device_put(logits, cpu)).as_text()
+        assert "moe_topk_softmax" not in text
+        ids, _ = jax.jit(lambda x: routing.topk_softmax(x, 2))(jax.device_put(logits, cpu))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(routing.topk_softmax_xla(logits, 2)[0]))
     monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "cub")
     with pytest.raises(ValueError, match="JAX_DWDP_ROUTING='cub'"):
-        routing.default_implementation()
-    with pytest.raises(ValueError, match="unknown routing implementation 'cub'"):
-        routing.topk_softmax(jnp.zeros((4, 8)), 2, implementation="cub")
+        routing.topk_softmax(logits, 2)
+    monkeypatch.delenv(routing.ENV_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="implementation='cub'"):
+        routing.expert_permutation(ids, 8, implementation="cub")
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ in fp32, cast to x's dtype. XLA computes it as K shifted multiply-adds, a fusion
 H200 at 16K tokens (0.31 ms for C = 8192): the kernel reads each [BT, BC] tile's K shifted windows (the overlap
 hits L1/L2) and writes the output once. Rows before t = 0 are masked loads (zeros); with `history` the first K-1
 rows, the only ones that read it, are recomputed by the reference and written over the kernel's.
-$JAX_DWDP_CONV=xla|pallas forces an implementation (default: pallas on the GPU for 16-bit inputs).
+$JAX_DWDP_CONV=xla|pallas forces an implementation (default: pallas where lowered for a CUDA GPU, for 16-bit
+inputs).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_dwdp.kernels._backend import on_gpu
 
 ENV_IMPLEMENTATION = "JAX_DWDP_CONV"
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -111,11 +111,12 @@ def causal_conv_silu(x: jax.Array, weight: jax.Array, history: jax.Array | None 
                      implementation: str | None = None) -> jax.Array:
     """silu(causal depthwise conv) of x [B, T, C] with weight [C, 1, K], zeros or `history` [B, K-1, C] before
     t = 0; fp32 math, x's dtype out."""
-    impl = implementation or os.environ.get(ENV_IMPLEMENTATION) or (
-        "pallas" if on_gpu() and x.dtype in (jnp.bfloat16, jnp.float16) and supported(x.shape[-1], weight.shape[-1])
-        else "xla")
+    impl = implementation or os.environ.get(ENV_IMPLEMENTATION) or None
+    if impl is not None and impl not in IMPLEMENTATIONS:
+        raise ValueError(f"{ENV_IMPLEMENTATION} / implementation {impl!r} is none of {IMPLEMENTATIONS}")
     if impl == "pallas":
         return causal_conv_silu_pallas(x, weight, history)
-    if impl != "xla":
-        raise ValueError(f"{ENV_IMPLEMENTATION} / implementation {impl!r} is none of {IMPLEMENTATIONS}")
-    return causal_conv_silu_xla(x, weight, history)
+    if impl == "xla" or x.dtype not in (jnp.bfloat16, jnp.float16) or not supported(x.shape[-1], weight.shape[-1]):
+        return causal_conv_silu_xla(x, weight, history)
+    # Decided when lowered: a CPU computation on a GPU host takes the XLA path.
+    return lax.platform_dependent(x, weight, history, cuda=causal_conv_silu_pallas, default=causal_conv_silu_xla)

@@ -1,6 +1,7 @@
 """MoE routing: softmax top-k of the router logits, and the permutation that groups (token, slot) pairs by expert.
 
-Two implementations, chosen by `default_implementation` (or $JAX_DWDP_ROUTING=xla|pallas):
+Two implementations: Pallas where the computation is lowered for a CUDA GPU, XLA elsewhere; $JAX_DWDP_ROUTING (or
+`implementation=`) = xla|pallas forces one:
 - "xla": `lax.top_k` of the fp32 softmax, renormalised; a stable argsort of the flattened expert ids and a scatter
   of iota for its inverse. The CPU path and the reference.
 - "pallas" (GPU, Pallas Triton), two small kernels, each one pass over its input:
@@ -31,14 +32,24 @@ IMPLEMENTATIONS = ("xla", "pallas")
 _F32 = jnp.float32
 
 
-def default_implementation() -> str:
-    """"pallas" on the GPU, "xla" elsewhere; $JAX_DWDP_ROUTING forces either."""
-    env = os.environ.get(ENV_IMPLEMENTATION)
-    if env:
-        if env not in IMPLEMENTATIONS:
-            raise ValueError(f"{ENV_IMPLEMENTATION}={env!r} is none of {IMPLEMENTATIONS}")
-        return env
-    return "pallas" if on_gpu() else "xla"
+def _choose(implementation: str | None) -> str | None:
+    """The implementation asked for (argument, else $JAX_DWDP_ROUTING), validated; None: by platform."""
+    impl = implementation or os.environ.get(ENV_IMPLEMENTATION) or None
+    if impl is not None and impl not in IMPLEMENTATIONS:
+        where = "implementation" if implementation else ENV_IMPLEMENTATION
+        raise ValueError(f"routing: {where}={impl!r} is none of {IMPLEMENTATIONS}")
+    return impl
+
+
+def _by_platform(xla_fn, pallas_fn, implementation, *args):
+    """Runs the chosen implementation; by default the Pallas one where the computation is lowered for a CUDA GPU
+    and the XLA one elsewhere (decided at lowering, so a CPU computation on a GPU host takes the XLA path)."""
+    impl = _choose(implementation)
+    if impl == "pallas":
+        return pallas_fn(*args)
+    if impl == "xla":
+        return xla_fn(*args)
+    return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)
 
 
 def _pow2(n: int) -> int:
@@ -106,12 +117,8 @@ def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False) -
 def topk_softmax(logits: jax.Array, k: int, *, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
     """logits [M, E] -> (expert ids [M, k] int32, weights [M, k] fp32): the top k of softmax(logits) in fp32, the
     weights renormalised to sum to 1; ids in decreasing probability, ties to the lower id."""
-    impl = implementation or default_implementation()
-    if impl == "pallas":
-        return topk_softmax_pallas(logits, k)
-    if impl != "xla":
-        raise ValueError(f"unknown routing implementation {impl!r}; one of {IMPLEMENTATIONS}")
-    return topk_softmax_xla(logits, k)
+    return _by_platform(functools.partial(topk_softmax_xla, k=k), functools.partial(topk_softmax_pallas, k=k),
+                        implementation, logits)
 
 
 # ---- grouping by expert ---------------------------------------------------------------------------------------
@@ -189,9 +196,6 @@ def expert_permutation(expert_ids: jax.Array, num_experts: int, *,
     """expert_ids [M, k] in [0, E) -> (order [M*k], inverse [M*k], group_sizes [E]) int32: `order` lists the
     flattened (token, slot) pairs grouped by expert, in their original order within a group (a stable sort);
     `inverse` is its inverse (pair i sits at row inverse[i] of the grouped rows)."""
-    impl = implementation or default_implementation()
-    if impl == "pallas":
-        return expert_permutation_pallas(expert_ids, num_experts)
-    if impl != "xla":
-        raise ValueError(f"unknown routing implementation {impl!r}; one of {IMPLEMENTATIONS}")
-    return expert_permutation_xla(expert_ids, num_experts)
+    return _by_platform(functools.partial(expert_permutation_xla, num_experts=num_experts),
+                        functools.partial(expert_permutation_pallas, num_experts=num_experts), implementation,
+                        expert_ids)
