@@ -65,6 +65,8 @@ def test_bf16_matches_the_xla_path(rng):
 
 def test_dispatch_and_unsupported_shapes(rng, monkeypatch):
     monkeypatch.delenv(conv.ENV_IMPLEMENTATION, raising=False)
+    xb, wb, _ = _inputs(rng, 1, 8, 32, 4, jnp.bfloat16)
+    assert "gdn_causal_conv_silu" not in jax.jit(conv.causal_conv_silu).lower(xb, wb).as_text()  # XLA by default
     x, weight, _ = _inputs(rng, 1, 8, 24, 4, jnp.float32)  # 24 channels: no power-of-two block >= 16 divides them
     assert not conv.supported(24, 4) and conv.supported(48, 4) and not conv.supported(48, 3)
     np.testing.assert_array_equal(conv.causal_conv_silu(x, weight), conv.causal_conv_silu_xla(x, weight))

@@ -77,9 +77,9 @@ def test_gpu_prefill_matches_cpu_fp32(rng):
 
 @pytest.mark.parametrize("grouped_matmul", ["default", "mosaic"])
 def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul):
-    """bf16 on the GPU takes cuDNN attention, the Pallas gated delta rule, routing and conv kernels and the GPU
-    grouped matmul (the CUTLASS kernel when its library is built, else Mosaic; then Mosaic forced); compare with GPU
-    fp32 (XLA paths but the routing kernels)."""
+    """bf16 on the GPU takes cuDNN attention, the Pallas gated delta rule and routing kernels (the conv kernel on
+    request) and the GPU grouped matmul (the CUTLASS kernel when its library is built, else Mosaic; then Mosaic
+    forced); compare with GPU fp32 (XLA paths but the routing kernels)."""
     from jax_dwdp.config import ModelConfig
     from jax_dwdp.kernels import _cutlass
     from jax_dwdp.model import init_model
@@ -101,8 +101,18 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     text = jit_prefill(m16).lower(tokens, np.array([1000], np.int32)).as_text()
     assert want.lower() in text.lower(), f"bf16 GPU prefill did not use the expected grouped matmul ({want})"
     assert "gdn_recurrence" in text, "bf16 GPU prefill did not use the Pallas gated delta rule"
-    for kernel in ("moe_topk_softmax", "moe_expert_ranks", "gdn_causal_conv_silu"):
+    for kernel in ("moe_topk_softmax", "moe_expert_ranks"):
         assert kernel in text, f"bf16 GPU prefill did not use the Pallas kernel {kernel}"
+    assert "gdn_causal_conv_silu" not in text  # opt-in (JAX_DWDP_CONV=pallas): slower inside the mixer
+    # The environment is read when traced: a new length (999) traces anew, with the conv kernel asked for.
+    monkeypatch.setenv("JAX_DWDP_CONV", "pallas")
+    short = tokens[:, :999]
+    opted = jit_prefill(m16).lower(short, np.array([999], np.int32)).as_text()
+    assert "gdn_causal_conv_silu" in opted
+    conv_err = rel_err(jit_prefill(m16)(short)[0].astype(jnp.float32), jit_prefill(m32)(short)[0])
+    print(f"GPU bf16 with the Pallas conv (opt-in) vs fp32 logits: {conv_err:.2e}")
+    assert conv_err <= 2e-2
+    monkeypatch.delenv("JAX_DWDP_CONV")
     from jax_dwdp.model import fused_swiglu_enabled
 
     # Models keep the checkpoint layout by default (the fused SwiGLU kernel is opt-in); with the CUTLASS kernel, the
