@@ -2,16 +2,16 @@
 # One H200: the routing / conv kernels' GPU tests and the bf16 model test, then where a layer's time goes
 # (bench_layer_parts.py at 4K-32K) and the 40-layer 35b-a3b prefill with the default kernels and (BEFORE=1) with
 # the XLA routing and conv they replaced, in one run. Logs, JSON under $OUT. Knobs: TESTS, PARTS, PARTS_ARGS,
-# MODEL40, MODEL40_SEQ, BEFORE.
+# MODEL40, MODEL40_SEQ, BEFORE, TEST_ARGS (pytest arguments).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 quiet() { grep -v "^\s*@\|^E1[0-9]*\|^W1[0-9]*\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(\|^\s*%\|^\s*}\|^external\|^  ROOT"; }
 if [ "${TESTS:-1}" = 1 ]; then
-  JAX_DWDP_TEST_GPU=1 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/test_routing.py \
-    tests/test_conv.py "tests/test_gpu.py::test_gpu_bf16_prefill_runs_the_fast_kernels" \
-    "tests/test_gpu.py::test_gpu_prefill_matches_cpu_fp32" 2>&1 | tee "$OUT/tests.log" \
+  JAX_DWDP_TEST_GPU=1 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider ${TEST_ARGS:-tests/test_routing.py \
+    tests/test_conv.py tests/test_gpu.py::test_gpu_bf16_prefill_runs_the_fast_kernels \
+    tests/test_gpu.py::test_gpu_prefill_matches_cpu_fp32} 2>&1 | tee "$OUT/tests.log" \
     | grep -E "err|order ==|vs fp32|vs CPU|passed|failed|Error" | tail -${TEST_LINES:-40}
   grep -q " failed\|[0-9] error" "$OUT/tests.log" && { echo "GPU tests failed: benchmarks skipped"; exit 1; }
 fi
