@@ -33,14 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="35b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--no-attention-alternatives", action="store_true")
     ap.add_argument("--fusions", action="store_true", help="also time the candidate fusions")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
@@ -215,10 +215,11 @@ def main() -> None:
             cat_small = jnp.concatenate(small)
             record(t, "fusion: router+shared as one", lambda: one(flat, cat_small), "fusion")
 
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": args.preset, "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                                        "preset": args.preset, "rows": rows}, indent=1))
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
 
 
 BEFORE = " (before: XLA routing, conv)"

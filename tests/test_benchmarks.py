@@ -255,6 +255,33 @@ def test_grouped_matmul_fusion_times_the_block_and_its_parts(tmp_path):
     check_implementations(row, ("fused", "unfused", "torch", "block fused", "block unfused"))
 
 
+def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
+    """bench_layer_parts on the tiny preset: every part is timed or says why not (the Pallas kernels cannot run on
+    the CPU); the MoE floor is the GEMMs plus the shared expert."""
+    result, saved = run("bench_layer_parts", ["--preset", "tiny", "--tokens", "16", "--fusions"],
+                        tmp_path / "parts.json")
+    assert saved == json.loads(json.dumps(result))
+    parts = {r["part"]: r for r in saved["rows"]}
+    for part in ("linear-attention layer", "full-attention layer", "MoE block", "MoE block (before: XLA routing, "
+                 "conv)", "router (matmul, softmax, top-k), xla", "sort by expert and inverse, xla", "gate_up grouped "
+                 "GEMM", "GDN: causal conv + SiLU, xla", "attention core: the model's (cuDNN)",
+                 "fusion: GDN input matmuls as one"):
+        assert parts[part]["ms"] > 0, part
+    assert parts["router (matmul, softmax, top-k), pallas"]["error"]  # a Pallas kernel on the CPU: says why
+    floor = parts["floor: GEMMs + shared expert"]
+    want = sum(parts[p]["ms"] for p in ("gate_up grouped GEMM", "down grouped GEMM", "shared expert with its gate"))
+    assert floor["ms"] == pytest.approx(want) and floor["block_over_floor"] == ratio(parts["MoE block"]["ms"], want)
+
+
+def test_transformers_reference_runs_the_same_rows(tmp_path):
+    """bench_transformers on the tiny preset (fp32 eager paths on the CPU): bench_prefill's row fields."""
+    result, saved = run("bench_transformers", ["--preset", "tiny", "--seq-lens", "32", "--iters", "1"],
+                        tmp_path / "hf.json")
+    (row,) = saved["rows"]
+    assert (row["seq_len"], row["layers"], row["impl"], row["logits_finite"]) == (32, 4, "transformers", True)
+    assert row["prefill_ms"] > 0 and row["tokens_per_s"] > 0
+
+
 NCU_HEADER = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
 
 
