@@ -11,7 +11,9 @@ For each token count (batch 1, random bf16 weights of one linear-attention and o
   Pallas Triton `ops.gpu.attention.mha` (an implementation that fails prints why). Pallas Mosaic GPU's
   `attention_mgpu` takes only fp16 and jax's default implementation picks XLA's for head_dim 256 (out of memory at
   32K): both left out (benchmarks/RESULTS.md, ninth session);
-- the default routing and conv kernels against the XLA code they replaced, as whole layers and as parts;
+- the routing kernels against the XLA routing they replaced, and the opt-in conv kernel against XLA's conv,
+  as whole layers and as parts (the ninth session's run C, before the conv went back to XLA, labelled
+  differently: see RESULTS.md);
 - candidate fusions beside what they would replace (`--fusions`): the four GDN input projections as one matmul,
   the router, shared-expert gate and shared gate/up projections as one matmul.
 Times: 10 back-to-back calls / 10, median of 5 (bench_gdn.wall_ms), so launch overheads count as in a model.
@@ -92,17 +94,19 @@ def main(argv: list[str] | None = None) -> dict:
         positions = jnp.arange(t, dtype=jnp.int32)[None]
         flat = x.reshape(t, -1)
 
-        # Layers and mixers: with the default kernels, then with the XLA routing and conv they replaced
-        # (the environment is read when a function is traced, i.e. at its first call inside record).
+        # Layers and mixers with today's defaults; then with the XLA routing the routing kernels replaced, and
+        # with the opt-in Pallas conv (the environment is read when a function is traced: at its first call).
         moe_ms = None
-        for suffix, env in (("", {}), (BEFORE, {routing.ENV_IMPLEMENTATION: "xla", conv_mod.ENV_IMPLEMENTATION: "xla"})):
-            with _environment(env):
+        for suffix, env in VARIANTS:
+            with _environment(env(routing, conv_mod)):
                 lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
                 record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
-                full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
-                record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
                 gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
                 record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
+                if suffix == PALLAS_CONV:
+                    continue  # the conv is only in the linear-attention layer's mixer
+                full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
+                record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
                 if not suffix:
                     attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
                     record(t, "attention mixer (with input norm)", lambda: attn(x, positions), "layer")
@@ -222,7 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-BEFORE = " (before: XLA routing, conv)"
+XLA_ROUTING, PALLAS_CONV = " (XLA routing)", " (Pallas conv)"
+VARIANTS = (("", lambda routing, conv: {}),
+            (XLA_ROUTING, lambda routing, conv: {routing.ENV_IMPLEMENTATION: "xla"}),
+            (PALLAS_CONV, lambda routing, conv: {conv.ENV_IMPLEMENTATION: "pallas"}))
 
 
 @contextlib.contextmanager

@@ -262,8 +262,8 @@ def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
                         tmp_path / "parts.json")
     assert saved == json.loads(json.dumps(result))
     parts = {r["part"]: r for r in saved["rows"]}
-    for part in ("linear-attention layer", "full-attention layer", "MoE block", "MoE block (before: XLA routing, "
-                 "conv)", "router (matmul, softmax, top-k), xla", "sort by expert and inverse, xla", "gate_up grouped "
+    for part in ("linear-attention layer", "full-attention layer", "MoE block", "MoE block (XLA routing)",
+                 "GDN mixer (with input norm) (Pallas conv)", "router (matmul, softmax, top-k), xla", "sort by expert and inverse, xla", "gate_up grouped "
                  "GEMM", "GDN: causal conv + SiLU, xla", "attention core: the model's (cuDNN)",
                  "fusion: GDN input matmuls as one"):
         assert parts[part]["ms"] > 0, part
