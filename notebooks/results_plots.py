@@ -2,14 +2,12 @@
 run's JSON, and drawn with matplotlib at a small size (the executed notebooks stay small).
 
 Each `*_rows` / `*_runs` function turns one JSON layout into plain rows; each `plot_*` function draws them and
-returns the figure. Fresh runs are subprocesses (`fresh_run`): the benchmark scripts of benchmarks/ and, for the
-layer parts, this module itself (`python notebooks/results_plots.py layer-parts ...`), so a notebook never holds a
-GPU while a benchmark needs it.
+returns the figure. Fresh runs are subprocesses (`fresh_run`) of the benchmark scripts of benchmarks/, so a notebook
+never holds a GPU while a benchmark needs it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -144,49 +142,26 @@ def plot_mixer_parts(mixer: dict, title: str):
     return fig
 
 
-def measure_layer_parts(preset: str, seq_lens: list[int], *, dtype: str = "bfloat16", iters: int = 5,
-                        num_layers: int | None = None) -> list[dict]:
-    """Times, on the default device, a linear- and a full-attention layer of `preset` (random weights, batch 1)
-    and their parts, each jitted alone: rows like layer_parts_*.json's (without the GDN core and fla)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
+LAYER_PART_NAMES = {  # bench_layer_parts.py's part names -> the plot's keys
+    "gdn_mixer_ms": "GDN mixer (with input norm)",
+    "attention_mixer_ms": "attention mixer (with input norm)",
+    "moe_block_ms": "MoE block",
+    "linear_layer_ms": "linear-attention layer",
+    "full_layer_ms": "full-attention layer",
+    "gdn_core_ms": "GDN: core (gated delta rule)",
+}
 
-    from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-    from jax_dwdp.model import init_model
-    from jax_dwdp.timing import median_seconds
 
-    cfg = ModelConfig.preset(preset)
-    linear, full = cfg.layer_types.index(LINEAR_ATTENTION), cfg.layer_types.index(FULL_ATTENTION)
-    cfg = cfg.replace(num_hidden_layers=num_layers or max(linear, full) + 1)
-    model = init_model(cfg, dtype=jnp.dtype(dtype), seed=0)
-
-    def jitted(module, fn):
-        graphdef, state = nnx.split(module)
-        compiled = jax.jit(lambda st, *args: fn(nnx.merge(graphdef, st), *args))
-        return lambda *args: compiled(state, *args)
-
-    lin, fl = model.layers[linear], model.layers[full]
-    parts = {
-        "gdn_mixer_ms": jitted(lin.linear_attn, lambda m, x, p, n: m(x, n)[0]),
-        "attention_mixer_ms": jitted(fl.self_attn, lambda m, x, p, n: m(x, p)[0]),
-        "moe_block_ms": jitted(lin.mlp, lambda m, x, p, n: m(x)),
-        "linear_layer_ms": jitted(lin, lambda m, x, p, n: m(x, p, n)[0]),
-        "full_layer_ms": jitted(fl, lambda m, x, p, n: m(x, p, n)[0]),
-    }
-    rng = np.random.default_rng(0)
-    rows = []
-    for t in seq_lens:
-        x = jnp.asarray(rng.standard_normal((1, t, cfg.hidden_size)), jnp.dtype(dtype))
-        positions = jnp.arange(t, dtype=jnp.int32)[None]
-        lengths = jnp.full((1,), t, jnp.int32)
-        row = {"tokens": t}
-        for name, fn in parts.items():
-            jax.block_until_ready(fn(x, positions, lengths))  # compile, warm up
-            row[name] = round(median_seconds(lambda: fn(x, positions, lengths), iters)[0] * 1e3, 3)
-        rows.append(row)
-    return rows
+def layer_part_rows(result: dict) -> list[dict]:
+    """bench_layer_parts.py's JSON (one row per token count and part) -> one row per token count with the plot's
+    keys, for the parts it timed (the default variant of each, not the "(XLA routing)" / "(Pallas conv)" ones)."""
+    rows = {}
+    for r in result["rows"]:
+        row = rows.setdefault(r["tokens"], {"tokens": r["tokens"]})
+        for key, part in LAYER_PART_NAMES.items():
+            if r["part"] == part and r.get("ms") is not None:
+                row[key] = round(r["ms"], 3)
+    return [rows[t] for t in sorted(rows)]
 
 
 # ---- 2. DWDP: copy vs compute per layer, hidden fraction; 3. FFI vs XLA vs replicated (and DEP) ----------------
@@ -400,24 +375,3 @@ def plot_gdn(current: list[dict], before: list[dict], title: str):
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="fresh measurements for the notebooks' plots")
-    sub = ap.add_subparsers(dest="command", required=True)
-    parts = sub.add_parser("layer-parts", help="a linear and a full layer and their parts, each jitted alone")
-    parts.add_argument("--preset", default="35b-a3b")
-    parts.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
-    parts.add_argument("--dtype", default="bfloat16")
-    parts.add_argument("--iters", type=int, default=5)
-    parts.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    import jax
-
-    rows = measure_layer_parts(args.preset, args.seq_lens, dtype=args.dtype, iters=args.iters)
-    Path(args.out).write_text(json.dumps({"what": "layer_parts", "device": jax.devices()[0].device_kind,
-                                          "args": vars(args), "rows": rows}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

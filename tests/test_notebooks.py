@@ -116,11 +116,15 @@ def test_fresh_runs_are_off_without_gpus_or_when_asked(monkeypatch):
     assert rp.fresh_runs_wanted(1) == (rp.gpu_count() >= 1)
 
 
-def test_measure_layer_parts_runs_on_the_cpu():
-    """The fresh layer-part measurement a GPU notebook runs, on the tiny preset (timings mean nothing here)."""
-    rows = rp.measure_layer_parts("tiny", [16, 32], dtype="float32", iters=1)
-    assert [r["tokens"] for r in rows] == [16, 32]
+def test_layer_part_rows_read_bench_layer_parts():
+    """The committed ninth-session run through the converter the notebook uses: one row per token count with every
+    plotted key, equal to the JSON's own parts (the default variant, not "(XLA routing)")."""
+    result = rp.load("layer_parts_h200_2026-12-01_ninth_c.json")
+    rows = rp.layer_part_rows(result)
+    assert [r["tokens"] for r in rows] == [4096, 16384, 32768]
+    parts = {(r["tokens"], r["part"]): r["ms"] for r in result["rows"]}
     for r in rows:
-        assert set(r) == {"tokens", "gdn_mixer_ms", "attention_mixer_ms", "moe_block_ms", "linear_layer_ms",
-                          "full_layer_ms"}
-        assert all(v > 0 for v in r.values())
+        assert set(r) == {"tokens", *rp.LAYER_PART_NAMES}
+        for key, part in rp.LAYER_PART_NAMES.items():
+            assert r[key] == round(parts[(r["tokens"], part)], 3)
+    assert rows[1]["moe_block_ms"] < parts[(16384, "MoE block (before: XLA routing, conv)")]
