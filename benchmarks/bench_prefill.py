@@ -21,6 +21,7 @@ from jax_dwdp.config import ModelConfig
 from jax_dwdp.kernels.grouped_matmul import default_implementation
 from jax_dwdp.model import fused_swiglu_enabled, init_model
 from jax_dwdp.prefill import jit_prefill
+from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
 from jax_dwdp.timing import median_seconds
 
 PEAK_TFLOPS = 781.0
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--layerwise", action="store_true", help="one compiled program per layer type (fast compile)")
+    ap.add_argument("--scan", action="store_true", help="the layer stack as one scanned program (jax_dwdp.scan)")
     ap.add_argument("--fused-swiglu", action="store_true",
                     help="expert gate_up weights in the fused SwiGLU epilogue's layout (CUTLASS only; default: off)")
     args = ap.parse_args()
@@ -56,10 +58,15 @@ def main() -> None:
     print(f"{cfg.summary()}; random init {init_s:.1f} s on {device.device_kind}; grouped matmul {impl}, "
           f"fused SwiGLU {fused}")
     print(f"{'tokens':>8} {'compile s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
+    scanned = None
     for t in sorted(args.seq_lens):
         tokens = np.random.default_rng(t).integers(0, cfg.vocab_size, (args.batch, t)).astype(np.int32)
         lengths = np.full((args.batch,), t, np.int32)
-        prefill = jit_prefill(model, logits="last", layerwise=args.layerwise)
+        if args.scan:
+            scanned = scanned or ScannedModel.from_model(model)  # consumes the model's per-layer weights
+            prefill = jit_prefill_scanned(scanned, logits="last")
+        else:
+            prefill = jit_prefill(model, logits="last", layerwise=args.layerwise)
         t0 = time.perf_counter()
         prefill.compile(tokens, lengths)
         compile_s = time.perf_counter() - t0
@@ -69,7 +76,7 @@ def main() -> None:
         n = args.batch * t
         tflops = cfg.prefill_flops(args.batch, t, args.batch) / sec / 1e12
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
-        row = dict(preset=args.preset, grouped_matmul=impl, fused_swiglu=fused, layerwise=args.layerwise, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
+        row = dict(preset=args.preset, grouped_matmul=impl, fused_swiglu=fused, layerwise=args.layerwise, scan=args.scan, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
                    compile_s=round(compile_s, 2), prefill_ms=round(sec * 1e3, 2), tokens_per_s=round(n / sec),
                    tflops=round(tflops, 1), mfu=round(tflops / PEAK_TFLOPS, 4),
                    peak_gib=round(peak / 2**30, 2) if peak else None, logits_finite=finite,

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     p.add_argument("--layerwise", action="store_true",
                    help="compile one program per layer type instead of the whole model (fast compile for deep models)")
+    p.add_argument("--scan", action="store_true",
+                   help="one device: the layer stack as one scanned program over stacked weights (compile time "
+                        "independent of depth, one dispatch per prefill)")
     p.add_argument("--prefill-chunk", type=int, metavar="C",
                    help="prefill the prompt in pieces of C tokens, each continuing the previous piece's cache "
                         "(chunked prefill; one device)")
@@ -153,20 +156,17 @@ def _load_tokens(args, vocab_size: int):
     return rng.integers(0, vocab_size, (args.batch, args.seq_len)).astype(np.int32)
 
 
-def _build_runner(args, cfg, dtype, mode, batch, resources):
-    """Returns (prefill(tokens, lengths) -> (logits, caches), compile(tokens, lengths), description); what it opens
-    (an FFI pipeline's expert stores) is entered into `resources` (an ExitStack), which closes it."""
-    from jax_dwdp.parallel.expert_layout import ExpertLayout
-    from jax_dwdp.parallel.pipeline import check_layout
-    from jax_dwdp.prefill import jit_prefill
-
+def _check_options(args) -> None:
+    """The prefill options on their own (no device, no weights): checked by the launcher of a multi-process run
+    before it starts any process, and by every single-process run."""
+    if args.iters < 1:
+        raise UsageError(f"--iters must be >= 1, got {args.iters}")
     if min(args.pipeline, args.microbatches, args.dwdp, args.dep) < 1:
         raise UsageError("--pipeline, --dwdp, --dep and --microbatches must be >= 1")
-    ranks = _ranks(args)
     if args.prefill_chunk is not None:
         if args.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-        if max(args.pipeline, args.microbatches, ranks) > 1:
+        if max(args.pipeline, args.microbatches, _ranks(args)) > 1:
             raise UsageError("--prefill-chunk runs on one device: it does not combine with --pipeline, --dwdp, --dep "
                              "or --microbatches")
     if args.dwdp_backend not in ("xla", "ffi", "local"):
@@ -174,9 +174,33 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
                          "all experts)")
     if args.dep > 1 and args.dwdp_backend != "xla":
         raise UsageError(f"--dwdp-backend {args.dwdp_backend} is for --dwdp; --dep has one way to move tokens")
+    if args.dwdp_backend == "ffi" and args.dwdp < 2:
+        raise UsageError("--dwdp-backend ffi needs --dwdp N with N >= 2 ranks")
+    if args.scan and (max(args.pipeline, args.microbatches, _ranks(args)) > 1 or args.layerwise
+                      or args.prefill_chunk is not None):
+        raise UsageError("--scan runs the whole model on one device as one program: it does not combine with "
+                         "--pipeline, --dwdp, --dep, --microbatches, --layerwise or --prefill-chunk")
+
+
+def _check_layout(args, cfg, batch: int) -> None:
+    """The layout against the batch and the experts, before any weights are made."""
+    from jax_dwdp.parallel.expert_layout import ExpertLayout
+    from jax_dwdp.parallel.pipeline import check_layout
+
+    try:
+        check_layout(batch, args.microbatches, _ranks(args))
+        ExpertLayout(cfg.num_experts, _ranks(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _build_runner(args, cfg, dtype, mode, batch, resources):
+    """Returns (prefill(tokens, lengths) -> (logits, caches), compile(tokens, lengths), description); what it opens
+    (an FFI pipeline's expert stores) is entered into `resources` (an ExitStack), which closes it."""
+    from jax_dwdp.prefill import jit_prefill
+
+    ranks = _ranks(args)  # (the options were checked by cmd_prefill)
     if args.dwdp_backend == "ffi":
-        if args.dwdp < 2:
-            raise UsageError("--dwdp-backend ffi needs --dwdp N with N >= 2 ranks")
         import jax
 
         from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable, load_library, require_gpus
@@ -186,11 +210,7 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
             load_library()
         except FfiUnavailable as e:
             raise UsageError(f"--dwdp-backend ffi: {e}") from None
-    try:  # the layout against the batch and the experts, before any weights are made
-        check_layout(batch, args.microbatches, ranks)
-        ExpertLayout(cfg.num_experts, ranks)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    _check_layout(args, cfg, batch)
     boundaries = _boundaries(args)
     _status(args, f"loading {args.checkpoint}" if args.checkpoint is not None else "making random weights")
     if args.pipeline > 1 or args.microbatches > 1 or ranks > 1:
@@ -232,7 +252,14 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
     if args.prefill_chunk is not None:
         run = chunked_prefill(model, mode, args.prefill_chunk, args.layerwise)
         return run, run, f"{source}, prefill in pieces of {args.prefill_chunk} tokens"
-    prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
+    if args.scan:
+        from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
+
+        scanned = ScannedModel.from_model(model)
+        prefill = jit_prefill_scanned(scanned, logits=mode)
+        source = f"{source}, scanned: {scanned.blocks} blocks of {len(scanned.period)} layers + {len(scanned.tail)}"
+    else:
+        prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
     return (lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile, source
 
 
@@ -324,8 +351,7 @@ def cmd_prefill(args) -> dict:
     from jax_dwdp.prefill import check_tokens
 
     dtype = _dtype(args.dtype)
-    if args.iters < 1:
-        raise UsageError(f"--iters must be >= 1, got {args.iters}")
+    _check_options(args)
     if args.logits_out is not None:
         _check_writable(args.logits_out, "--logits-out")
     if args.dtype == "float32":
@@ -335,7 +361,7 @@ def cmd_prefill(args) -> dict:
         from jax_dwdp.weights import precision_notice
 
         notice = precision_notice(args.checkpoint, dtype)
-        if notice is not None:
+        if notice is not None and not getattr(args, "process_id", None):  # once per launch: process 0 says it
             print(f"notice: {notice}", file=sys.stderr)
     tokens, lengths = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
     mode = "all" if args.logits_out is not None else "last"
@@ -521,16 +547,19 @@ def _check_processes(args) -> None:
 
 
 def _preflight(args) -> None:
-    """The launcher's checks of a multi-process prefill before it starts any process: the process options, the
-    dtype, the model's config, the output path and the tokens (no device is touched)."""
+    """The launcher's checks of a multi-process prefill before it starts any process: the process and prefill
+    options, the dtype, the model's config, the output path, the tokens and the layout against them (no device is
+    touched)."""
     from jax_dwdp.prefill import check_tokens
 
     _check_processes(args)
+    _check_options(args)
     _dtype(args.dtype)
     cfg = _model_config(args)
     if args.logits_out is not None:
         _check_writable(args.logits_out, "--logits-out")
-    check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
+    tokens, _ = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
+    _check_layout(args, cfg, tokens.shape[0])
 
 
 def main(argv: list[str] | None = None) -> int:

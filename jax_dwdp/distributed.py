@@ -53,10 +53,38 @@ def shutdown() -> None:
     jax.distributed.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def reserve_port() -> socket.socket:
+    """A free local port for the coordinator, held until the launch ends: bound with SO_REUSEPORT (not listening),
+    so process 0's coordinator (gRPC binds with SO_REUSEPORT) can bind it too while any other program that asks
+    the system for a port cannot be handed this one in between (the race of picking a port, closing it, and
+    binding it later). Where SO_REUSEPORT is missing, the port is released at once (the race remains)."""
+    s = socket.socket()
+    try:
+        if not hasattr(socket, "SO_REUSEPORT"):
+            s.bind(("127.0.0.1", 0))
+            return _Released(s.getsockname()[1])
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return s
+    except BaseException:
+        s.close()
+        raise
+    finally:
+        if not hasattr(socket, "SO_REUSEPORT"):
+            s.close()
+
+
+class _Released:
+    """A port that could not be held (no SO_REUSEPORT): the socket interface the launcher uses."""
+
+    def __init__(self, port: int):
+        self.port = port
+
+    def getsockname(self):
+        return ("127.0.0.1", self.port)
+
+    def close(self) -> None:
+        pass
 
 
 def _visible_gpus() -> list[str]:
@@ -103,11 +131,12 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
     """Runs `jax-dwdp ARGV --process-id I --coordinator 127.0.0.1:PORT` for I in [0, N); returns the exit code:
     0 when all succeed, else the first failure's (the others stopped). `status(text)` reports progress (stderr)."""
     status = status or (lambda text: print(text, file=sys.stderr, flush=True))
-    coordinator = f"127.0.0.1:{free_port()}"
     gpus = _visible_gpus()
     if gpus and len(gpus) < num_processes:
         status(f"error: --num-processes {num_processes} needs a GPU per process; {len(gpus)} are visible")
         return EXIT_RUNTIME
+    port = reserve_port()
+    coordinator = f"127.0.0.1:{port.getsockname()[1]}"
     procs: list[subprocess.Popen] = []
     try:
         for i in range(num_processes):
@@ -116,7 +145,9 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i]
             cmd = [sys.executable, "-m", "jax_dwdp.cli", *argv, "--process-id", str(i), "--coordinator", coordinator,
                    "--process-timeout", str(timeout_s)]
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+            # Their own process group: a Ctrl-C at the terminal reaches the launcher only, which stops them all and
+            # says so once (not one "interrupted" line per process).
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, process_group=0))
         status(f"started {num_processes} processes (coordinator {coordinator}): "
                + ", ".join(f"process {i} pid {p.pid}" for i, p in enumerate(procs)))
         return _wait(procs, status)
@@ -126,6 +157,7 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
         return EXIT_INTERRUPTED
     finally:
         _stop(procs)
+        port.close()
 
 
 def _wait(procs: list[subprocess.Popen], status) -> int:

@@ -174,6 +174,11 @@ def test_processes_die_with_their_launcher(tmp_path):
     (["--dwdp", "2", "--num-processes", "2", "--dtype", "fp8"], "dtype 'fp8' is not supported"),
     (["--dwdp", "2", "--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"],
      "--process-id must lie in [0, 2)"),
+    # prefill options and the layout: once by the launcher, not once per process after jax.distributed started
+    (["--dwdp", "2", "--num-processes", "2", "--iters", "0"], "--iters must be >= 1"),
+    (["--pipeline", "2", "--num-processes", "2", "--microbatches", "0"], "--microbatches must be >= 1"),
+    (["--dwdp", "2", "--num-processes", "2", "--dwdp-backend", "foo"], "--dwdp-backend 'foo'"),
+    (["--dep", "2", "--num-processes", "2", "--dwdp-backend", "local"], "--dep has one way to move tokens"),
 ])
 def test_inconsistent_process_options_are_one_line_errors(args, message):
     """Checked by the launcher before it starts a process (or by a process that joins): one line, not one per
@@ -183,6 +188,49 @@ def test_inconsistent_process_options_are_one_line_errors(args, message):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
     assert message in lines[0]
+    assert "started" not in proc.stderr  # no process was started
+
+
+def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
+    """SIGINT to the launcher (the children are in their own process group, so a terminal's Ctrl-C reaches only
+    the launcher): every process stopped, one "interrupted" line, exit 130."""
+    launch = _Launch(tmp_path)
+    try:
+        launch.wait_for("running 1 warm-up")
+        pids = launch.pids()
+        assert all(os.getpgid(pid) != os.getpgid(launch.proc.pid) for pid in pids.values())
+        os.kill(launch.proc.pid, signal.SIGINT)
+        code = launch.proc.wait(timeout=60)
+        text = "".join(launch.lines)
+        print(f"launcher exit {code}: {text.strip().splitlines()[-1]}")
+        assert code == 130 and text.count("interrupted") == 1 and "stopped every process" in text, text[-2000:]
+        assert not any(_alive(pid) for pid in pids.values()), "a process outlived the launch"
+    finally:
+        launch.close()
+
+
+def test_the_coordinator_port_is_held_until_the_launch_ends():
+    """reserve_port: while held, no other program can bind the port (a plain bind fails), the coordinator can
+    (SO_REUSEPORT, as gRPC binds); closed, the port is free again."""
+    import socket
+
+    from jax_dwdp.distributed import reserve_port
+
+    held = reserve_port()
+    port = held.getsockname()[1]
+    other = socket.socket()
+    with pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    other.close()
+    coordinator = socket.socket()
+    coordinator.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    coordinator.bind(("127.0.0.1", port))
+    coordinator.listen()
+    coordinator.close()
+    held.close()
+    again = socket.socket()
+    again.bind(("127.0.0.1", port))
+    again.close()
 
 
 def test_json_output_is_one_object():

@@ -234,8 +234,10 @@ class Pipeline:
             device = builder_device(mesh.devices[stage])
             if dwdp > 1:
                 if stage not in loaders:
+                    # Replicated experts ("local") are loaded whole: splitting them first would only gather them back.
+                    row = None if experts == "local" else Mesh(mesh.devices[stage], (AXIS,))
                     loaders[stage] = CheckpointLayers(checkpoint_dir, cfg, dtype, device, fused_swiglu=fused_swiglu,
-                                                      row=Mesh(mesh.devices[stage], (AXIS,)))
+                                                      row=row)
                 return loaders[stage](a, b)
             sharding = SingleDeviceSharding(device)
             model, report = load_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=a, end_layer=b,
