@@ -3,7 +3,8 @@
     python benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 4096 16384 --out results.json
 
 Random weights are generated on the device once; each sequence length is compiled and timed in turn (shortest
-first, so the peak-memory reading after each run belongs to the largest run so far). MFU is against 781 TFLOP/s,
+first, so the peak-memory reading after each run belongs to the largest run so far; with --scan it also covers the
+restacking: the model plus its largest stacked weight). MFU is against 781 TFLOP/s,
 the dense bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md).
 """
 

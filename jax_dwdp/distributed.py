@@ -53,7 +53,7 @@ def shutdown() -> None:
     jax.distributed.shutdown()
 
 
-def reserve_port() -> socket.socket:
+def reserve_port() -> socket.socket | _Released:
     """A free local port for the coordinator, held until the launch ends: bound with SO_REUSEPORT (not listening),
     so process 0's coordinator (gRPC binds with SO_REUSEPORT) can bind it too while any other program that asks
     the system for a port cannot be handed this one in between (the race of picking a port, closing it, and

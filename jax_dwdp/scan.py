@@ -9,7 +9,11 @@ time does not grow with depth, and a prefill is one dispatch.
 Memory: `ScannedModel.from_model(model)` restacks the weights of a loaded (or random) model on its device, one
 weight at a time, each layer's copy deleted as soon as it is in the stack: the peak above the model is one stacked
 weight (for 35b-a3b, a position's expert gate_up over 10 blocks, 10.7 GB), never a second copy of the model. The
-model it consumed is unusable afterwards (its layer weights are deleted).
+model it consumed is unusable afterwards (its layer weights are deleted), and so is every model that shares those
+arrays (e.g. `set_fused_swiglu`'s result and its source, and programs built from them). Compile time is that of
+one period plus the tail: independent of depth for patterns that repeat from the first layer (Qwen3.5's); an
+irregular pattern leaves more layers in the unrolled tail. Not yet measured on a GPU: inside the scan each block's
+weights are slices of the stacks, which XLA may copy before a custom call (the grouped GEMM, the GDN kernels).
 
 Which drivers keep the layer-wise path, and why: pipeline stages, DWDP (XLA gather, CUDA VMM store), DEP and
 independent ranks run through `parallel.runner.StageRunner` layer by layer, because their expert sources act
@@ -81,6 +85,9 @@ class ScannedModel:
         if not (model.is_first and model.is_last):
             raise ValueError("ScannedModel needs the whole model (a pipeline stage runs layer-wise)")
         cfg = model.cfg
+        devices = {d for leaf in jax.tree.leaves(nnx.state(model)) for d in leaf.devices()}
+        if len(devices) != 1:
+            raise ValueError(f"ScannedModel needs a model on one device; its weights are on {len(devices)}")
         graphs = canonical_graphs(model)
         period, blocks = period_of(cfg.layer_types, cfg.full_attention_interval)
         layers = list(model.layers)
@@ -108,10 +115,10 @@ def _shell(model: Qwen35MoeForCausalLM):
     return nnx.split(shell)
 
 
-def _layer(graph: StaticGraph, state, h, positions, lengths, cache_len: int):
+def _layer(kind: str, graph: StaticGraph, state, h, positions, lengths, cache_len: int):
     """One layer; its K/V padded to cache_len (the Cache layout), its conv / recurrent state as it is."""
     h, out = nnx.merge(graph.value, state)(h, positions, lengths)
-    if out[0].ndim == 4:  # K, V [B, T, nkv, hd]
+    if kind == FULL_ATTENTION:  # K, V [B, T, nkv, hd]
         pad = ((0, 0), (0, cache_len - h.shape[1]), (0, 0), (0, 0))
         out = (jnp.pad(out[0], pad), jnp.pad(out[1], pad))
     return h, out
@@ -129,7 +136,7 @@ def _forward(model_graph, graphs, period, tail_types, mode, cache_len, model_sta
         def body(h, states):
             outs = []
             for typ, state in zip(period, states):
-                h, out = _layer(graphs[typ], state, h, positions, lengths, cache_len)
+                h, out = _layer(typ, graphs[typ], state, h, positions, lengths, cache_len)
                 outs.append(out)
             return h, tuple(outs)
 
@@ -143,7 +150,7 @@ def _forward(model_graph, graphs, period, tail_types, mode, cache_len, model_sta
                         -1, *block_outs[slots[0]][k].shape[1:]) for k in (0, 1))
                     outs.append((kind, pair))
         for typ, state in zip(tail_types, tail):
-            h, out = _layer(graphs[typ], state, h, positions, lengths, cache_len)
+            h, out = _layer(typ, graphs[typ], state, h, positions, lengths, cache_len)
             outs.append((typ, tuple(x[None] for x in out)))
 
         def gather(kind, k):

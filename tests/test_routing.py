@@ -70,8 +70,9 @@ def test_counting_sort_is_the_stable_argsort(rng, m, e, k):
 
 
 def test_implementation_switch(rng, monkeypatch):
-    """By default the platform decides when lowering (XLA for a CPU computation, even on a GPU host);
-    $JAX_DWDP_ROUTING forces one; bad names are clear errors."""
+    """By default the platform decides when lowering: a CPU computation takes XLA (on a GPU host this is the case
+    that failed in the ninth session's run B; on a CPU-only machine the CUDA branch is never lowered anyway).
+    $JAX_DWDP_ROUTING=pallas keeps that guard (a CPU computation still runs); bad names are clear errors."""
     logits = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
     monkeypatch.delenv(routing.ENV_IMPLEMENTATION, raising=False)
     cpu = jax.devices("cpu")[0]
@@ -80,6 +81,10 @@ def test_implementation_switch(rng, monkeypatch):
         assert "moe_topk_softmax" not in text
         ids, _ = jax.jit(lambda x: routing.topk_softmax(x, 2))(jax.device_put(logits, cpu))
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(routing.topk_softmax_xla(logits, 2)[0]))
+    monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "pallas")
+    with jax.default_device(cpu):
+        forced, _ = jax.jit(lambda x: routing.topk_softmax(x, 2))(jax.device_put(logits, cpu))
+    np.testing.assert_array_equal(np.asarray(forced), np.asarray(ids))
     monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "cub")
     with pytest.raises(ValueError, match="JAX_DWDP_ROUTING='cub'"):
         routing.topk_softmax(logits, 2)
@@ -100,3 +105,38 @@ def test_gpu_routing_at_model_sizes(rng, e, k):
     _check_topk(ids, weights, logits, k, "pallas, jit")
     got = jax.jit(lambda i: routing.expert_permutation(i, e, implementation="pallas"))(ids)
     _check_permutation(got, ids, e, "pallas, jit")
+
+
+def test_a_nan_token_stays_in_its_own_row(rng):
+    """A token whose router logits hold a NaN: the kernel keeps its ids in [0, E) (the lowest, as lax.top_k), so
+    the counting sort stays a permutation and, through the routed experts, only that token's output is NaN."""
+    from jax_dwdp.model.moe import routed_experts
+
+    m, e, k, h = 64, 16, 2, 8
+    logits = rng.standard_normal((m, e)).astype(np.float32)
+    logits[63, 0] = np.nan
+    logits[10, :] = np.nan
+    ids, weights = routing.topk_softmax_pallas(jnp.asarray(logits), k, interpret=not on_gpu)
+    ids = np.asarray(ids)
+    assert ids.min() >= 0 and ids.max() < e
+    assert set(ids[10]) == {0, 1}
+    clean = np.setdiff1d(np.arange(m), [10, 63])
+    want_ids, _ = _topk_reference_f64(logits[clean], k)
+    np.testing.assert_array_equal(ids[clean], want_ids)
+    order, inverse, _ = (np.asarray(a) for a in routing.expert_permutation_pallas(jnp.asarray(ids), e,
+                                                                                   interpret=not on_gpu))
+    assert sorted(order) == list(range(m * k)) and np.array_equal(inverse[order], np.arange(m * k))
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((e, 2 * h, h)), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((e, h, h)), jnp.float32)
+    out = np.asarray(routed_experts(x, jnp.asarray(ids), weights, gate_up, down))
+    assert np.isnan(out[[10, 63]]).all(axis=1).all() and np.isfinite(out[clean]).all()
+
+
+def test_empty_and_impossible_inputs():
+    ids, weights = routing.topk_softmax_pallas(jnp.zeros((0, 8)), 2, interpret=True)
+    assert ids.shape == weights.shape == (0, 2)
+    order, inverse, sizes = routing.expert_permutation_pallas(jnp.zeros((0, 2), jnp.int32), 8, interpret=True)
+    assert order.shape == inverse.shape == (0,) and np.array_equal(sizes, np.zeros(8))
+    with pytest.raises(ValueError, match="top-9 of 8 experts"):
+        routing.topk_softmax_pallas(jnp.zeros((4, 8)), 9, interpret=True)

@@ -78,16 +78,30 @@ def test_last_logits_and_the_program_is_one(rng):
     assert bodies[0] == bodies[1] >= 1
 
 
-def test_the_model_is_consumed_without_a_second_copy():
-    """After restacking, the live device bytes are those of one model (the per-layer copies were deleted as they went
-    into the stacks), and the consumed model's layer weights are deleted."""
+def test_the_model_is_consumed_without_a_second_copy(monkeypatch):
+    """While restacking, the live device bytes never exceed the model plus one stacked weight (recorded after every
+    write into a stack); afterwards they are those of one model, and the consumed model's layer weights are
+    deleted."""
+    from jax_dwdp import scan
+
     cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=8)
     model = init_model(cfg, dtype=jnp.float32, seed=0)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     before = sum(a.nbytes for a in jax.live_arrays())
+    peaks, put = [], scan._put
+
+    def recording_put(stack, value, index):
+        out = put(stack, value, index)
+        peaks.append(sum(a.nbytes for a in jax.live_arrays()))
+        return out
+
+    monkeypatch.setattr(scan, "_put", recording_put)
     scanned = ScannedModel.from_model(model)
     after = sum(a.nbytes for a in jax.live_arrays())
-    print(f"model {model_bytes} bytes; live before {before}, after {after}")
+    largest = max(x.nbytes for x in jax.tree.leaves(scanned.stacked))
+    print(f"model {model_bytes} B; live before {before}, peak while stacking {max(peaks)}, after {after}; largest "
+          f"stacked weight {largest} B")
+    assert max(peaks) <= before + largest  # never a second copy of the model
     assert after <= before  # nothing left twice (the shell shares the embedding and head arrays)
     assert sum(x.nbytes for x in jax.tree.leaves((scanned.stacked, scanned.tail, scanned.model_state))) == model_bytes
     with pytest.raises(RuntimeError, match="deleted"):

@@ -7,7 +7,8 @@ Two implementations: Pallas where the computation is lowered for a CUDA GPU, XLA
 - "pallas" (GPU, Pallas Triton), two small kernels, each one pass over its input:
   `_topk_kernel`: one program per block of tokens holds its [BM, E] logits in registers and does the softmax, k
   rounds of (max, lowest index of the max, mask it out) and the renormalisation; the probabilities are computed as
-  the reference computes them, so the same experts are chosen (ties go to the lower expert id, as lax.top_k).
+  the reference computes them, so the same experts are chosen up to 1-ulp near-ties of fp32 probabilities (exact
+  ties go to the lower expert id, as lax.top_k; a token with a NaN logit gets in-range ids and NaN weights).
   `_rank_kernel` (a counting sort): per block of tokens, each pair's rank among the block's earlier pairs of the
   same expert (a strictly lower-triangular matmul over the block's one-hot counts, exact: counts <= BM * k) and
   the block's expert histogram. An exclusive scan over blocks and experts (XLA, [blocks, E]) gives every pair's
@@ -45,10 +46,12 @@ def _by_platform(xla_fn, pallas_fn, implementation, *args):
     """Runs the chosen implementation; by default the Pallas one where the computation is lowered for a CUDA GPU
     and the XLA one elsewhere (decided at lowering, so a CPU computation on a GPU host takes the XLA path)."""
     impl = _choose(implementation)
-    if impl == "pallas":
+    if implementation == "pallas":  # asked for by the caller (tests, benchmarks): the kernel itself
         return pallas_fn(*args)
     if impl == "xla":
         return xla_fn(*args)
+    # By default, or $JAX_DWDP_ROUTING=pallas: the kernel where lowered for CUDA (a CPU computation on a GPU host,
+    # or a CPU-only machine, runs the XLA path).
     return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)
 
 
@@ -70,7 +73,7 @@ def topk_softmax_xla(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return top_i.astype(jnp.int32), top_p / jnp.sum(top_p, axis=-1, keepdims=True)
 
 
-def _topk_kernel(logits_ref, ids_ref, weights_ref, *, k: int):
+def _topk_kernel(logits_ref, ids_ref, weights_ref, *, k: int, experts: int):
     from jax.experimental.pallas import triton as plgpu  # noqa: F401 (the Triton lowering is registered by import)
 
     x = logits_ref[...].astype(_F32)  # [BM, EP]; padded experts hold -inf
@@ -80,12 +83,15 @@ def _topk_kernel(logits_ref, ids_ref, weights_ref, *, k: int):
     e = jnp.exp(x)
     p = e / jnp.sum(e, axis=1, keepdims=True)  # the reference's softmax, op for op
     col = lax.broadcasted_iota(jnp.int32, (bm, ep), 1)
+    # A token with a NaN logit has NaN probabilities: taken as the largest (lowest ids first, as lax.top_k does),
+    # so its ids stay in [0, E) and its NaN weights reach only its own output, never another token's row.
+    p = jnp.where((p != p) & (col < experts), jnp.inf, p)
     slot = lax.broadcasted_iota(jnp.int32, (bm, kp), 1)
     ids = jnp.zeros((bm, kp), jnp.int32)
     weights = jnp.zeros((bm, kp), _F32)
     for j in range(k):
         best = jnp.max(p, axis=1, keepdims=True)
-        idx = jnp.min(jnp.where(p == best, col, ep), axis=1, keepdims=True)
+        idx = jnp.minimum(jnp.min(jnp.where(p == best, col, ep), axis=1, keepdims=True), experts - 1)
         ids = jnp.where(slot == j, idx, ids)
         weights = jnp.where(slot == j, best, weights)
         p = jnp.where(col == idx, -1.0, p)
@@ -97,13 +103,17 @@ def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False) -
     from jax.experimental import pallas as pl
 
     m, e = logits.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"topk_softmax: top-{k} of {e} experts")
+    if m == 0:
+        return jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), _F32)
     ep, kp = _pow2(max(e, 16)), _pow2(max(k, 2))
     bm = _block_rows(ep)
     mp = -(-m // bm) * bm
     if (mp, ep) != (m, e):  # only for odd shapes: token counts are usually a multiple of the block
         logits = jnp.pad(logits, ((0, mp - m), (0, ep - e)), constant_values=-jnp.inf)
     ids, weights = pl.pallas_call(
-        functools.partial(_topk_kernel, k=k),
+        functools.partial(_topk_kernel, k=k, experts=e),
         grid=(mp // bm,),
         in_specs=[pl.BlockSpec((bm, ep), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((bm, kp), lambda i: (i, 0))] * 2,
@@ -163,6 +173,9 @@ def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *,
     from jax.experimental import pallas as pl
 
     m, k = expert_ids.shape
+    if m == 0:
+        empty = jnp.zeros((0,), jnp.int32)
+        return empty, empty, jnp.zeros((num_experts,), jnp.int32)
     ep, kp = _pow2(max(num_experts, 16)), _pow2(max(k, 2))
     bm = _block_rows(ep)
     mp = -(-m // bm) * bm
@@ -193,9 +206,10 @@ def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *,
 
 def expert_permutation(expert_ids: jax.Array, num_experts: int, *,
                        implementation: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """expert_ids [M, k] in [0, E) -> (order [M*k], inverse [M*k], group_sizes [E]) int32: `order` lists the
-    flattened (token, slot) pairs grouped by expert, in their original order within a group (a stable sort);
-    `inverse` is its inverse (pair i sits at row inverse[i] of the grouped rows)."""
+    """expert_ids [M, k], every id in [0, E) (ids >= E: `moe.sort_by_expert`) -> (order [M*k], inverse [M*k],
+    group_sizes [E]) int32: `order` lists the flattened (token, slot) pairs grouped by expert, in their original
+    order within a group (a stable sort); `inverse` is its inverse (pair i sits at row inverse[i] of the grouped
+    rows)."""
     return _by_platform(functools.partial(expert_permutation_xla, num_experts=num_experts),
                         functools.partial(expert_permutation_pallas, num_experts=num_experts), implementation,
                         expert_ids)
