@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.kernels.grouped_matmul import gather_rows
+from jax_dwdp.kernels.permute import gather_rows
 from jax_dwdp.model.moe import routed_experts, sort_by_expert
 from jax_dwdp.timing import median_seconds
 

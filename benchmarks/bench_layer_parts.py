@@ -5,13 +5,16 @@
 For each token count (batch 1, random bf16 weights of one linear-attention and one full-attention layer):
 - the two layers, their mixers, the MoE block (post-attention norm excluded) and its floor: the two grouped GEMMs
   plus the shared expert, the figure issue 15's MoE target (<= 1.25x of it) is measured against;
-- the MoE block's passes: router (matmul, softmax, top-k), shared expert with its gate, sort by expert, row gather,
-  gate_up GEMM, SwiGLU, down GEMM, un-permute with the weighted top-k sum;
+- the MoE block's passes: router (matmul, softmax, top-k), shared expert with its gate, sort by expert, dispatch
+  into expert order (XLA row gather / Pallas scatter), gate_up GEMM, SwiGLU, down GEMM, un-permute with the
+  weighted top-k sum (and with the shared expert's add), each by XLA and the Pallas kernel; with
+  `--permute-configs` the permutation kernels' block shapes;
 - the attention mixer's parts and its core by cuDNN (the model's, through `jax.nn.dot_product_attention`) and
   Pallas Triton `ops.gpu.attention.mha` (an implementation that fails prints why). Pallas Mosaic GPU's
   `attention_mgpu` takes only fp16 and jax's default implementation picks XLA's for head_dim 256 (out of memory at
   32K): both left out (benchmarks/RESULTS.md, ninth session);
-- the routing kernels against the XLA routing they replaced, and the opt-in conv kernel against XLA's conv,
+- the routing kernels and the permutation kernels (dispatch, combine) against the XLA passes they replaced, and
+  the opt-in conv kernel against XLA's conv,
   as whole layers and as parts (the ninth session's run C, before the conv went back to XLA, labelled
   differently: see RESULTS.md);
 - candidate fusions beside what they would replace (`--fusions`): the four GDN input projections as one matmul,
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--no-attention-alternatives", action="store_true")
     ap.add_argument("--fusions", action="store_true", help="also time the candidate fusions")
+    ap.add_argument("--permute-configs", action="store_true",
+                    help="also time the permutation kernels' block shapes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     from jax_dwdp.kernels.grouped_matmul import default_implementation, swiglu
     from jax_dwdp.model import init_model
     from jax_dwdp.kernels import conv as conv_mod
-    from jax_dwdp.kernels import routing
+    from jax_dwdp.kernels import permute, routing
     from jax_dwdp.model.moe import route
 
     cfg = ModelConfig.preset(args.preset)
@@ -101,12 +106,14 @@ def main(argv: list[str] | None = None) -> dict:
             with _environment(env(routing, conv_mod)):
                 lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
                 record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
-                gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
-                record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
+                if suffix != XLA_PERMUTE:  # the permutation is only in the MoE block
+                    gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
+                    record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
                 if suffix == PALLAS_CONV:
                     continue  # the conv is only in the linear-attention layer's mixer
-                full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
-                record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
+                if suffix != XLA_PERMUTE:
+                    full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
+                    record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
                 if not suffix:
                     attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
                     record(t, "attention mixer (with input norm)", lambda: attn(x, positions), "layer")
@@ -129,10 +136,13 @@ def main(argv: list[str] | None = None) -> dict:
             sort = jax.jit(lambda i, impl=impl: routing.expert_permutation(i, e, implementation=impl))
             record(t, f"sort by expert and inverse, {impl}", lambda: sort(ids), "moe")
         order, inverse, sizes = jax.jit(lambda i: routing.expert_permutation(i, e))(ids)
-        pad = (-t * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
-        gather = jax.jit(lambda f, o: kernels.gather_rows(f, jnp.pad(o, (0, pad)) // k))
-        sorted_rows = gather(flat, order)
-        record(t, "row gather", lambda: gather(flat, order), "moe")
+        rows_out = t * k + (-t * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
+        for impl in permute.IMPLEMENTATIONS:
+            dispatch = jax.jit(lambda f, o, i, impl=impl: kernels.dispatch_rows(f, o, i, k, rows_out,
+                                                                                implementation=impl))
+            record(t, f"dispatch rows, {impl}" + (" (row gather)" if impl == "xla" else " (scatter)"),
+                   lambda: dispatch(flat, order, inverse), "moe")
+        sorted_rows = jax.jit(lambda f, o, i: kernels.dispatch_rows(f, o, i, k, rows_out))(flat, order, inverse)
         gate_up_w, down_w = mlp.experts.gate_up_proj[...], mlp.experts.down_proj[...]
         gemm = jax.jit(kernels.grouped_matmul)
         gate_up = gemm(sorted_rows, gate_up_w, sizes)
@@ -143,13 +153,24 @@ def main(argv: list[str] | None = None) -> dict:
         record(t, "SwiGLU", lambda: act_fn(gate_up), "moe")
         down = gemm(act, down_w, sizes)
         down_ms = record(t, "down grouped GEMM", lambda: gemm(act, down_w, sizes), "moe")
-
-        def unpermute(out, inverse, weights):
-            out = out[inverse] * weights.reshape(-1)[:, None]
-            return jnp.sum(out.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(flat.dtype)
-
-        unperm = jax.jit(unpermute)
-        record(t, "un-permute and weighted sum", lambda: unperm(down, inverse, weights), "moe")
+        w_bf16 = weights.astype(flat.dtype)
+        shared_out = shared(flat)
+        for impl in permute.IMPLEMENTATIONS:
+            combine = jax.jit(lambda y, i, w, impl=impl: kernels.combine_rows(y, i, w, implementation=impl))
+            record(t, f"un-permute and weighted sum, {impl}", lambda: combine(down, inverse, w_bf16), "moe")
+            combine_add = jax.jit(lambda y, i, w, a, impl=impl: kernels.combine_rows(y, i, w, a,
+                                                                                     implementation=impl))
+            record(t, f"un-permute, weighted sum + shared add, {impl}",
+                   lambda: combine_add(down, inverse, w_bf16, shared_out), "moe")
+        if args.permute_configs:  # the kernels' block shapes (tokens x columns per program, warps)
+            for bt, bw, nw in ((16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 512, 8), (8, 512, 4), (32, 512, 8)):
+                cfg_kw = dict(block_tokens=bt, block_columns=bw, num_warps=nw)
+                d = jax.jit(lambda f, o, i, kw=cfg_kw: permute.dispatch_rows_pallas(f, o, i, k=k, rows=rows_out,
+                                                                                    **kw))
+                record(t, f"dispatch pallas {bt}x{bw} w{nw}", lambda: d(flat, order, inverse), "permute")
+                c = jax.jit(lambda y, i, w, a, kw=cfg_kw: permute.combine_rows_pallas(y, i, w, a, **kw))
+                record(t, f"combine+add pallas {bt}x{bw} w{nw}",
+                       lambda: c(down, inverse, w_bf16, shared_out), "permute")
         if None not in (moe_ms, gate_up_ms, down_ms, shared_ms):
             floor = gate_up_ms + down_ms + shared_ms
             ratio = moe_ms / floor
@@ -226,9 +247,10 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-XLA_ROUTING, PALLAS_CONV = " (XLA routing)", " (Pallas conv)"
+XLA_ROUTING, PALLAS_CONV, XLA_PERMUTE = " (XLA routing)", " (Pallas conv)", " (XLA permute)"
 VARIANTS = (("", lambda routing, conv: {}),
             (XLA_ROUTING, lambda routing, conv: {routing.ENV_IMPLEMENTATION: "xla"}),
+            (XLA_PERMUTE, lambda routing, conv: {"JAX_DWDP_PERMUTE": "xla"}),
             (PALLAS_CONV, lambda routing, conv: {conv.ENV_IMPLEMENTATION: "pallas"}))
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One H200: the routing / conv kernels' GPU tests and the bf16 model test, then where a layer's time goes
 # (bench_layer_parts.py at 4K-32K) and the 40-layer 35b-a3b prefill with the default kernels and (BEFORE=1) with
-# the XLA routing and conv they replaced, in one run. Logs, JSON under $OUT. Knobs: TESTS, PARTS, PARTS_ARGS,
-# MODEL40, MODEL40_SEQ, BEFORE, TEST_ARGS (pytest arguments).
+# BEFORE_ENV (default: the XLA routing and conv they replaced), with --scan (SCAN=1) and transformers' prefill
+# (HF=1: fla from .whl/ installed under /tmp/site), in one run. Logs, JSON under $OUT. Knobs: TESTS, TEST_ARGS
+# (pytest arguments), PARTS, PARTS_ARGS, MODEL40, MODEL40_SEQ, BEFORE, BEFORE_ENV, SCAN, SCAN_SEQ, HF, HF_SEQ.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,8 +25,20 @@ if [ "${MODEL40:-1}" = 1 ]; then
     --preset 35b-a3b --seq-lens ${MODEL40_SEQ:-4096 16384 32768} --layerwise --iters 5 --out "$OUT/prefill40.json" \
     2>&1 | quiet | tail -5 | sed "s/^/default: /"
   if [ "${BEFORE:-1}" = 1 ]; then
-    JAX_DWDP_ROUTING=xla JAX_DWDP_CONV=xla XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${MODEL40_TIMEOUT:-200} \
-      python3 benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 16384 --layerwise --iters 5 \
-      --out "$OUT/prefill40_before.json" 2>&1 | quiet | tail -3 | sed "s/^/xla routing+conv: /"
+    env ${BEFORE_ENV:-JAX_DWDP_ROUTING=xla JAX_DWDP_CONV=xla} XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+      timeout ${MODEL40_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 16384 \
+      --layerwise --iters 5 --out "$OUT/prefill40_before.json" 2>&1 | quiet | tail -3 \
+      | sed "s/^/${BEFORE_ENV:-xla routing+conv}: /"
   fi
+fi
+if [ "${SCAN:-0}" = 1 ]; then
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${MODEL40_TIMEOUT:-200} python3 benchmarks/bench_prefill.py \
+    --preset 35b-a3b --seq-lens ${SCAN_SEQ:-4096 16384 32768} --scan --iters 5 --out "$OUT/prefill40_scan.json" \
+    2>&1 | quiet | tail -5 | sed "s/^/scan: /"
+fi
+if [ "${HF:-0}" = 1 ]; then
+  pip install -q --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  PYTHONPATH=$PWD:/tmp/site timeout ${HF_TIMEOUT:-300} python3 benchmarks/bench_transformers.py --preset 35b-a3b \
+    --seq-lens ${HF_SEQ:-4096 16384} --iters 3 --out "$OUT/prefill40_transformers.json" 2>&1 | quiet | tail -5 \
+    | sed "s/^/transformers: /"
 fi

@@ -10,11 +10,11 @@ from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_
 from jax_dwdp.kernels.grouped_matmul import ROW_MULTIPLE as GROUPED_MATMUL_ROW_MULTIPLE
 from jax_dwdp.kernels.grouped_matmul import (
     deinterleave_gate_up,
-    gather_rows,
     grouped_matmul,
     grouped_matmul_swiglu,
     interleave_gate_up,
 )
+from jax_dwdp.kernels.permute import combine_rows, dispatch_rows, gather_rows
 
 __all__ = [
     "causal_attention",
@@ -25,6 +25,8 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_swiglu",
     "gather_rows",
+    "dispatch_rows",
+    "combine_rows",
     "interleave_gate_up",
     "deinterleave_gate_up",
     "GROUPED_MATMUL_ROW_MULTIPLE",

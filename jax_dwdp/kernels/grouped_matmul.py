@@ -266,16 +266,3 @@ def grouped_matmul_swiglu(
         with jax.named_scope("grouped_matmul_swiglu_cutlass"):
             return cutlass.grouped_matmul_swiglu(x, w.astype(x.dtype), group_sizes)
     return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=impl), x.dtype)
-
-
-# --- The token permutation: rows gathered into expert order ---------------------------------------------------------
-
-
-def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
-    """x[index] for x [N, H]: rows of 2-byte elements move as 32-bit words (bit-identical). On an H200, XLA's row
-    gather ran 1.31-1.57x faster that way on the MoE shapes (benchmarks/RESULTS.md, 2026-11-30 fifth session)."""
-    n, h = x.shape
-    if x.dtype.itemsize != 2 or h % 2:
-        return x[index]
-    words = jax.lax.bitcast_convert_type(x.reshape(n, h // 2, 2), jnp.uint32)
-    return jax.lax.bitcast_convert_type(words[index], x.dtype).reshape(index.shape[0], h)

@@ -55,6 +55,13 @@ def _by_platform(xla_fn, pallas_fn, implementation, *args):
     return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)
 
 
+def _triton_params():
+    """Triton (not Mosaic GPU, which some jax versions default to for pallas_call), with Triton's defaults."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=4, num_stages=3)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -118,6 +125,7 @@ def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False) -
         in_specs=[pl.BlockSpec((bm, ep), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((bm, kp), lambda i: (i, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((mp, kp), _F32)],
+        compiler_params=None if interpret else _triton_params(),
         interpret=interpret,
         name="moe_topk_softmax",
     )(logits)
@@ -189,6 +197,7 @@ def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *,
         in_specs=[pl.BlockSpec((bm, kp), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((bm, kp), lambda i: (i, 0)), pl.BlockSpec((None, 1, ep), lambda i: (i, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((blocks, 1, ep), jnp.int32)],
+        compiler_params=None if interpret else _triton_params(),
         interpret=interpret,
         name="moe_expert_ranks",
     )(ids)

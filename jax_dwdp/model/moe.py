@@ -46,13 +46,16 @@ def routed_experts(
     grouped_matmul_impl: str | None = None,
     gate_up_interleaved: bool = False,
     valid: jax.Array | None = None,
+    add: jax.Array | None = None,
 ) -> jax.Array:
-    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e.
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e (+ `add`, e.g. the shared
+    expert's output, summed in the same pass on the GPU).
 
     x [M, H]; expert_ids, expert_weights [M, k]; gate_up_proj [E, 2I, H] (gate rows first, or, with
     `gate_up_interleaved`, in `kernels.interleave_gate_up`'s layout, which lets the GPU kernel fuse SiLU(gate) * up
     into the projection's epilogue); down_proj [E, H, I].
-    Tokens are sorted by expert, pushed through two grouped matmuls, and gathered back (a gather, not a scatter).
+    The (token, slot) pairs are put in expert order (`kernels.dispatch_rows`), pushed through two grouped matmuls,
+    and brought back with the weighted top-k sum (`kernels.combine_rows`).
     `valid` [M, k] (DEP, a rank holding a block of the experts): only these slots count; the others must carry an
     id >= E, which sorts them after every group (no kernel computes them) and their rows, unspecified for some
     kernels, are masked out.
@@ -66,21 +69,21 @@ def routed_experts(
         # The inverse permutation is a scatter of iota (no second sort).
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
                                                       unique_indices=True)
-    # Row count padded to the kernels' row multiple inside the gather itself (no extra copy); the padded rows
-    # belong to no group and are dropped by the final gather.
+    # Row count padded to the kernels' row multiple; the padded rows belong to no group and are never read back.
     pad = (-m * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
-    rows = kernels.gather_rows(x, jnp.pad(order, (0, pad)) // k)  # [M*k + pad, H]
+    rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
     if gate_up_interleaved:
         act = kernels.grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
     else:
         gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
         act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
     out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
-    # Back to (token, slot) order.
-    out = out[inverse] * expert_weights.reshape(-1)[:, None]
-    if valid is not None:
-        out = jnp.where(valid.reshape(-1)[:, None], out, 0)
-    return jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
+    if valid is None:
+        return kernels.combine_rows(out, inverse, expert_weights.astype(x.dtype), add)
+    # DEP: rows of slots held elsewhere may be garbage (NaN * 0 is NaN): selected out, not weighted out.
+    out = jnp.where(valid.reshape(-1)[:, None], out[inverse] * expert_weights.reshape(-1)[:, None], 0)
+    out = jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
+    return out if add is None else out + add
 
 
 class Router(nnx.Module):
@@ -131,14 +134,14 @@ class SparseMoe(nnx.Module):
             experts = experts(flat)
         ids, weights = route(flat, self.gate.weight[...], self.top_k)
         interleaved = self.experts.gate_up_interleaved
+        shared_gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)).astype(x.dtype)
+        shared = shared_gate * self.shared_expert(flat)
         if hasattr(experts, "routed"):
-            routed = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved)
+            out = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved) + shared
         else:
             gate_up, down = experts if experts is not None else (self.experts.gate_up_proj[...],
                                                                  self.experts.down_proj[...])
-            routed = routed_experts(flat, ids, weights, gate_up, down, gate_up_interleaved=interleaved)
-        shared_gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)).astype(x.dtype)
-        out = routed + shared_gate * self.shared_expert(flat)
+            out = routed_experts(flat, ids, weights, gate_up, down, gate_up_interleaved=interleaved, add=shared)
         return out.reshape(*lead, -1)
 
 

@@ -1,0 +1,227 @@
+"""The MoE block's token permutation: each (token, slot) pair's row into expert order, and back with the top-k sum.
+
+`dispatch_rows(x, order, inverse, k, rows)`: [rows, H] with row inverse[t*k + j] = x[t] (rows >= M*k; the rows past
+M*k belong to no expert group). `combine_rows(y, inverse, weights, add=None)`: out[t] = sum_j w[t, j] * y[inverse[t*k
++ j]] (each product rounded to y's dtype, the sum in fp32, as the XLA reference does), plus `add` when given.
+
+Two implementations, chosen as `kernels.routing` chooses: Pallas where the computation is lowered for a CUDA GPU,
+XLA elsewhere; $JAX_DWDP_PERMUTE (or `implementation=`) = xla|pallas forces one:
+- "xla": the dispatch is a row gather x[order // k] (rows moved as 32-bit words, `gather_rows`); the combine a
+  gather of y by `inverse`, a product and a sum. The CPU path and the reference. Rows past M*k of the dispatch
+  hold copies of x's first row.
+- "pallas" (Pallas Triton): the dispatch *scatters*: one program per block of tokens and columns reads its x tile
+  once, coalesced, and writes it to the k rows its pairs go to (x is read once instead of k times; each written
+  row segment is contiguous). Rows past M*k are written with zeros. The combine gathers each token's k rows of
+  y, weights and sums them in registers and adds `add` in the same pass (the routed output is never written on
+  its own).
+Both move 2-byte rows as they are (the kernels' tiles are [tokens, columns] of the array's own dtype).
+Timings (H200, 35b-a3b): benchmarks/RESULTS.md, "MoE block".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+ENV_IMPLEMENTATION = "JAX_DWDP_PERMUTE"
+IMPLEMENTATIONS = ("xla", "pallas")
+_F32 = jnp.float32
+
+BLOCK_TOKENS = 16  # tokens per program
+BLOCK_COLUMNS = 512  # elements of a row per program (a power of two; the last block of a row is masked)
+NUM_WARPS = 4
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _choose(implementation: str | None) -> str | None:
+    impl = implementation or os.environ.get(ENV_IMPLEMENTATION) or None
+    if impl is not None and impl not in IMPLEMENTATIONS:
+        where = "implementation" if implementation else ENV_IMPLEMENTATION
+        raise ValueError(f"permute: {where}={impl!r} is none of {IMPLEMENTATIONS}")
+    return impl
+
+
+def _by_platform(xla_fn, pallas_fn, implementation, *args):
+    impl = _choose(implementation)
+    if implementation == "pallas":  # asked for by the caller (tests, benchmarks): the kernel itself
+        return pallas_fn(*args)
+    if impl == "xla":
+        return xla_fn(*args)
+    return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)
+
+
+def _blocks(width: int, block_columns: int | None) -> tuple[int, int]:
+    bw = block_columns or min(BLOCK_COLUMNS, _pow2(width))
+    if bw & (bw - 1):
+        raise ValueError(f"permute: block_columns={bw} is not a power of two")
+    return bw, -(-width // bw)
+
+
+def _compiler_params(num_warps: int):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+# ---- dispatch: token rows into expert order ---------------------------------------------------------------------
+
+
+def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[index] for x [N, H]: rows of 2-byte elements move as 32-bit words (bit-identical). On an H200, XLA's row
+    gather ran 1.31-1.57x faster that way on the MoE shapes (benchmarks/RESULTS.md, 2026-11-30 fifth session)."""
+    n, h = x.shape
+    if x.dtype.itemsize != 2 or h % 2:
+        return x[index]
+    words = lax.bitcast_convert_type(x.reshape(n, h // 2, 2), jnp.uint32)
+    return lax.bitcast_convert_type(words[index], x.dtype).reshape(index.shape[0], h)
+
+
+def dispatch_rows_xla(x, order, inverse, *, k: int, rows: int):
+    del inverse
+    return gather_rows(x, jnp.pad(order, (0, rows - order.shape[0])) // k)
+
+
+def _dispatch_kernel(x_ref, inv_ref, o_ref, *, k: int, tokens: int, pairs: int, bt: int, bw: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    i, c = pl.program_id(0), pl.program_id(1)
+    width, rows = x_ref.shape[1], o_ref.shape[0]
+    token = i * bt + lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    col = c * bw + lax.broadcasted_iota(jnp.int32, (bw,), 0)
+    live = token < tokens
+    mask = live[:, None] & (col < width)[None, :]
+    cols = pl.ds(c * bw, bw)
+    tile = plgpu.load(x_ref.at[pl.ds(i * bt, bt), cols], mask=mask, other=jnp.zeros((), x_ref.dtype))
+    for j in range(k):
+        dst = plgpu.load(inv_ref.at[jnp.int32(j), pl.ds(i * bt, bt)], mask=live, other=0)
+        plgpu.store(o_ref.at[dst[:, None], col[None, :]], tile, mask=mask)  # rows and columns as index arrays
+    pad = rows - pairs
+    if pad:  # the rows past M*k (the grouped matmul's row multiple): zeros, written by the first token block
+        pr = _pow2(pad)
+
+        @pl.when(i == 0)
+        def _():
+            r = lax.broadcasted_iota(jnp.int32, (pr,), 0)
+            plgpu.store(o_ref.at[(pairs + r)[:, None], col[None, :]], jnp.zeros((pr, bw), o_ref.dtype),
+                        mask=(r < pad)[:, None] & (col < width)[None, :])  # past the end when pad < pr: masked
+
+
+def dispatch_rows_pallas(x, order, inverse, *, k: int, rows: int, block_tokens: int = BLOCK_TOKENS,
+                         block_columns: int | None = None, num_warps: int = NUM_WARPS, interpret: bool = False):
+    from jax.experimental import pallas as pl
+
+    del order
+    m, h = x.shape
+    if m == 0:
+        return jnp.zeros((rows, h), x.dtype)
+    bw, col_blocks = _blocks(h, block_columns)
+    bt = block_tokens
+    token_blocks = -(-m // bt)
+    inv = inverse.reshape(m, k).T.astype(jnp.int32)  # [k, M]: one contiguous row of destinations per slot
+    kernel = functools.partial(_dispatch_kernel, k=k, tokens=m, pairs=m * k, bt=bt, bw=bw)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, c: (0, 0))  # noqa: E731 (pointers: the kernel indexes)
+    return pl.pallas_call(
+        kernel,
+        grid=(token_blocks, col_blocks),
+        in_specs=[whole(x), whole(inv)],
+        out_specs=pl.BlockSpec((rows, h), lambda i, c: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows, h), x.dtype),
+        compiler_params=None if interpret else _compiler_params(num_warps),
+        interpret=interpret,
+        name="moe_dispatch_rows",
+    )(x, inv)
+
+
+def dispatch_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int, rows: int, *,
+                  implementation: str | None = None) -> jax.Array:
+    """x [M, H]; order, inverse [M*k] (`routing.expert_permutation`'s) -> [rows, H], rows >= M*k: row
+    inverse[t*k + j] holds x[t]; rows past M*k hold finite filler (zeros or x's first row)."""
+    m, _ = x.shape
+    if order.shape != (m * k,) or inverse.shape != (m * k,) or rows < m * k:
+        raise ValueError(f"dispatch_rows: x {x.shape}, order {order.shape}, inverse {inverse.shape}, k={k}, "
+                         f"rows={rows}: want order and inverse of shape ({m * k},) and rows >= {m * k}")
+    return _by_platform(functools.partial(dispatch_rows_xla, k=k, rows=rows),
+                        functools.partial(dispatch_rows_pallas, k=k, rows=rows), implementation, x, order, inverse)
+
+
+# ---- combine: back to token order, the weighted top-k sum -------------------------------------------------------
+
+
+def combine_rows_xla(y, inverse, weights, add=None):
+    m, k = weights.shape
+    out = y[inverse] * weights.reshape(-1)[:, None].astype(y.dtype)
+    out = jnp.sum(out.reshape(m, k, -1).astype(_F32), axis=1).astype(y.dtype)
+    return out if add is None else out + add
+
+
+def _combine_kernel(y_ref, inv_ref, w_ref, *refs, k: int, tokens: int, bt: int, bw: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    add_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    i, c = pl.program_id(0), pl.program_id(1)
+    width = o_ref.shape[1]
+    token = i * bt + lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    col = c * bw + lax.broadcasted_iota(jnp.int32, (bw,), 0)
+    live = token < tokens
+    mask = live[:, None] & (col < width)[None, :]
+    cols, here = pl.ds(c * bw, bw), pl.ds(i * bt, bt)
+    dtype = o_ref.dtype
+    acc = jnp.zeros((bt, bw), _F32)
+    for j in range(k):
+        src = plgpu.load(inv_ref.at[jnp.int32(j), here], mask=live, other=0)
+        w = plgpu.load(w_ref.at[jnp.int32(j), here], mask=live, other=0).astype(dtype).astype(_F32)
+        rows = plgpu.load(y_ref.at[src[:, None], col[None, :]], mask=mask, other=jnp.zeros((), dtype)).astype(_F32)
+        acc = acc + (rows * w[:, None]).astype(dtype).astype(_F32)  # the product rounded as the reference rounds it
+    out = acc.astype(dtype)
+    if add_ref is not None:
+        add = plgpu.load(add_ref.at[here, cols], mask=mask, other=jnp.zeros((), dtype))
+        out = (out.astype(_F32) + add.astype(_F32)).astype(dtype)
+    plgpu.store(o_ref.at[here, cols], out, mask=mask)
+
+
+def combine_rows_pallas(y, inverse, weights, add=None, *, block_tokens: int = BLOCK_TOKENS,
+                        block_columns: int | None = None, num_warps: int = NUM_WARPS, interpret: bool = False):
+    from jax.experimental import pallas as pl
+
+    m, k = weights.shape
+    h = y.shape[1]
+    if m == 0:
+        return jnp.zeros((0, h), y.dtype)
+    bw, col_blocks = _blocks(h, block_columns)
+    bt = block_tokens
+    inv = inverse.reshape(m, k).T.astype(jnp.int32)
+    w = weights.T  # [k, M]
+    operands = [y, inv, w] + ([add] if add is not None else [])
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, c: (0, 0))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, k=k, tokens=m, bt=bt, bw=bw),
+        grid=(-(-m // bt), col_blocks),
+        in_specs=[whole(a) for a in operands],
+        out_specs=pl.BlockSpec((m, h), lambda i, c: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((m, h), y.dtype),
+        compiler_params=None if interpret else _compiler_params(num_warps),
+        interpret=interpret,
+        name="moe_combine_rows",
+    )(*operands)
+
+
+def combine_rows(y: jax.Array, inverse: jax.Array, weights: jax.Array, add: jax.Array | None = None, *,
+                 implementation: str | None = None) -> jax.Array:
+    """y [R, H] rows in expert order; inverse [M*k]; weights [M, k] -> [M, H] in y's dtype:
+    sum_j weights[t, j] * y[inverse[t*k + j]] (+ add [M, H])."""
+    m, k = weights.shape
+    if inverse.shape != (m * k,) or (add is not None and add.shape != (m, y.shape[1])):
+        raise ValueError(f"combine_rows: y {y.shape}, inverse {inverse.shape}, weights {weights.shape}, "
+                         f"add {None if add is None else add.shape}: want inverse ({m * k},), add ({m}, {y.shape[1]})")
+    if add is None:
+        return _by_platform(combine_rows_xla, combine_rows_pallas, implementation, y, inverse, weights)
+    return _by_platform(combine_rows_xla, combine_rows_pallas, implementation, y, inverse, weights, add)

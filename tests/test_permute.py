@@ -1,0 +1,186 @@
+"""The MoE token permutation (dispatch into expert order, combine back with the weighted top-k sum): Pallas kernels
+against the XLA reference, in interpret mode on the CPU and compiled on the GPU (JAX_DWDP_TEST_GPU=1); the Triton
+lowering for CUDA checked on any machine."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dwdp import kernels
+from jax_dwdp.kernels import permute, routing
+
+on_gpu = jax.default_backend() == "gpu"
+# tokens, width, top-k, experts, block_columns (None: the default; small blocks exercise the masked last block)
+SHAPES = [(50, 12, 2, 8, None), (37, 40, 3, 6, 16), (64, 256, 8, 32, 64), (33, 96, 10, 64, 64)]
+
+
+def _routing(rng, m, k, e):
+    logits = jnp.asarray(rng.standard_normal((m, e)), jnp.float32)
+    ids, weights = routing.topk_softmax_xla(logits, k)
+    order, inverse, _ = routing.expert_permutation_xla(ids, e)
+    return order, inverse, weights
+
+
+def test_gather_rows_is_bit_identical(rng):
+    """The XLA dispatch moves 2-byte rows as 32-bit words: bit-identical to x[index] (NaN payloads and -0 too),
+    and the plain path for other dtypes or odd widths."""
+    x = rng.standard_normal((50, 12)).astype(np.float32)
+    x[3, 5], x[7, 0] = np.nan, -0.0
+    index = jnp.asarray(rng.integers(0, 50, 120), jnp.int32)
+    for dtype, width in ((jnp.bfloat16, 12), (jnp.float16, 12), (jnp.float32, 12), (jnp.bfloat16, 11)):
+        a = jnp.asarray(x[:, :width], dtype)
+        got, want = jax.jit(kernels.gather_rows)(a, index), a[index]
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+@pytest.mark.parametrize("m,h,k,e,bw", SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_dispatch_kernel_places_every_row(rng, m, h, k, e, bw, dtype):
+    """Every (token, slot) pair's row lands at its expert-order row, bit for bit (fresh random rows, NaN and -0
+    included: a scatter moves bits); the padding rows are zeros; the XLA path agrees on the M*k rows."""
+    x = rng.standard_normal((m, h)).astype(np.float32)
+    x[1, 2], x[2, 0] = np.nan, -0.0
+    x = jnp.asarray(x, dtype)
+    order, inverse, _ = _routing(rng, m, k, e)
+    rows = m * k + 5
+    got = permute.dispatch_rows_pallas(x, order, inverse, k=k, rows=rows, block_columns=bw, interpret=not on_gpu)
+    want = x[np.asarray(order) // k]
+    print(f"dispatch {dtype.__name__} M={m} H={h} k={k}: rows bit-identical to x[order // k]")
+    assert got.shape == (rows, h) and got.dtype == dtype
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(bits(got[: m * k]), bits(want))
+    np.testing.assert_array_equal(np.asarray(got[m * k :], np.float32), 0)
+    xla = permute.dispatch_rows_xla(x, order, inverse, k=k, rows=rows)
+    np.testing.assert_array_equal(bits(xla[: m * k]), bits(want))
+
+
+@pytest.mark.parametrize("m,h,k,e,bw", SHAPES)
+@pytest.mark.parametrize("with_add", [False, True])
+def test_combine_kernel_matches_reference(rng, m, h, k, e, bw, with_add):
+    """out[t] = sum_j w[t, j] * y[inverse[t*k + j]] (+ add): fp32 against float64 within 1e-6 and equal to the
+    XLA path; bf16 (each product rounded to bf16 as the reference does) within 1 bf16 ulp of the XLA path."""
+    order, inverse, weights = _routing(rng, m, k, e)
+    y64 = rng.standard_normal((m * k + 3, h))
+    add64 = rng.standard_normal((m, h))
+    want64 = np.einsum("mkh,mk->mh", y64[np.asarray(inverse).reshape(m, k)], np.asarray(weights, np.float64))
+    want64 = want64 + (add64 if with_add else 0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        y, w = jnp.asarray(y64, dtype), weights.astype(dtype)
+        add = jnp.asarray(add64, dtype) if with_add else None
+        got = permute.combine_rows_pallas(y, inverse, w, add, block_columns=bw, interpret=not on_gpu)
+        xla = permute.combine_rows_xla(y, inverse, w, add)
+        assert got.shape == (m, h) and got.dtype == dtype
+        g, x_ = np.asarray(got, np.float64), np.asarray(xla, np.float64)
+        err = float(np.max(np.abs(g - want64)))
+        print(f"combine {dtype.__name__} M={m} H={h} k={k} add={with_add}: max |err| vs float64 {err:.2e}, "
+              f"vs XLA {float(np.max(np.abs(g - x_))):.2e}")
+        if dtype == jnp.float32:
+            assert err <= 1e-5
+            np.testing.assert_allclose(g, x_, rtol=1e-6, atol=1e-6)
+        else:
+            ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x_), 1e-30))) - 7)
+            assert np.all(np.abs(g - x_) <= ulp), "bf16 combine differs from the XLA path by more than 1 ulp"
+            assert np.mean(g == x_) > 0.98
+
+
+def test_dispatch_and_combine_round_trip_through_the_moe_block(rng, monkeypatch):
+    """`moe.routed_experts` with the Pallas permutation (interpret mode) equals it with the XLA one: the kernels
+    are wired with the right order / inverse (a swapped pair would scramble the tokens)."""
+    from jax_dwdp.model.moe import routed_experts
+
+    m, h, i, e, k = 24, 32, 16, 8, 2
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((m, e)), jnp.float32)
+    ids, weights = routing.topk_softmax_xla(logits, k)
+    gate_up = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * h**-0.5, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((e, h, i)) * i**-0.5, jnp.float32)
+    add = jnp.asarray(rng.standard_normal((m, h)), jnp.float32)
+    want = routed_experts(x, ids, weights, gate_up, down, add=add)
+    interp = dict(interpret=True)
+    monkeypatch.setattr(permute, "dispatch_rows_xla",
+                        lambda *a, **kw: permute.dispatch_rows_pallas(*a, **kw, **interp))
+    monkeypatch.setattr(permute, "combine_rows_xla",
+                        lambda *a, **kw: permute.combine_rows_pallas(*a, **kw, **interp))
+    got = routed_experts(x, ids, weights, gate_up, down, add=add)
+    err = float(jnp.max(jnp.abs(got - want)))
+    print(f"routed experts, Pallas permutation (interpret) vs XLA: max |diff| {err:.2e}")
+    assert err <= 1e-5
+
+
+def test_implementation_switch_and_bad_input(rng, monkeypatch):
+    """A CPU computation takes XLA by default (the kernel is chosen at lowering); $JAX_DWDP_PERMUTE=pallas keeps that
+    guard; bad names and shapes are clear errors."""
+    m, h, k, e = 20, 8, 2, 4
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    order, inverse, weights = _routing(rng, m, k, e)
+    monkeypatch.delenv(permute.ENV_IMPLEMENTATION, raising=False)
+    text = jax.jit(lambda *a: kernels.dispatch_rows(*a, k, m * k)).lower(x, order, inverse).as_text()
+    assert "moe_dispatch_rows" not in text
+    monkeypatch.setenv(permute.ENV_IMPLEMENTATION, "pallas")
+    got = kernels.dispatch_rows(x, order, inverse, k, m * k)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x[np.asarray(order) // k], np.float32))
+    monkeypatch.setenv(permute.ENV_IMPLEMENTATION, "cub")
+    with pytest.raises(ValueError, match="JAX_DWDP_PERMUTE='cub'"):
+        kernels.combine_rows(x, inverse, weights)
+    monkeypatch.delenv(permute.ENV_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="implementation='cub'"):
+        kernels.dispatch_rows(x, order, inverse, k, m * k, implementation="cub")
+    with pytest.raises(ValueError, match="rows >= 40"):
+        kernels.dispatch_rows(x, order, inverse, k, m * k - 1)
+    with pytest.raises(ValueError, match=r"add \(20, 8\)"):
+        kernels.combine_rows(x, inverse, weights, x[:3])
+
+
+def test_kernels_lower_for_cuda_with_triton():
+    """The Triton lowering (to TTIR) of both kernels and of the routing kernels succeeds for CUDA on any machine:
+    a lowering error surfaces in CI, not first on a GPU."""
+    m, h, k, e = 300, 2048, 8, 256
+    x = jax.ShapeDtypeStruct((m, h), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((m * k,), jnp.int32)
+    w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((m * k + 4, h), jnp.bfloat16)
+    logits = jax.ShapeDtypeStruct((m, e), jnp.float32)
+    ids = jax.ShapeDtypeStruct((m, k), jnp.int32)
+    programs = {
+        "moe_dispatch_rows": (lambda x, o, i: kernels.dispatch_rows(x, o, i, k, m * k + 4), (x, idx, idx)),
+        "moe_combine_rows": (lambda y, i, w, a: kernels.combine_rows(y, i, w, a), (y, idx, w, x)),
+        "moe_topk_softmax": (lambda l: routing.topk_softmax(l, k), (logits,)),
+        "moe_expert_ranks": (lambda i: routing.expert_permutation(i, e), (ids,)),
+    }
+    for name, (fn, args) in programs.items():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and name in text, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)")
+@pytest.mark.parametrize("h,e,k", [(2048, 256, 8), (3072, 256, 8), (4096, 512, 10)])  # 35b / 122b / 397b
+def test_gpu_permutation_at_model_sizes(rng, h, e, k):
+    """16K tokens (plus an odd tail) at the presets' widths, both kernels inside one jit as the model calls them:
+    the dispatch bit-identical to the XLA gather, the padding rows zero although the memory they land in held NaN
+    (a freed NaN buffer of the same size is allocated and dropped first), the combine + add within 1 bf16 ulp."""
+    m = 16384 + 5
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    order, inverse, weights = _routing(rng, m, k, e)
+    rows = m * k + (-m * k) % 8
+    poison = jnp.full((rows, h), jnp.nan, jnp.bfloat16).block_until_ready()
+    del poison
+    got = jax.jit(lambda *a: permute.dispatch_rows(*a, k, rows, implementation="pallas"))(x, order, inverse)
+    want = jax.jit(lambda *a: permute.dispatch_rows_xla(*a, k=k, rows=rows))(x, order, inverse)
+    bits = lambda a: np.asarray(a).view(np.uint16)  # noqa: E731
+    np.testing.assert_array_equal(bits(got[: m * k]), bits(want[: m * k]))
+    np.testing.assert_array_equal(np.asarray(got[m * k :], np.float32), 0)
+    y = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+    add = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w = weights.astype(jnp.bfloat16)
+    g = np.asarray(jax.jit(lambda *a: permute.combine_rows(*a, implementation="pallas"))(y, inverse, w, add),
+                   np.float64)
+    r = np.asarray(jax.jit(permute.combine_rows_xla)(y, inverse, w, add), np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(r), 1e-30))) - 7)
+    print(f"H={h} k={k}: dispatch bit-identical; combine max |diff| vs XLA {np.max(np.abs(g - r)):.2e}, "
+          f"equal {np.mean(g == r):.4f}")
+    assert np.all(np.abs(g - r) <= ulp) and np.mean(g == r) > 0.98
