@@ -106,12 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
             with _environment(env(routing, conv_mod)):
                 lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
                 record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
-                if suffix != XLA_PERMUTE:  # the permutation is only in the MoE block
+                if suffix not in MOE_ONLY:  # the permutation is only in the MoE block
                     gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
                     record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
                 if suffix == PALLAS_CONV:
                     continue  # the conv is only in the linear-attention layer's mixer
-                if suffix != XLA_PERMUTE:
+                if suffix not in MOE_ONLY:
                     full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
                     record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
                 if not suffix:
@@ -247,10 +247,13 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-XLA_ROUTING, PALLAS_CONV, XLA_PERMUTE = " (XLA routing)", " (Pallas conv)", " (XLA permute)"
+XLA_ROUTING, PALLAS_CONV, XLA_DISPATCH, PALLAS_COMBINE = (" (XLA routing)", " (Pallas conv)", " (XLA dispatch)",
+                                                          " (Pallas combine)")
+MOE_ONLY = (XLA_DISPATCH, PALLAS_COMBINE)
 VARIANTS = (("", lambda routing, conv: {}),
             (XLA_ROUTING, lambda routing, conv: {routing.ENV_IMPLEMENTATION: "xla"}),
-            (XLA_PERMUTE, lambda routing, conv: {"JAX_DWDP_PERMUTE": "xla"}),
+            (XLA_DISPATCH, lambda routing, conv: {"JAX_DWDP_DISPATCH": "xla"}),
+            (PALLAS_COMBINE, lambda routing, conv: {"JAX_DWDP_COMBINE": "pallas"}),
             (PALLAS_CONV, lambda routing, conv: {conv.ENV_IMPLEMENTATION: "pallas"}))
 
 

@@ -265,7 +265,7 @@ def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
     for part in ("linear-attention layer", "full-attention layer", "MoE block", "MoE block (XLA routing)",
                  "GDN mixer (with input norm) (Pallas conv)", "router (matmul, softmax, top-k), xla", "sort by expert and inverse, xla", "gate_up grouped "
                  "GEMM", "GDN: causal conv + SiLU, xla", "attention core: the model's (cuDNN)",
-                 "fusion: GDN input matmuls as one", "MoE block (XLA permute)", "dispatch rows, xla (row gather)",
+                 "fusion: GDN input matmuls as one", "MoE block (XLA dispatch)", "MoE block (Pallas combine)", "dispatch rows, xla (row gather)",
                  "un-permute, weighted sum + shared add, xla"):
         assert parts[part]["ms"] > 0, part
     assert parts["router (matmul, softmax, top-k), pallas"]["error"]  # a Pallas kernel on the CPU: says why

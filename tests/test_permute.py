@@ -112,21 +112,30 @@ def test_dispatch_and_combine_round_trip_through_the_moe_block(rng, monkeypatch)
 
 
 def test_implementation_switch_and_bad_input(rng, monkeypatch):
-    """A CPU computation takes XLA by default (the kernel is chosen at lowering); $JAX_DWDP_PERMUTE=pallas keeps that
-    guard; bad names and shapes are clear errors."""
+    """A CPU computation takes XLA by default (the kernel is chosen at lowering, so also on a GPU host);
+    $JAX_DWDP_DISPATCH=pallas keeps that guard; the combine kernel is opt-in ($JAX_DWDP_COMBINE=pallas: it measured
+    slower than XLA's fusion); bad names and shapes are clear errors."""
     m, h, k, e = 20, 8, 2, 4
-    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
-    order, inverse, weights = _routing(rng, m, k, e)
-    monkeypatch.delenv(permute.ENV_IMPLEMENTATION, raising=False)
-    text = jax.jit(lambda *a: kernels.dispatch_rows(*a, k, m * k)).lower(x, order, inverse).as_text()
-    assert "moe_dispatch_rows" not in text
-    monkeypatch.setenv(permute.ENV_IMPLEMENTATION, "pallas")
-    got = kernels.dispatch_rows(x, order, inverse, k, m * k)
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16), cpu)
+    order, inverse, weights = (jax.device_put(a, cpu) for a in _routing(rng, m, k, e))
+    for env in (permute.ENV_DISPATCH, permute.ENV_COMBINE):
+        monkeypatch.delenv(env, raising=False)
+    with jax.default_device(cpu):
+        text = jax.jit(lambda *a: kernels.dispatch_rows(*a, k, m * k)).lower(x, order, inverse).as_text()
+        assert "moe_dispatch_rows" not in text
+        monkeypatch.setenv(permute.ENV_DISPATCH, "pallas")
+        got = kernels.dispatch_rows(x, order, inverse, k, m * k)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x[np.asarray(order) // k], np.float32))
-    monkeypatch.setenv(permute.ENV_IMPLEMENTATION, "cub")
-    with pytest.raises(ValueError, match="JAX_DWDP_PERMUTE='cub'"):
+    y = jnp.asarray(rng.standard_normal((m * k, h)), jnp.bfloat16)
+    cuda = jax.jit(lambda *a: kernels.combine_rows(*a)).trace(y, inverse, weights).lower(lowering_platforms=("cuda",))
+    assert "moe_combine_rows" not in cuda.as_text()  # XLA's by default, on the GPU too
+    monkeypatch.setenv(permute.ENV_COMBINE, "pallas")
+    cuda = jax.jit(lambda *a: kernels.combine_rows(*a)).trace(y, inverse, weights).lower(lowering_platforms=("cuda",))
+    assert "moe_combine_rows" in cuda.as_text()
+    monkeypatch.setenv(permute.ENV_COMBINE, "cub")
+    with pytest.raises(ValueError, match="JAX_DWDP_COMBINE='cub'"):
         kernels.combine_rows(x, inverse, weights)
-    monkeypatch.delenv(permute.ENV_IMPLEMENTATION)
     with pytest.raises(ValueError, match="implementation='cub'"):
         kernels.dispatch_rows(x, order, inverse, k, m * k, implementation="cub")
     with pytest.raises(ValueError, match="rows >= 40"):
@@ -147,7 +156,8 @@ def test_kernels_lower_for_cuda_with_triton():
     ids = jax.ShapeDtypeStruct((m, k), jnp.int32)
     programs = {
         "moe_dispatch_rows": (lambda x, o, i: kernels.dispatch_rows(x, o, i, k, m * k + 4), (x, idx, idx)),
-        "moe_combine_rows": (lambda y, i, w, a: kernels.combine_rows(y, i, w, a), (y, idx, w, x)),
+        "moe_combine_rows": (lambda y, i, w, a: kernels.combine_rows(y, i, w, a, implementation="pallas"),
+                             (y, idx, w, x)),
         "moe_topk_softmax": (lambda l: routing.topk_softmax(l, k), (logits,)),
         "moe_expert_ranks": (lambda i: routing.expert_permutation(i, e), (ids,)),
     }

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-ENV_IMPLEMENTATION = "JAX_DWDP_PERMUTE"
+ENV_DISPATCH, ENV_COMBINE = "JAX_DWDP_DISPATCH", "JAX_DWDP_COMBINE"
 IMPLEMENTATIONS = ("xla", "pallas")
 _F32 = jnp.float32
 
@@ -40,16 +40,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _choose(implementation: str | None) -> str | None:
-    impl = implementation or os.environ.get(ENV_IMPLEMENTATION) or None
+def _choose(implementation: str | None, env: str) -> str | None:
+    impl = implementation or os.environ.get(env) or None
     if impl is not None and impl not in IMPLEMENTATIONS:
-        where = "implementation" if implementation else ENV_IMPLEMENTATION
+        where = "implementation" if implementation else env
         raise ValueError(f"permute: {where}={impl!r} is none of {IMPLEMENTATIONS}")
     return impl
 
 
-def _by_platform(xla_fn, pallas_fn, implementation, *args):
-    impl = _choose(implementation)
+def _by_platform(xla_fn, pallas_fn, implementation, env: str, default: str, *args):
+    """The chosen implementation; by default (`default`="pallas") the kernel where the computation is lowered for
+    a CUDA GPU and XLA elsewhere, decided at lowering as `routing` decides."""
+    impl = _choose(implementation, env) or default
     if implementation == "pallas":  # asked for by the caller (tests, benchmarks): the kernel itself
         return pallas_fn(*args)
     if impl == "xla":
@@ -149,7 +151,8 @@ def dispatch_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int, ro
         raise ValueError(f"dispatch_rows: x {x.shape}, order {order.shape}, inverse {inverse.shape}, k={k}, "
                          f"rows={rows}: want order and inverse of shape ({m * k},) and rows >= {m * k}")
     return _by_platform(functools.partial(dispatch_rows_xla, k=k, rows=rows),
-                        functools.partial(dispatch_rows_pallas, k=k, rows=rows), implementation, x, order, inverse)
+                        functools.partial(dispatch_rows_pallas, k=k, rows=rows), implementation, ENV_DISPATCH,
+                        "pallas", x, order, inverse)
 
 
 # ---- combine: back to token order, the weighted top-k sum -------------------------------------------------------
@@ -222,6 +225,5 @@ def combine_rows(y: jax.Array, inverse: jax.Array, weights: jax.Array, add: jax.
     if inverse.shape != (m * k,) or (add is not None and add.shape != (m, y.shape[1])):
         raise ValueError(f"combine_rows: y {y.shape}, inverse {inverse.shape}, weights {weights.shape}, "
                          f"add {None if add is None else add.shape}: want inverse ({m * k},), add ({m}, {y.shape[1]})")
-    if add is None:
-        return _by_platform(combine_rows_xla, combine_rows_pallas, implementation, y, inverse, weights)
-    return _by_platform(combine_rows_xla, combine_rows_pallas, implementation, y, inverse, weights, add)
+    args = (y, inverse, weights) if add is None else (y, inverse, weights, add)
+    return _by_platform(combine_rows_xla, combine_rows_pallas, implementation, ENV_COMBINE, "xla", *args)
