@@ -117,9 +117,9 @@ def test_fresh_runs_are_off_without_gpus_or_when_asked(monkeypatch):
 
 
 def test_layer_part_rows_read_bench_layer_parts():
-    """The committed ninth-session run through the converter the notebook uses: one row per token count with every
+    """The committed tenth-session run through the converter the notebook uses: one row per token count with every
     plotted key, equal to the JSON's own parts (the default variant, not "(XLA routing)")."""
-    result = rp.load("layer_parts_h200_2026-12-01_ninth_c.json")
+    result = rp.load("layer_parts_h200_2026-12-01_tenth_a.json")
     rows = rp.layer_part_rows(result)
     assert [r["tokens"] for r in rows] == [4096, 16384, 32768]
     parts = {(r["tokens"], r["part"]): r["ms"] for r in result["rows"]}
@@ -127,4 +127,4 @@ def test_layer_part_rows_read_bench_layer_parts():
         assert set(r) == {"tokens", *rp.LAYER_PART_NAMES}
         for key, part in rp.LAYER_PART_NAMES.items():
             assert r[key] == round(parts[(r["tokens"], part)], 3)
-    assert rows[1]["moe_block_ms"] < parts[(16384, "MoE block (before: XLA routing, conv)")]
+    assert rows[1]["moe_block_ms"] < parts[(16384, "MoE block (XLA routing)")]

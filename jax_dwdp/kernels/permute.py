@@ -4,17 +4,18 @@
 M*k belong to no expert group). `combine_rows(y, inverse, weights, add=None)`: out[t] = sum_j w[t, j] * y[inverse[t*k
 + j]] (each product rounded to y's dtype, the sum in fp32, as the XLA reference does), plus `add` when given.
 
-Two implementations, chosen as `kernels.routing` chooses: Pallas where the computation is lowered for a CUDA GPU,
-XLA elsewhere; $JAX_DWDP_PERMUTE (or `implementation=`) = xla|pallas forces one:
-- "xla": the dispatch is a row gather x[order // k] (rows moved as 32-bit words, `gather_rows`); the combine a
-  gather of y by `inverse`, a product and a sum. The CPU path and the reference. Rows past M*k of the dispatch
-  hold copies of x's first row.
-- "pallas" (Pallas Triton): the dispatch *scatters*: one program per block of tokens and columns reads its x tile
+Two implementations of each: "xla" (the CPU path and the reference) and "pallas" (Pallas Triton, GPU);
+$JAX_DWDP_DISPATCH / $JAX_DWDP_COMBINE (or `implementation=`) = xla|pallas choose. By default the dispatch takes
+the kernel where the computation is lowered for a CUDA GPU and XLA elsewhere (decided at lowering, as
+`kernels.routing` decides), and the combine takes XLA everywhere: on an H200 the combine kernel measured slower than
+XLA's fused gather-multiply-reduce (benchmarks/RESULTS.md, tenth session), so it is opt-in.
+- dispatch, "xla": a row gather x[order // k] (rows moved as 32-bit words, `gather_rows`); rows past M*k hold
+  copies of x's first row. "pallas": a *scatter*: one program per block of tokens and columns reads its x tile
   once, coalesced, and writes it to the k rows its pairs go to (x is read once instead of k times; each written
-  row segment is contiguous). Rows past M*k are written with zeros. The combine gathers each token's k rows of
-  y, weights and sums them in registers and adds `add` in the same pass (the routed output is never written on
-  its own).
-Both move 2-byte rows as they are (the kernels' tiles are [tokens, columns] of the array's own dtype).
+  row segment is contiguous); rows past M*k are written with zeros. 1.5x XLA's gather at 16K-32K tokens.
+- combine, "xla": a gather of y by `inverse`, the product and the fp32 sum, plus `add` (XLA fuses them).
+  "pallas": each program gathers its tokens' k rows of y, weights and sums them in registers and adds `add` in the
+  same pass.
 Timings (H200, 35b-a3b): benchmarks/RESULTS.md, "MoE block".
 """
 
