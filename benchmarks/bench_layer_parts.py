@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
             with _environment(env(routing, conv_mod)):
                 lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
                 record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
-                if suffix not in MOE_ONLY:  # the permutation is only in the MoE block
+                if suffix not in MOE_ONLY:  # MoE-only variants: the linear layer and the MoE block are timed
                     gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
                     record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
                 if suffix == PALLAS_CONV:

@@ -5,7 +5,9 @@
 Random weights are generated on the device once; each sequence length is compiled and timed in turn (shortest
 first, so the peak-memory reading after each run belongs to the largest run so far; with --scan it also covers the
 restacking: the model plus its largest stacked weight). MFU is against 781 TFLOP/s,
-the dense bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md).
+the dense bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md). "host ms" is one more call's host time
+(until it returns, before the device is waited for): near "prefill ms", the prefill is bound by the host's
+dispatch, not the GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from jax_dwdp.timing import median_seconds
 PEAK_TFLOPS = 781.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="35b-a3b")
     ap.add_argument("--num-layers", type=int)
@@ -41,7 +43,7 @@ def main() -> None:
     ap.add_argument("--scan", action="store_true", help="the layer stack as one scanned program (jax_dwdp.scan)")
     ap.add_argument("--fused-swiglu", action="store_true",
                     help="expert gate_up weights in the fused SwiGLU epilogue's layout (CUTLASS only; default: off)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     cfg = ModelConfig.preset(args.preset)
     if args.num_layers:
@@ -58,7 +60,8 @@ def main() -> None:
         print(f"note: --fused-swiglu with the {impl!r} grouped matmul runs the unfused activation on interleaved weights")
     print(f"{cfg.summary()}; random init {init_s:.1f} s on {device.device_kind}; grouped matmul {impl}, "
           f"fused SwiGLU {fused}")
-    print(f"{'tokens':>8} {'compile s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
+    print(f"{'tokens':>8} {'compile s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}"
+          f" {'host ms':>8}")
     scanned = None
     for t in sorted(args.seq_lens):
         tokens = np.random.default_rng(t).integers(0, cfg.vocab_size, (args.batch, t)).astype(np.int32)
@@ -74,6 +77,10 @@ def main() -> None:
         logits, _ = prefill(tokens, lengths)
         finite = bool(np.isfinite(np.asarray(logits)).all())
         sec, times = median_seconds(lambda: prefill(tokens, lengths), args.iters)
+        t0 = time.perf_counter()  # host time: until the call returns, before the GPU is waited for
+        out = prefill(tokens, lengths)
+        host_ms = (time.perf_counter() - t0) * 1e3
+        jax.block_until_ready(out)
         n = args.batch * t
         tflops = cfg.prefill_flops(args.batch, t, args.batch) / sec / 1e12
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
@@ -81,13 +88,15 @@ def main() -> None:
                    compile_s=round(compile_s, 2), prefill_ms=round(sec * 1e3, 2), tokens_per_s=round(n / sec),
                    tflops=round(tflops, 1), mfu=round(tflops / PEAK_TFLOPS, 4),
                    peak_gib=round(peak / 2**30, 2) if peak else None, logits_finite=finite,
-                   times_ms=[round(x * 1e3, 2) for x in times])
+                   times_ms=[round(x * 1e3, 2) for x in times], host_ms=round(host_ms, 2))
         rows.append(row)
         print(f"{t:>8} {compile_s:>9.1f} {sec * 1e3:>10.1f} {n / sec:>10.0f} {tflops:>8.1f} {tflops / PEAK_TFLOPS:>6.1%} "
-              f"{row['peak_gib'] or float('nan'):>8.2f}  finite={finite}", flush=True)
+              f"{row['peak_gib'] or float('nan'):>8.2f} {host_ms:>8.1f}  finite={finite}", flush=True)
+    result = {"device": device.device_kind, "jax": jax.__version__, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

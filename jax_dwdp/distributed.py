@@ -53,38 +53,19 @@ def shutdown() -> None:
     jax.distributed.shutdown()
 
 
-def reserve_port() -> socket.socket | _Released:
+def reserve_port() -> socket.socket:
     """A free local port for the coordinator, held until the launch ends: bound with SO_REUSEPORT (not listening),
     so process 0's coordinator (gRPC binds with SO_REUSEPORT) can bind it too while any other program that asks
     the system for a port cannot be handed this one in between (the race of picking a port, closing it, and
-    binding it later). Where SO_REUSEPORT is missing, the port is released at once (the race remains)."""
+    binding it later). Linux (and macOS) have SO_REUSEPORT."""
     s = socket.socket()
     try:
-        if not hasattr(socket, "SO_REUSEPORT"):
-            s.bind(("127.0.0.1", 0))
-            return _Released(s.getsockname()[1])
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
         return s
     except BaseException:
         s.close()
         raise
-    finally:
-        if not hasattr(socket, "SO_REUSEPORT"):
-            s.close()
-
-
-class _Released:
-    """A port that could not be held (no SO_REUSEPORT): the socket interface the launcher uses."""
-
-    def __init__(self, port: int):
-        self.port = port
-
-    def getsockname(self):
-        return ("127.0.0.1", self.port)
-
-    def close(self) -> None:
-        pass
 
 
 def _visible_gpus() -> list[str]:

@@ -34,7 +34,7 @@ from flax import nnx
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
-from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope
 
 
@@ -173,10 +173,7 @@ def jit_prefill_scanned(scanned: ScannedModel, *, logits: LogitsMode = "all", ca
 
     def executable(tokens, lengths):
         tokens, lengths = check_tokens(tokens, cfg.vocab_size, lengths)
-        t = tokens.shape[1]
-        length = t if cache_len is None else cache_len
-        if length < t:
-            raise ValueError(f"cache_len {length} is shorter than the prompt ({t} tokens)")
+        length = cache_length(tokens.shape[1], cache_len)
         key = (tokens.shape, length)
         if key not in executables:
             static = (scanned.model_graph, graphs, scanned.period, scanned.tail_types, logits, length)
@@ -199,16 +196,7 @@ def _cache(scanned: ScannedModel, caches, lengths, b: int, cache_len: int) -> Ca
     cfg = scanned.cfg
     (conv, recurrent), (key, value) = caches[LINEAR_ATTENTION], caches[FULL_ATTENTION]
     device = next(iter(jax.tree.leaves(scanned.model_state)[0].devices()))
-
-    def empty(shape, dtype):
-        return jnp.zeros(shape, dtype, device=device)
-
-    kv = (0, b, cache_len, cfg.num_key_value_heads, cfg.head_dim)
-    return Cache(
-        key=key if key is not None else empty(kv, scanned.dtype),
-        value=value if value is not None else empty(kv, scanned.dtype),
-        conv=conv if conv is not None else empty((0, b, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), scanned.dtype),
-        recurrent=recurrent if recurrent is not None else empty(
-            (0, b, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32),
-        lengths=jax.device_put(np.asarray(lengths, np.int32), device),
-        full_layer_ids=cfg.layer_ids(FULL_ATTENTION), linear_layer_ids=cfg.layer_ids(LINEAR_ATTENTION))
+    return Cache.assemble(cfg, scanned.dtype, key=key, value=value, conv=conv, recurrent=recurrent,
+                          lengths=jax.device_put(np.asarray(lengths, np.int32), device), batch=b,
+                          cache_len=cache_len, full_layer_ids=cfg.layer_ids(FULL_ATTENTION),
+                          linear_layer_ids=cfg.layer_ids(LINEAR_ATTENTION), device=device)

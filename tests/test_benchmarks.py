@@ -275,6 +275,19 @@ def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
     assert floor["ms"] == pytest.approx(want) and floor["block_over_floor"] == ratio(parts["MoE block"]["ms"], want)
 
 
+@pytest.mark.parametrize("mode", ["--layerwise", "--scan"])
+def test_prefill_bench_rows(tmp_path, mode):
+    """bench_prefill on the tiny preset: one row per length with its timings, the host time of one more call, the
+    mode it ran, finite logits."""
+    result, saved = run("bench_prefill", ["--preset", "tiny", "--seq-lens", "8", "16", "--iters", "2", "--dtype",
+                                          "float32", mode], tmp_path / "prefill.json")
+    assert saved == json.loads(json.dumps(result))
+    assert [r["seq_len"] for r in saved["rows"]] == [8, 16]
+    for r in saved["rows"]:
+        assert r["logits_finite"] and r["prefill_ms"] > 0 and r["host_ms"] > 0 and len(r["times_ms"]) == 2
+        assert r["scan"] == (mode == "--scan") and r["layerwise"] == (mode == "--layerwise")
+
+
 def test_transformers_reference_runs_the_same_rows(tmp_path):
     """bench_transformers on the tiny preset (fp32 eager paths on the CPU): bench_prefill's row fields."""
     result, saved = run("bench_transformers", ["--preset", "tiny", "--seq-lens", "32", "--iters", "1"],

@@ -14,7 +14,8 @@ from jax_dwdp.kernels import permute, routing
 
 on_gpu = jax.default_backend() == "gpu"
 # tokens, width, top-k, experts, block_columns (None: the default; small blocks exercise the masked last block)
-SHAPES = [(50, 12, 2, 8, None), (37, 40, 3, 6, 16), (64, 256, 8, 32, 64), (33, 96, 10, 64, 64)]
+SHAPES = [(1, 12, 2, 8, None), (5, 40, 3, 6, 16), (50, 12, 2, 8, None), (37, 40, 3, 6, 16), (64, 256, 8, 32, 64),
+          (33, 96, 10, 64, 64)]  # fewer tokens than a block (decode sizes), a partial last block, several blocks
 
 
 def _routing(rng, m, k, e):
@@ -43,7 +44,7 @@ def test_dispatch_kernel_places_every_row(rng, m, h, k, e, bw, dtype):
     """Every (token, slot) pair's row lands at its expert-order row, bit for bit (fresh random rows, NaN and -0
     included: a scatter moves bits); the padding rows are zeros; the XLA path agrees on the M*k rows."""
     x = rng.standard_normal((m, h)).astype(np.float32)
-    x[1, 2], x[2, 0] = np.nan, -0.0
+    x[0, 2], x[-1, 0] = np.nan, -0.0
     x = jnp.asarray(x, dtype)
     order, inverse, _ = _routing(rng, m, k, e)
     rows = m * k + 5
@@ -133,20 +134,38 @@ def test_implementation_switch_and_bad_input(rng, monkeypatch):
     monkeypatch.setenv(permute.ENV_COMBINE, "pallas")
     cuda = jax.jit(lambda *a: kernels.combine_rows(*a)).trace(y, inverse, weights).lower(lowering_platforms=("cuda",))
     assert "moe_combine_rows" in cuda.as_text()
+    monkeypatch.setenv(permute.ENV_DISPATCH, "xla")  # forced off where it would be on: a CUDA lowering
+    cuda = jax.jit(lambda *a: kernels.dispatch_rows(*a, k, m * k)).trace(x, order, inverse).lower(
+        lowering_platforms=("cuda",))
+    assert "moe_dispatch_rows" not in cuda.as_text()
+    monkeypatch.delenv(permute.ENV_DISPATCH)
+    cuda = jax.jit(lambda *a: kernels.dispatch_rows(*a, k, m * k)).trace(x, order, inverse).lower(
+        lowering_platforms=("cuda",))
+    assert "moe_dispatch_rows" in cuda.as_text()
     monkeypatch.setenv(permute.ENV_COMBINE, "cub")
     with pytest.raises(ValueError, match="JAX_DWDP_COMBINE='cub'"):
-        kernels.combine_rows(x, inverse, weights)
+        kernels.combine_rows(y, inverse, weights)
     with pytest.raises(ValueError, match="implementation='cub'"):
         kernels.dispatch_rows(x, order, inverse, k, m * k, implementation="cub")
-    with pytest.raises(ValueError, match="rows >= 40"):
+    with pytest.raises(ValueError, match="40 <= rows < 168"):
         kernels.dispatch_rows(x, order, inverse, k, m * k - 1)
+    with pytest.raises(ValueError, match="40 <= rows < 168"):
+        kernels.dispatch_rows(x, order, inverse, k, m * k + 500)
+    with pytest.raises(ValueError, match="of y's dtype bfloat16"):
+        kernels.combine_rows(y, inverse, weights, x.astype(jnp.float32))
+    with pytest.raises(ValueError, match="y with >= 40 rows"):
+        kernels.combine_rows(y[:30], inverse, weights)
+    with pytest.raises(ValueError, match="block_tokens=12 is not a power of two"):
+        permute.dispatch_rows_pallas(x, order, inverse, k=k, rows=m * k, block_tokens=12, interpret=True)
     with pytest.raises(ValueError, match=r"add \(20, 8\)"):
-        kernels.combine_rows(x, inverse, weights, x[:3])
+        kernels.combine_rows(y, inverse, weights, x[:3])
 
 
-def test_kernels_lower_for_cuda_with_triton():
+def test_kernels_lower_for_cuda_with_triton(monkeypatch):
     """The Triton lowering (to TTIR) of both kernels and of the routing kernels succeeds for CUDA on any machine:
     a lowering error surfaces in CI, not first on a GPU."""
+    for env in (permute.ENV_DISPATCH, permute.ENV_COMBINE, routing.ENV_IMPLEMENTATION):
+        monkeypatch.delenv(env, raising=False)
     m, h, k, e = 300, 2048, 8, 256
     x = jax.ShapeDtypeStruct((m, h), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((m * k,), jnp.int32)
@@ -176,7 +195,7 @@ def test_gpu_permutation_at_model_sizes(rng, h, e, k):
     m = 16384 + 5
     x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
     order, inverse, weights = _routing(rng, m, k, e)
-    rows = m * k + (-m * k) % 8
+    rows = m * k + 5  # padding rows for every k (the model's row multiple of 8 leaves none at k = 8)
     poison = jnp.full((rows, h), jnp.nan, jnp.bfloat16).block_until_ready()
     del poison
     got = jax.jit(lambda *a: permute.dispatch_rows(*a, k, rows, implementation="pallas"))(x, order, inverse)

@@ -35,6 +35,7 @@ _F32 = jnp.float32
 BLOCK_TOKENS = 16  # tokens per program
 BLOCK_COLUMNS = 512  # elements of a row per program (a power of two; the last block of a row is masked)
 NUM_WARPS = 4
+MAX_PADDING = 128  # rows past M*k a dispatch may add (the grouped matmul's row multiple is 8)
 
 
 def _pow2(n: int) -> int:
@@ -60,10 +61,11 @@ def _by_platform(xla_fn, pallas_fn, implementation, env: str, default: str, *arg
     return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)
 
 
-def _blocks(width: int, block_columns: int | None) -> tuple[int, int]:
+def _blocks(width: int, block_columns: int | None, block_tokens: int) -> tuple[int, int]:
     bw = block_columns or min(BLOCK_COLUMNS, _pow2(width))
-    if bw & (bw - 1):
-        raise ValueError(f"permute: block_columns={bw} is not a power of two")
+    for name, b in (("block_columns", bw), ("block_tokens", block_tokens)):
+        if b < 1 or b & (b - 1):
+            raise ValueError(f"permute: {name}={b} is not a power of two")
     return bw, -(-width // bw)
 
 
@@ -88,6 +90,8 @@ def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 def dispatch_rows_xla(x, order, inverse, *, k: int, rows: int):
     del inverse
+    if x.shape[0] == 0:
+        return jnp.zeros((rows, x.shape[1]), x.dtype)
     return gather_rows(x, jnp.pad(order, (0, rows - order.shape[0])) // k)
 
 
@@ -104,7 +108,9 @@ def _dispatch_kernel(x_ref, inv_ref, o_ref, *, k: int, tokens: int, pairs: int, 
     cols = pl.ds(c * bw, bw)
     tile = plgpu.load(x_ref.at[pl.ds(i * bt, bt), cols], mask=mask, other=jnp.zeros((), x_ref.dtype))
     for j in range(k):
-        dst = plgpu.load(inv_ref.at[jnp.int32(j), pl.ds(i * bt, bt)], mask=live, other=0)
+        # Tokens past M point past the last row: masked on the GPU, dropped by interpret mode's scatter (pointing
+        # them at row 0 would write row 0 twice in one scatter there).
+        dst = plgpu.load(inv_ref.at[jnp.int32(j), pl.ds(i * bt, bt)], mask=live, other=rows)
         plgpu.store(o_ref.at[dst[:, None], col[None, :]], tile, mask=mask)  # rows and columns as index arrays
     pad = rows - pairs
     if pad:  # the rows past M*k (the grouped matmul's row multiple): zeros, written by the first token block
@@ -125,7 +131,7 @@ def dispatch_rows_pallas(x, order, inverse, *, k: int, rows: int, block_tokens: 
     m, h = x.shape
     if m == 0:
         return jnp.zeros((rows, h), x.dtype)
-    bw, col_blocks = _blocks(h, block_columns)
+    bw, col_blocks = _blocks(h, block_columns, block_tokens)
     bt = block_tokens
     token_blocks = -(-m // bt)
     inv = inverse.reshape(m, k).T.astype(jnp.int32)  # [k, M]: one contiguous row of destinations per slot
@@ -145,12 +151,14 @@ def dispatch_rows_pallas(x, order, inverse, *, k: int, rows: int, block_tokens: 
 
 def dispatch_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int, rows: int, *,
                   implementation: str | None = None) -> jax.Array:
-    """x [M, H]; order, inverse [M*k] (`routing.expert_permutation`'s) -> [rows, H], rows >= M*k: row
-    inverse[t*k + j] holds x[t]; rows past M*k hold finite filler (zeros or x's first row)."""
+    """x [M, H]; order, inverse [M*k] (`routing.expert_permutation`'s) -> [rows, H], M*k <= rows < M*k +
+    MAX_PADDING: row inverse[t*k + j] holds x[t]; the rows past M*k (a grouped matmul's row multiple) hold zeros
+    (Pallas) or copies of x's first row (XLA)."""
     m, _ = x.shape
-    if order.shape != (m * k,) or inverse.shape != (m * k,) or rows < m * k:
+    if order.shape != (m * k,) or inverse.shape != (m * k,) or not m * k <= rows < m * k + MAX_PADDING:
         raise ValueError(f"dispatch_rows: x {x.shape}, order {order.shape}, inverse {inverse.shape}, k={k}, "
-                         f"rows={rows}: want order and inverse of shape ({m * k},) and rows >= {m * k}")
+                         f"rows={rows}: want order and inverse of shape ({m * k},) and {m * k} <= rows < "
+                         f"{m * k + MAX_PADDING}")
     return _by_platform(functools.partial(dispatch_rows_xla, k=k, rows=rows),
                         functools.partial(dispatch_rows_pallas, k=k, rows=rows), implementation, ENV_DISPATCH,
                         "pallas", x, order, inverse)
@@ -162,7 +170,7 @@ def dispatch_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int, ro
 def combine_rows_xla(y, inverse, weights, add=None):
     m, k = weights.shape
     out = y[inverse] * weights.reshape(-1)[:, None].astype(y.dtype)
-    out = jnp.sum(out.reshape(m, k, -1).astype(_F32), axis=1).astype(y.dtype)
+    out = jnp.sum(out.reshape(m, k, y.shape[1]).astype(_F32), axis=1).astype(y.dtype)
     return out if add is None else out + add
 
 
@@ -200,7 +208,7 @@ def combine_rows_pallas(y, inverse, weights, add=None, *, block_tokens: int = BL
     h = y.shape[1]
     if m == 0:
         return jnp.zeros((0, h), y.dtype)
-    bw, col_blocks = _blocks(h, block_columns)
+    bw, col_blocks = _blocks(h, block_columns, block_tokens)
     bt = block_tokens
     inv = inverse.reshape(m, k).T.astype(jnp.int32)
     w = weights.T  # [k, M]
@@ -220,11 +228,13 @@ def combine_rows_pallas(y, inverse, weights, add=None, *, block_tokens: int = BL
 
 def combine_rows(y: jax.Array, inverse: jax.Array, weights: jax.Array, add: jax.Array | None = None, *,
                  implementation: str | None = None) -> jax.Array:
-    """y [R, H] rows in expert order; inverse [M*k]; weights [M, k] -> [M, H] in y's dtype:
-    sum_j weights[t, j] * y[inverse[t*k + j]] (+ add [M, H])."""
+    """y [R, H] rows in expert order (R >= M*k); inverse [M*k]; weights [M, k] (used in y's dtype) -> [M, H] in y's
+    dtype: sum_j weights[t, j] * y[inverse[t*k + j]] (+ add [M, H] of y's dtype)."""
     m, k = weights.shape
-    if inverse.shape != (m * k,) or (add is not None and add.shape != (m, y.shape[1])):
-        raise ValueError(f"combine_rows: y {y.shape}, inverse {inverse.shape}, weights {weights.shape}, "
-                         f"add {None if add is None else add.shape}: want inverse ({m * k},), add ({m}, {y.shape[1]})")
+    bad_add = add is not None and (add.shape != (m, y.shape[1]) or add.dtype != y.dtype)
+    if inverse.shape != (m * k,) or y.ndim != 2 or y.shape[0] < m * k or bad_add:
+        raise ValueError(f"combine_rows: y {y.shape}, inverse {inverse.shape}, weights {weights.shape}, add "
+                         f"{None if add is None else (add.shape, str(add.dtype))}: want y with >= {m * k} rows, "
+                         f"inverse ({m * k},), add ({m}, {y.shape[1] if y.ndim == 2 else '?'}) of y's dtype {y.dtype}")
     args = (y, inverse, weights) if add is None else (y, inverse, weights, add)
     return _by_platform(combine_rows_xla, combine_rows_pallas, implementation, ENV_COMBINE, "xla", *args)

@@ -49,7 +49,7 @@ def routed_experts(
     add: jax.Array | None = None,
 ) -> jax.Array:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e (+ `add`, e.g. the shared
-    expert's output, summed in the same pass on the GPU).
+    expert's output, added in the un-permute's pass: XLA fuses it there). The weights are used in x's dtype.
 
     x [M, H]; expert_ids, expert_weights [M, k]; gate_up_proj [E, 2I, H] (gate rows first, or, with
     `gate_up_interleaved`, in `kernels.interleave_gate_up`'s layout, which lets the GPU kernel fuse SiLU(gate) * up

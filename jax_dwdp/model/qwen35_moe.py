@@ -57,6 +57,14 @@ def _positions(h, b: int, t: int):
     return positions
 
 
+def cache_length(tokens: int, cache_len: int | None) -> int:
+    """The K/V cache's length for a prompt of `tokens`: cache_len (room for later tokens) or the prompt's own."""
+    length = tokens if cache_len is None else cache_len
+    if length < tokens:
+        raise ValueError(f"cache_len {length} is shorter than the prompt ({tokens} tokens)")
+    return length
+
+
 @struct.dataclass
 class Cache:
     """What a decode step continues from, for the layers of one range.
@@ -80,6 +88,27 @@ class Cache:
 
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in (self.key, self.value, self.conv, self.recurrent))
+
+    @staticmethod
+    def assemble(cfg: ModelConfig, dtype, *, key, value, conv, recurrent, lengths, batch: int, cache_len: int,
+                 full_layer_ids, linear_layer_ids, device=None) -> "Cache":
+        """A Cache from stacked leaves; a leaf given as None (a range without full-attention or without linear
+        layers) becomes an empty [0, ...] array of the right trailing shape on `device` (where the cache lives, not
+        the default device)."""
+        def leaf(x, shape, dt):
+            return x if x is not None else jnp.zeros(shape, dt, device=device)
+
+        kv = (0, batch, cache_len, cfg.num_key_value_heads, cfg.head_dim)
+        return Cache(
+            key=leaf(key, kv, dtype),
+            value=leaf(value, kv, dtype),
+            conv=leaf(conv, (0, batch, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), dtype),
+            recurrent=leaf(recurrent, (0, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                       cfg.linear_value_head_dim), jnp.float32),
+            lengths=lengths,
+            full_layer_ids=tuple(full_layer_ids),
+            linear_layer_ids=tuple(linear_layer_ids),
+        )
 
     @staticmethod
     def concat_batch(caches: list["Cache"]) -> "Cache":
@@ -216,9 +245,7 @@ class Qwen35MoeForCausalLM(nnx.Module):
         b, t, _ = h.shape
         if cache is not None:
             cache_len = cache.capacity
-        cache_len = t if cache_len is None else cache_len
-        if cache_len < t:
-            raise ValueError(f"cache_len {cache_len} is shorter than the prompt ({t} tokens)")
+        cache_len = cache_length(t, cache_len)
         positions = _positions(h, b, t)
         if cache is not None:
             positions = positions + cache.lengths[:, None]
@@ -246,27 +273,11 @@ class Qwen35MoeForCausalLM(nnx.Module):
         return h, self._stack_cache(keys, values, convs, states, held, b, cache_len)
 
     def _stack_cache(self, keys, values, convs, states, lengths, b, cache_len) -> Cache:
-        cfg = self.cfg
-        kv_shape = (0, b, cache_len, cfg.num_key_value_heads, cfg.head_dim)
-        # Empty leaves (a range without full-attention or without linear layers) go where the cache lives, not
-        # on the default device (see _positions).
-        device = _single_device(lengths)
-
-        def empty(shape, dtype):
-            return jnp.zeros(shape, dtype, device=device)
-
-        return Cache(
-            key=jnp.stack(keys) if keys else empty(kv_shape, self.dtype),
-            value=jnp.stack(values) if values else empty(kv_shape, self.dtype),
-            conv=jnp.stack(convs) if convs else empty((0, b, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), self.dtype),
-            recurrent=jnp.stack(states)
-            if states
-            else empty((0, b, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                       jnp.float32),
-            lengths=lengths.astype(jnp.int32),
-            full_layer_ids=self.full_layer_ids,
-            linear_layer_ids=self.linear_layer_ids,
-        )
+        stack = lambda xs: jnp.stack(xs) if xs else None  # noqa: E731
+        return Cache.assemble(self.cfg, self.dtype, key=stack(keys), value=stack(values), conv=stack(convs),
+                              recurrent=stack(states), lengths=lengths.astype(jnp.int32), batch=b,
+                              cache_len=cache_len, full_layer_ids=self.full_layer_ids,
+                              linear_layer_ids=self.linear_layer_ids, device=_single_device(lengths))
 
     # ---- whole-model entry points -------------------------------------------------------------
     def forward(
