@@ -70,20 +70,34 @@ def test_counting_sort_is_the_stable_argsort(rng, m, e, k):
 
 
 def test_implementation_switch(rng, monkeypatch):
-    """By default the platform decides when lowering: a CPU computation takes XLA (on a GPU host this is the case
-    that failed in the ninth session's run B; on a CPU-only machine the CUDA branch is never lowered anyway).
-    $JAX_DWDP_ROUTING=pallas keeps that guard (a CPU computation still runs); bad names are clear errors."""
+    """By default the platform decides when lowering: lowered for CUDA the program holds the kernels, lowered for
+    the CPU it does not (on a GPU host the CPU case failed in the ninth session's run B), and it runs there.
+    $JAX_DWDP_ROUTING=xla removes the kernels from a CUDA lowering; =pallas keeps the CPU guard; bad names are
+    clear errors."""
     logits = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
+    ids_in = jax.ShapeDtypeStruct((40, 2), jnp.int32)
+    topk = jax.jit(lambda x: routing.topk_softmax(x, 2))
+
+    def lowered(platform):  # traced anew: the choice is read at trace time, and jit caches traces
+        t = jax.jit(lambda x: routing.topk_softmax(x, 2)).trace(logits)
+        p = jax.jit(lambda i: routing.expert_permutation(i, 8)).trace(ids_in)
+        return t.lower(lowering_platforms=(platform,)).as_text() + p.lower(lowering_platforms=(platform,)).as_text()
+
     monkeypatch.delenv(routing.ENV_IMPLEMENTATION, raising=False)
+    cuda, cpu_text = lowered("cuda"), lowered("cpu")
+    assert "moe_topk_softmax" in cuda and "moe_expert_ranks" in cuda
+    assert "moe_topk_softmax" not in cpu_text and "moe_expert_ranks" not in cpu_text
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        text = jax.jit(lambda x: routing.topk_softmax(x, 2)).lower(jax.device_put(logits, cpu)).as_text()
-        assert "moe_topk_softmax" not in text
-        ids, _ = jax.jit(lambda x: routing.topk_softmax(x, 2))(jax.device_put(logits, cpu))
+        ids, _ = topk(jax.device_put(logits, cpu))
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(routing.topk_softmax_xla(logits, 2)[0]))
+    monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "xla")
+    cuda = lowered("cuda")
+    assert "moe_topk_softmax" not in cuda and "moe_expert_ranks" not in cuda
     monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "pallas")
+    assert "moe_topk_softmax" in lowered("cuda")
     with jax.default_device(cpu):
-        forced, _ = jax.jit(lambda x: routing.topk_softmax(x, 2))(jax.device_put(logits, cpu))
+        forced, _ = topk(jax.device_put(logits, cpu))
     np.testing.assert_array_equal(np.asarray(forced), np.asarray(ids))
     monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "cub")
     with pytest.raises(ValueError, match="JAX_DWDP_ROUTING='cub'"):

@@ -1,12 +1,50 @@
-"""Which platform a jitted computation is being lowered for."""
+"""Choosing between a kernel's XLA and Pallas implementations, and which platform a computation is lowered for."""
+
+from __future__ import annotations
+
+import os
 
 import jax
+from jax import lax
+
+IMPLEMENTATIONS = ("xla", "pallas")
 
 
 def default_platform() -> str:
-    """The platform of the default backend ('cpu', 'gpu', 'tpu'); decides kernel choices at trace time."""
+    """The platform of the default backend ('cpu', 'gpu', 'tpu'). The grouped matmul, the gated delta rule and
+    attention decide by it at trace time (their GPU paths cannot be traced for the CPU: cuDNN's checks, the CUTLASS
+    library); the Pallas kernels chosen by `by_platform` decide at lowering instead."""
     return jax.default_backend()
 
 
 def on_gpu() -> bool:
     return default_platform() == "gpu"
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose(implementation: str | None, env: str, *, what: str) -> str | None:
+    """The implementation asked for (the argument, else $env), validated; None when neither asks."""
+    impl = implementation or os.environ.get(env) or None
+    if impl is not None and impl not in IMPLEMENTATIONS:
+        where = "implementation" if implementation else env
+        raise ValueError(f"{what}: {where}={impl!r} is none of {IMPLEMENTATIONS}")
+    return impl
+
+
+def by_platform(xla_fn, pallas_fn, *args, implementation: str | None, env: str, default: str, what: str):
+    """Runs xla_fn(*args) or pallas_fn(*args).
+
+    implementation="pallas" (tests, benchmarks): the kernel itself, whatever the platform. "xla" (argument or $env):
+    XLA. "pallas" from $env, or `default`="pallas" when nothing asks: the kernel where the computation is lowered
+    for a CUDA GPU and XLA elsewhere (decided at lowering, so a CPU computation on a GPU host takes the XLA path).
+    """
+    impl = choose(implementation, env, what=what) or default
+    if implementation == "pallas":
+        return pallas_fn(*args)
+    if impl == "xla":
+        return xla_fn(*args)
+    return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)

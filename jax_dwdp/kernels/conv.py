@@ -13,15 +13,15 @@ cannot be), so the model keeps XLA's. $JAX_DWDP_CONV=pallas opts in (16-bit inpu
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_dwdp.kernels._backend import IMPLEMENTATIONS, choose  # noqa: F401 (IMPLEMENTATIONS: re-exported)
+
 
 ENV_IMPLEMENTATION = "JAX_DWDP_CONV"
-IMPLEMENTATIONS = ("xla", "pallas")
 _F32 = jnp.float32
 BLOCK_T = 32
 
@@ -113,9 +113,7 @@ def causal_conv_silu(x: jax.Array, weight: jax.Array, history: jax.Array | None 
     """silu(causal depthwise conv) of x [B, T, C] with weight [C, 1, K], zeros or `history` [B, K-1, C] before
     t = 0; fp32 math, x's dtype out. XLA unless "pallas" is asked for (argument or $JAX_DWDP_CONV), which runs the
     kernel where the computation is lowered for a CUDA GPU with 16-bit inputs and supported shapes."""
-    impl = implementation or os.environ.get(ENV_IMPLEMENTATION) or "xla"
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"{ENV_IMPLEMENTATION} / implementation {impl!r} is none of {IMPLEMENTATIONS}")
+    impl = choose(implementation, ENV_IMPLEMENTATION, what="causal_conv_silu") or "xla"
     if impl == "xla" or x.dtype not in (jnp.bfloat16, jnp.float16) or not supported(x.shape[-1], weight.shape[-1]):
         return causal_conv_silu_xla(x, weight, history)
     # Decided when lowered: a CPU computation on a GPU host takes the XLA path.

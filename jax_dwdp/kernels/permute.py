@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_dwdp.kernels._backend import IMPLEMENTATIONS, by_platform, pow2  # noqa: F401 (IMPLEMENTATIONS: re-exported)
+
 ENV_DISPATCH, ENV_COMBINE = "JAX_DWDP_DISPATCH", "JAX_DWDP_COMBINE"
-IMPLEMENTATIONS = ("xla", "pallas")
 _F32 = jnp.float32
 
 BLOCK_TOKENS = 16  # tokens per program
@@ -38,31 +39,8 @@ NUM_WARPS = 4
 MAX_PADDING = 128  # rows past M*k a dispatch may add (the grouped matmul's row multiple is 8)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _choose(implementation: str | None, env: str) -> str | None:
-    impl = implementation or os.environ.get(env) or None
-    if impl is not None and impl not in IMPLEMENTATIONS:
-        where = "implementation" if implementation else env
-        raise ValueError(f"permute: {where}={impl!r} is none of {IMPLEMENTATIONS}")
-    return impl
-
-
-def _by_platform(xla_fn, pallas_fn, implementation, env: str, default: str, *args):
-    """The chosen implementation; by default (`default`="pallas") the kernel where the computation is lowered for
-    a CUDA GPU and XLA elsewhere, decided at lowering as `routing` decides."""
-    impl = _choose(implementation, env) or default
-    if implementation == "pallas":  # asked for by the caller (tests, benchmarks): the kernel itself
-        return pallas_fn(*args)
-    if impl == "xla":
-        return xla_fn(*args)
-    return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)
-
-
 def _blocks(width: int, block_columns: int | None, block_tokens: int) -> tuple[int, int]:
-    bw = block_columns or min(BLOCK_COLUMNS, _pow2(width))
+    bw = block_columns or min(BLOCK_COLUMNS, pow2(width))
     for name, b in (("block_columns", bw), ("block_tokens", block_tokens)):
         if b < 1 or b & (b - 1):
             raise ValueError(f"permute: {name}={b} is not a power of two")
@@ -73,6 +51,18 @@ def _compiler_params(num_warps: int):
     from jax.experimental.pallas import triton as plgpu
 
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+def _tile(bt: int, bw: int, tokens: int, width: int):
+    """The program's block of tokens and columns: (live tokens [bt], column indices [bw], the tile's mask [bt, bw],
+    the token slice, the column slice). Grid (token blocks, column blocks)."""
+    from jax.experimental import pallas as pl
+
+    i, c = pl.program_id(0), pl.program_id(1)
+    token = i * bt + lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    col = c * bw + lax.broadcasted_iota(jnp.int32, (bw,), 0)
+    live = token < tokens
+    return live, col, live[:, None] & (col < width)[None, :], pl.ds(i * bt, bt), pl.ds(c * bw, bw)
 
 
 # ---- dispatch: token rows into expert order ---------------------------------------------------------------------
@@ -99,24 +89,19 @@ def _dispatch_kernel(x_ref, inv_ref, o_ref, *, k: int, tokens: int, pairs: int, 
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    i, c = pl.program_id(0), pl.program_id(1)
     width, rows = x_ref.shape[1], o_ref.shape[0]
-    token = i * bt + lax.broadcasted_iota(jnp.int32, (bt,), 0)
-    col = c * bw + lax.broadcasted_iota(jnp.int32, (bw,), 0)
-    live = token < tokens
-    mask = live[:, None] & (col < width)[None, :]
-    cols = pl.ds(c * bw, bw)
-    tile = plgpu.load(x_ref.at[pl.ds(i * bt, bt), cols], mask=mask, other=jnp.zeros((), x_ref.dtype))
+    live, col, mask, here, cols = _tile(bt, bw, tokens, width)
+    tile = plgpu.load(x_ref.at[here, cols], mask=mask, other=jnp.zeros((), x_ref.dtype))
     for j in range(k):
         # Tokens past M point past the last row: masked on the GPU, dropped by interpret mode's scatter (pointing
         # them at row 0 would write row 0 twice in one scatter there).
-        dst = plgpu.load(inv_ref.at[jnp.int32(j), pl.ds(i * bt, bt)], mask=live, other=rows)
+        dst = plgpu.load(inv_ref.at[jnp.int32(j), here], mask=live, other=rows)
         plgpu.store(o_ref.at[dst[:, None], col[None, :]], tile, mask=mask)  # rows and columns as index arrays
     pad = rows - pairs
     if pad:  # the rows past M*k (the grouped matmul's row multiple): zeros, written by the first token block
-        pr = _pow2(pad)
+        pr = pow2(pad)
 
-        @pl.when(i == 0)
+        @pl.when(pl.program_id(0) == 0)
         def _():
             r = lax.broadcasted_iota(jnp.int32, (pr,), 0)
             plgpu.store(o_ref.at[(pairs + r)[:, None], col[None, :]], jnp.zeros((pr, bw), o_ref.dtype),
@@ -159,9 +144,9 @@ def dispatch_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int, ro
         raise ValueError(f"dispatch_rows: x {x.shape}, order {order.shape}, inverse {inverse.shape}, k={k}, "
                          f"rows={rows}: want order and inverse of shape ({m * k},) and {m * k} <= rows < "
                          f"{m * k + MAX_PADDING}")
-    return _by_platform(functools.partial(dispatch_rows_xla, k=k, rows=rows),
-                        functools.partial(dispatch_rows_pallas, k=k, rows=rows), implementation, ENV_DISPATCH,
-                        "pallas", x, order, inverse)
+    return by_platform(functools.partial(dispatch_rows_xla, k=k, rows=rows),
+                       functools.partial(dispatch_rows_pallas, k=k, rows=rows), x, order, inverse,
+                       implementation=implementation, env=ENV_DISPATCH, default="pallas", what="dispatch_rows")
 
 
 # ---- combine: back to token order, the weighted top-k sum -------------------------------------------------------
@@ -175,17 +160,10 @@ def combine_rows_xla(y, inverse, weights, add=None):
 
 
 def _combine_kernel(y_ref, inv_ref, w_ref, *refs, k: int, tokens: int, bt: int, bw: int):
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     add_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
-    i, c = pl.program_id(0), pl.program_id(1)
-    width = o_ref.shape[1]
-    token = i * bt + lax.broadcasted_iota(jnp.int32, (bt,), 0)
-    col = c * bw + lax.broadcasted_iota(jnp.int32, (bw,), 0)
-    live = token < tokens
-    mask = live[:, None] & (col < width)[None, :]
-    cols, here = pl.ds(c * bw, bw), pl.ds(i * bt, bt)
+    live, col, mask, here, cols = _tile(bt, bw, tokens, o_ref.shape[1])
     dtype = o_ref.dtype
     acc = jnp.zeros((bt, bw), _F32)
     for j in range(k):
@@ -237,4 +215,5 @@ def combine_rows(y: jax.Array, inverse: jax.Array, weights: jax.Array, add: jax.
                          f"{None if add is None else (add.shape, str(add.dtype))}: want y with >= {m * k} rows, "
                          f"inverse ({m * k},), add ({m}, {y.shape[1] if y.ndim == 2 else '?'}) of y's dtype {y.dtype}")
     args = (y, inverse, weights) if add is None else (y, inverse, weights, add)
-    return _by_platform(combine_rows_xla, combine_rows_pallas, implementation, ENV_COMBINE, "xla", *args)
+    return by_platform(combine_rows_xla, combine_rows_pallas, *args, implementation=implementation, env=ENV_COMBINE,
+                       default="xla", what="combine_rows")

@@ -20,39 +20,20 @@ Timings (H200, 35b-a3b, 16K tokens): benchmarks/RESULTS.md, "MoE block".
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_dwdp.kernels._backend import on_gpu
+from jax_dwdp.kernels._backend import IMPLEMENTATIONS, by_platform, pow2  # noqa: F401 (IMPLEMENTATIONS: re-exported)
 
 ENV_IMPLEMENTATION = "JAX_DWDP_ROUTING"
-IMPLEMENTATIONS = ("xla", "pallas")
 _F32 = jnp.float32
 
 
-def _choose(implementation: str | None) -> str | None:
-    """The implementation asked for (argument, else $JAX_DWDP_ROUTING), validated; None: by platform."""
-    impl = implementation or os.environ.get(ENV_IMPLEMENTATION) or None
-    if impl is not None and impl not in IMPLEMENTATIONS:
-        where = "implementation" if implementation else ENV_IMPLEMENTATION
-        raise ValueError(f"routing: {where}={impl!r} is none of {IMPLEMENTATIONS}")
-    return impl
-
-
-def _by_platform(xla_fn, pallas_fn, implementation, *args):
-    """Runs the chosen implementation; by default the Pallas one where the computation is lowered for a CUDA GPU
-    and the XLA one elsewhere (decided at lowering, so a CPU computation on a GPU host takes the XLA path)."""
-    impl = _choose(implementation)
-    if implementation == "pallas":  # asked for by the caller (tests, benchmarks): the kernel itself
-        return pallas_fn(*args)
-    if impl == "xla":
-        return xla_fn(*args)
-    # By default, or $JAX_DWDP_ROUTING=pallas: the kernel where lowered for CUDA (a CPU computation on a GPU host,
-    # or a CPU-only machine, runs the XLA path).
-    return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)
+def _by_platform(xla_fn, pallas_fn, *args, implementation):
+    return by_platform(xla_fn, pallas_fn, *args, implementation=implementation, env=ENV_IMPLEMENTATION,
+                       default="pallas", what="routing")
 
 
 def _triton_params():
@@ -60,10 +41,6 @@ def _triton_params():
     from jax.experimental.pallas import triton as plgpu
 
     return plgpu.CompilerParams(num_warps=4, num_stages=3)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _block_rows(experts_padded: int) -> int:
@@ -114,7 +91,7 @@ def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False) -
         raise ValueError(f"topk_softmax: top-{k} of {e} experts")
     if m == 0:
         return jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), _F32)
-    ep, kp = _pow2(max(e, 16)), _pow2(max(k, 2))
+    ep, kp = pow2(max(e, 16)), pow2(max(k, 2))
     bm = _block_rows(ep)
     mp = -(-m // bm) * bm
     if (mp, ep) != (m, e):  # only for odd shapes: token counts are usually a multiple of the block
@@ -136,7 +113,7 @@ def topk_softmax(logits: jax.Array, k: int, *, implementation: str | None = None
     """logits [M, E] -> (expert ids [M, k] int32, weights [M, k] fp32): the top k of softmax(logits) in fp32, the
     weights renormalised to sum to 1; ids in decreasing probability, ties to the lower id."""
     return _by_platform(functools.partial(topk_softmax_xla, k=k), functools.partial(topk_softmax_pallas, k=k),
-                        implementation, logits)
+                        logits, implementation=implementation)
 
 
 # ---- grouping by expert ---------------------------------------------------------------------------------------
@@ -184,7 +161,7 @@ def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *,
     if m == 0:
         empty = jnp.zeros((0,), jnp.int32)
         return empty, empty, jnp.zeros((num_experts,), jnp.int32)
-    ep, kp = _pow2(max(num_experts, 16)), _pow2(max(k, 2))
+    ep, kp = pow2(max(num_experts, 16)), pow2(max(k, 2))
     bm = _block_rows(ep)
     mp = -(-m // bm) * bm
     ids = expert_ids.astype(jnp.int32)
@@ -220,5 +197,5 @@ def expert_permutation(expert_ids: jax.Array, num_experts: int, *,
     order within a group (a stable sort); `inverse` is its inverse (pair i sits at row inverse[i] of the grouped
     rows)."""
     return _by_platform(functools.partial(expert_permutation_xla, num_experts=num_experts),
-                        functools.partial(expert_permutation_pallas, num_experts=num_experts), implementation,
-                        expert_ids)
+                        functools.partial(expert_permutation_pallas, num_experts=num_experts), expert_ids,
+                        implementation=implementation)
