@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,8 @@ from jax_dwdp.model import fused_swiglu_enabled, init_model
 from jax_dwdp.prefill import jit_prefill
 from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
 from jax_dwdp.timing import median_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # trace_summary, when loaded by path (tests)
 
 PEAK_TFLOPS = 781.0
 
@@ -41,6 +45,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--layerwise", action="store_true", help="one compiled program per layer type (fast compile)")
     ap.add_argument("--scan", action="store_true", help="the layer stack as one scanned program (jax_dwdp.scan)")
+    ap.add_argument("--trace", metavar="DIR",
+                    help="after timing, trace one more call per length with jax.profiler into DIR/<tokens> and "
+                         "print its kernels by total time (benchmarks/trace_summary.py)")
     ap.add_argument("--fused-swiglu", action="store_true",
                     help="expert gate_up weights in the fused SwiGLU epilogue's layout (CUTLASS only; default: off)")
     args = ap.parse_args(argv)
@@ -81,6 +88,15 @@ def main(argv: list[str] | None = None) -> dict:
         out = prefill(tokens, lengths)
         host_ms = (time.perf_counter() - t0) * 1e3
         jax.block_until_ready(out)
+        kernels = None
+        if args.trace:
+            import trace_summary
+
+            where = f"{args.trace}/{t}"
+            with jax.profiler.trace(where, create_perfetto_trace=True):
+                jax.block_until_ready(prefill(tokens, lengths))
+            kernels = trace_summary.summarize(trace_summary.load(where))
+            print(trace_summary.render(kernels), flush=True)
         n = args.batch * t
         tflops = cfg.prefill_flops(args.batch, t, args.batch) / sec / 1e12
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
@@ -88,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
                    compile_s=round(compile_s, 2), prefill_ms=round(sec * 1e3, 2), tokens_per_s=round(n / sec),
                    tflops=round(tflops, 1), mfu=round(tflops / PEAK_TFLOPS, 4),
                    peak_gib=round(peak / 2**30, 2) if peak else None, logits_finite=finite,
-                   times_ms=[round(x * 1e3, 2) for x in times], host_ms=round(host_ms, 2))
+                   times_ms=[round(x * 1e3, 2) for x in times], host_ms=round(host_ms, 2), trace=kernels)
         rows.append(row)
         print(f"{t:>8} {compile_s:>9.1f} {sec * 1e3:>10.1f} {n / sec:>10.0f} {tflops:>8.1f} {tflops / PEAK_TFLOPS:>6.1%} "
               f"{row['peak_gib'] or float('nan'):>8.2f} {host_ms:>8.1f}  finite={finite}", flush=True)

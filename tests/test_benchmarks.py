@@ -279,13 +279,30 @@ def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
 def test_prefill_bench_rows(tmp_path, mode):
     """bench_prefill on the tiny preset: one row per length with its timings, the host time of one more call, the
     mode it ran, finite logits."""
+    trace = ["--trace", str(tmp_path / "trace")] if mode == "--layerwise" else []
     result, saved = run("bench_prefill", ["--preset", "tiny", "--seq-lens", "8", "16", "--iters", "2", "--dtype",
-                                          "float32", mode], tmp_path / "prefill.json")
+                                          "float32", mode, *trace], tmp_path / "prefill.json")
     assert saved == json.loads(json.dumps(result))
     assert [r["seq_len"] for r in saved["rows"]] == [8, 16]
     for r in saved["rows"]:
         assert r["logits_finite"] and r["prefill_ms"] > 0 and r["host_ms"] > 0 and len(r["times_ms"]) == 2
         assert r["scan"] == (mode == "--scan") and r["layerwise"] == (mode == "--layerwise")
+        if trace:  # the CPU trace has no device events: host events, and it says so
+            assert r["trace"]["events"] > 0 and not r["trace"]["device"] and r["trace"]["kernels"]
+
+
+def test_trace_summary_sums_device_kernels_by_name():
+    """Device processes' complete events are summed by name, largest first; host events are left out."""
+    ts = load("trace_summary")
+    events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+              dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
+              dict(ph="X", pid=1, name="gemm", ts=0.0, dur=300.0), dict(ph="X", pid=1, name="gemm", ts=400.0, dur=500.0),
+              dict(ph="X", pid=1, name="copy", ts=900.0, dur=100.0), dict(ph="X", pid=2, name="python", ts=0.0, dur=9e6),
+              dict(ph="i", pid=1, name="marker", ts=5.0)]
+    s = ts.summarize(dict(traceEvents=events))
+    assert s["device"] and s["events"] == 3 and s["kernels"] == [("gemm", 2, 0.8), ("copy", 1, 0.1)]
+    assert s["total_ms"] == pytest.approx(0.9) and s["span_ms"] == pytest.approx(1.0)
+    assert "gemm" in ts.render(s)
 
 
 def test_transformers_reference_runs_the_same_rows(tmp_path):
