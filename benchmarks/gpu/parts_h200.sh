@@ -3,7 +3,8 @@
 # (bench_layer_parts.py at 4K-32K) and the 40-layer 35b-a3b prefill with the default kernels and (BEFORE=1) with
 # BEFORE_ENV (default: the XLA routing and conv they replaced), with --scan (SCAN=1) and transformers' prefill
 # (HF=1: fla from .whl/ installed under /tmp/site), in one run. Logs, JSON under $OUT. Knobs: TESTS, TEST_ARGS
-# (pytest arguments), PARTS, PARTS_ARGS, MODEL40, MODEL40_SEQ, BEFORE, BEFORE_ENV, SCAN, SCAN_SEQ, HF, HF_SEQ.
+# (pytest arguments), PARTS, PARTS_ARGS, MODEL40, MODEL40_SEQ, MODEL40_ARGS (e.g. --trace "$OUT/trace"), MODEL40_LINES,
+# BEFORE, BEFORE_ENV, BEFORE_SEQ, SCAN, SCAN_SEQ, HF, HF_SEQ.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,14 +24,14 @@ if [ "${PARTS:-1}" = 1 ]; then
 fi
 if [ "${MODEL40:-1}" = 1 ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${MODEL40_TIMEOUT:-200} python3 benchmarks/bench_prefill.py \
-    --preset 35b-a3b --seq-lens ${MODEL40_SEQ:-4096 16384 32768} --layerwise --iters 5 --out "$OUT/prefill40.json" \
-    2>&1 | quiet | tail -5 | sed "s/^/default: /"
+    --preset 35b-a3b --seq-lens ${MODEL40_SEQ:-4096 16384 32768} --layerwise --iters 5 ${MODEL40_ARGS:-} \
+    --out "$OUT/prefill40.json" 2>&1 | quiet | tee "$OUT/prefill40.log" | tail -${MODEL40_LINES:-5} | sed "s/^/default: /"
   if [ "${BEFORE:-1}" = 1 ]; then
     # BEFORE_ENV: space-separated VAR=value words (no spaces inside a value)
     before_env=${BEFORE_ENV-JAX_DWDP_ROUTING=xla JAX_DWDP_CONV=xla}
     (set -f; env $before_env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
-      timeout ${MODEL40_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 16384 \
-      --layerwise --iters 5 --out "$OUT/prefill40_before.json") 2>&1 | quiet | tail -3 \
+      timeout ${MODEL40_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --preset 35b-a3b \
+      --seq-lens ${BEFORE_SEQ:-16384} --layerwise --iters 5 --out "$OUT/prefill40_before.json") 2>&1 | quiet | tail -3 \
       | awk -v p="${before_env:-unchanged}" '{print p ": " $0}'
   fi
 fi
