@@ -48,13 +48,15 @@ def env(**kw):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--out-dir", default="/tmp/probe")
-    args = ap.parse_args()
+    ap.add_argument("--preset", default="35b-a3b")
+    args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    cfg = ModelConfig.preset("35b-a3b").replace(num_hidden_layers=4)
+    cfg = ModelConfig.preset(args.preset)
+    cfg = cfg.replace(num_hidden_layers=cfg.full_attention_interval)
     model = init_model(cfg, dtype=jnp.bfloat16, seed=0)
     layer = next(lay for lay in model.layers if lay.layer_type == "linear_attention")
     graph, state = nnx.split(layer.mlp)
@@ -84,8 +86,9 @@ def main():
                     Path(args.out_dir, f"moe_{t}.hlo.txt").write_text(text)
                 ms = wall_ms(lambda: compiled(state, x), jax.block_until_ready)
             row.append(ms)
-            results[(name, t)] = ms
+            results.setdefault(name, {})[t] = ms
         print(f"{name:<26}" + "".join(f"{ms:>10.3f}" for ms in row), flush=True)
+    return results
 
 
 if __name__ == "__main__":

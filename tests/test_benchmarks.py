@@ -291,6 +291,16 @@ def test_prefill_bench_rows(tmp_path, mode):
             assert r["trace"]["events"] > 0 and not r["trace"]["device"] and r["trace"]["kernels"]
 
 
+def test_moe_fusion_probe_runs_every_variant(tmp_path):
+    """probe_moe_fusion on the tiny preset: every variant timed at each length, the default's optimized HLO
+    written."""
+    result = load("probe_moe_fusion").main(["--preset", "tiny", "--tokens", "16", "--out-dir", str(tmp_path)])
+    assert set(result) == {"default", "barrier after routing", "barrier before combine", "XLA dispatch",
+                           "Pallas combine"}
+    assert all(set(v) == {16} and v[16] > 0 for v in result.values())
+    assert "HloModule" in (tmp_path / "moe_16.hlo.txt").read_text()
+
+
 def test_trace_summary_sums_device_kernels_by_name():
     """Device processes' complete events are summed by name, largest first; host events are left out."""
     ts = load("trace_summary")
