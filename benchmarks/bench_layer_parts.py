@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--no-attention-alternatives", action="store_true")
     ap.add_argument("--fusions", action="store_true", help="also time the candidate fusions")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="today's defaults only: no one-change variants (XLA routing / dispatch, Pallas combine / conv)")
     ap.add_argument("--permute-configs", action="store_true",
                     help="also time the permutation kernels' block shapes")
     ap.add_argument("--out", type=Path)
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Layers and mixers with today's defaults; then with the XLA routing the routing kernels replaced, and
         # with the opt-in Pallas conv (the environment is read when a function is traced: at its first call).
         moe_ms = None
-        for suffix, env in VARIANTS:
+        for suffix, env in VARIANTS[:1] if args.no_variants else VARIANTS:
             with _environment(env(routing, conv_mod)):
                 lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
                 record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")

@@ -275,6 +275,15 @@ def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
     assert floor["ms"] == pytest.approx(want) and floor["block_over_floor"] == ratio(parts["MoE block"]["ms"], want)
 
 
+def test_layer_parts_without_variants(tmp_path):
+    """--no-variants (the notebook's fresh run): the defaults' layers and passes, none of the one-change variants."""
+    result = load("bench_layer_parts").main(["--preset", "tiny", "--tokens", "16", "--no-variants",
+                                             "--no-attention-alternatives"])
+    parts = {r["part"] for r in result["rows"]}
+    assert {"linear-attention layer", "full-attention layer", "MoE block", "gate_up grouped GEMM"} <= parts
+    assert not [p for p in parts if p.endswith(("(XLA routing)", "(XLA dispatch)", "(Pallas combine)", "(Pallas conv)"))]
+
+
 @pytest.mark.parametrize("mode", ["--layerwise", "--scan"])
 def test_prefill_bench_rows(tmp_path, mode):
     """bench_prefill on the tiny preset: one row per length with its timings, the host time of one more call, the
