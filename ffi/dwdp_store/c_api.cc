@@ -59,6 +59,61 @@ int dwdp_store_create(int ranks, const int* ordinals, int layers, int weights, c
   }
 }
 
+// One process per device: rank `rank` of `ranks`, on device `ordinal`; this rank's blocks only (see BuildLocal).
+int dwdp_store_create_local(int ranks, int rank, int ordinal, int layers, int weights, const uint64_t* expert_bytes,
+                            int slots, int experts, int flags, int64_t* out_id) {
+  if (ranks < 1 || rank < 0 || rank >= ranks || layers < 1 || weights < 1 || slots < 1 || experts < 1 ||
+      experts > ranks * slots)
+    return SetError("dwdp_store_create_local: bad sizes (ranks " + std::to_string(ranks) + ", rank " +
+                    std::to_string(rank) + ", layers " + std::to_string(layers) + ", weights " +
+                    std::to_string(weights) + ", slots " + std::to_string(slots) + ", experts " +
+                    std::to_string(experts) + ")");
+  for (int w = 0; w < weights; ++w)
+    if (expert_bytes[w] == 0) return SetError("dwdp_store_create_local: weight " + std::to_string(w) + " has 0 bytes");
+  try {
+    auto s = std::make_shared<Store>();
+    s->ranks = ranks;
+    s->local_rank = rank;
+    s->layers = layers;
+    s->weights = weights;
+    s->slots = slots;
+    s->experts = experts;
+    s->hooks.time_copies = (flags & TestHooks::kTimeCopies) != 0;
+    s->hooks.poison = (flags & TestHooks::kPoisonDestinations) != 0;
+    s->hooks.delay_copies = (flags & TestHooks::kDelayCopies) != 0;
+    s->expert_bytes.assign(expert_bytes, expert_bytes + weights);
+    Status st = BuildLocal(*s, ordinal);
+    if (!st.ok()) {
+      Release(*s);
+      return SetError(st.message);
+    }
+    *out_id = Register(s);
+    return 0;
+  } catch (const std::bad_alloc&) {
+    return SetError("dwdp_store_create_local: out of host memory");
+  } catch (const std::exception& e) {
+    return SetError(std::string("dwdp_store_create_local: ") + e.what());
+  }
+}
+
+// This rank's blocks as n = layers * weights new POSIX descriptors (region order), the caller's to close.
+int dwdp_store_export(int64_t id, int* fds, int n) {
+  std::shared_ptr<Store> s = Find(id);
+  if (!s) return SetError("dwdp_store_export: no open expert store " + std::to_string(id));
+  Device& d = *s->devices[0];
+  ScopedContext scope(d.ctx);
+  Status st = ExportBlocks(*s, fds, n);
+  return st.ok() ? 0 : SetError(st.message);
+}
+
+// Maps rank `peer`'s blocks from the descriptors it exported (which stay the caller's).
+int dwdp_store_import(int64_t id, int peer, const int* fds, int n) {
+  std::shared_ptr<Store> s = Find(id);
+  if (!s) return SetError("dwdp_store_import: no open expert store " + std::to_string(id));
+  Status st = ImportPeer(*s, peer, fds, n);
+  return st.ok() ? 0 : SetError(st.message);
+}
+
 // Copies `bytes` from device pointer `src` (on the rank's device) into rank `rank`'s block of (layer, weight).
 int dwdp_store_fill(int64_t id, int layer, int weight, int rank, uint64_t src, uint64_t bytes) {
   std::shared_ptr<Store> s = Find(id);
@@ -70,7 +125,10 @@ int dwdp_store_fill(int64_t id, int layer, int weight, int rank, uint64_t src, u
     return SetError("dwdp_store_fill: layer " + std::to_string(layer) + " weight " + std::to_string(weight) +
                     " rank " + std::to_string(rank) + ": got " + std::to_string(bytes) + " bytes, expected " +
                     std::to_string(s->block_bytes(weight)));
-  Device& d = *s->devices[rank];
+  Device* dp = s->device_of_rank(rank);
+  if (dp == nullptr)
+    return SetError("dwdp_store_fill: rank " + std::to_string(rank) + "'s blocks belong to another process");
+  Device& d = *dp;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.ctx == nullptr || d.closing) return SetError("dwdp_store_fill: the store is closing");
   ScopedContext scope(d.ctx);
@@ -98,8 +156,9 @@ int dwdp_store_copy_ms(int64_t id, int rank, int layer, float* ms) {
   if (rank < 0 || rank >= s->ranks || layer < 0 || layer >= s->layers)
     return SetError("dwdp_store_copy_ms: rank or layer out of range");
   *ms = -1.0f;
-  if (!s->hooks.time_copies) return 0;
-  Device& d = *s->devices[rank];
+  Device* dp = s->device_of_rank(rank);
+  if (!s->hooks.time_copies || dp == nullptr) return 0;
+  Device& d = *dp;
   std::lock_guard<std::mutex> lock(d.mu);
   if (!d.timed[layer]) return 0;
   ScopedContext scope(d.ctx);

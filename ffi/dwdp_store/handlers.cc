@@ -32,7 +32,7 @@ ffi::Error FindDevice(int64_t store_id, int32_t ordinal, const std::string& wher
   if (!*s) return Fail(where + ": no open expert store with this id (was it closed?)");
   const int rank = (*s)->rank_of(ordinal);
   if (rank < 0) return Fail(where + ": device " + std::to_string(ordinal) + " is not one of the store's devices");
-  *d = (*s)->devices[rank].get();
+  *d = (*s)->device_of_rank(rank);
   return ffi::Error::Success();
 }
 
@@ -104,6 +104,9 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   if (layer < 0 || layer >= s->layers)
     return Fail(where + ": layer out of range [0, " + std::to_string(s->layers) + ")");
   if (s->weights != 2) return Fail(where + ": the store holds " + std::to_string(s->weights) + " weights, expected 2");
+  for (int r = 0; r < s->ranks; ++r)
+    if (!s->present[r])
+      return Fail(where + ": rank " + std::to_string(r) + "'s blocks are not mapped here yet (dwdp_store_import)");
   ffi::AnyBuffer* const outs[2] = {&(*gate_up), &(*down)};
   for (int w = 0; w < 2; ++w) {
     const size_t want = static_cast<size_t>(s->experts) * s->expert_bytes[w];

@@ -5,7 +5,10 @@
 //   c_api.cc     the C functions Python calls through ctypes (create, fill, close, sync, facts, test hooks)
 //
 // Design notes (see ffi/README.md for the whole picture):
-// - One process drives every device of the store (PJRT's single-process multi-GPU client).
+// - One process drives every device of the store (PJRT's single-process multi-GPU client), or (BuildLocal) one
+//   process per device: the store then holds one device, allocates only its own rank's blocks, exports them as
+//   POSIX file descriptors (ExportBlocks) and maps the peers' blocks from theirs (ImportPeer); the descriptors
+//   travel between the processes in Python (jax_dwdp/parallel/fd_exchange.py).
 // - Rank r's block of each (layer, weight) is one cuMemCreate allocation on device r (POSIX fd handle, or
 //   FABRIC when a probe allocation succeeds), mapped at offset r * stride of the (layer, weight)'s reserved VA.
 //   cuMemSetAccess grants every store device read access to the whole range, so a peer block is an address.
@@ -97,6 +100,8 @@ struct Region {  // one (layer, weight): every rank's block in one reserved VA r
 struct Store {
   int64_t id = 0;
   int ranks = 0, layers = 0, weights = 0, slots = 0, experts = 0;
+  int local_rank = -1;        // one process per device: this process's rank, its device devices[0]; else -1
+  std::vector<char> present;  // per rank: its blocks are mapped (allocated here, or imported from the peer)
   TestHooks hooks;
   size_t granularity = 0;
   CUmemAllocationHandleType handle_type = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -107,14 +112,30 @@ struct Store {
   size_t block_bytes(int w) const { return static_cast<size_t>(slots) * expert_bytes[w]; }
   Region& region(int layer, int w) { return regions[static_cast<size_t>(layer) * weights + w]; }
   int rank_of(int ordinal) const {
-    for (int r = 0; r < ranks; ++r)
+    if (local_rank >= 0) return !devices.empty() && devices[0]->ordinal == ordinal ? local_rank : -1;
+    for (int r = 0; r < ranks && r < static_cast<int>(devices.size()); ++r)
       if (devices[r]->ordinal == ordinal) return r;
     return -1;
+  }
+  // The device that holds rank r's blocks in this process; nullptr for a peer process's rank.
+  Device* device_of_rank(int r) {
+    if (local_rank >= 0) return r == local_rank && !devices.empty() ? devices[0].get() : nullptr;
+    return r >= 0 && r < static_cast<int>(devices.size()) ? devices[r].get() : nullptr;
   }
 };
 
 // Acquires every device context, stream, event, allocation and mapping of `s` (sizes already set).
 Status Build(Store& s, const int* ordinals);
+// One process per device (s.local_rank set): this device's context, stream and events, the reserved ranges, and
+// this rank's blocks (POSIX fd handles), mapped and readable by this device. The peers' ranges stay unmapped
+// until ImportPeer.
+Status BuildLocal(Store& s, int ordinal);
+// This rank's block of every (layer, weight), in region order (layer * weights + weight), as new POSIX file
+// descriptors the caller owns (n == layers * weights). On failure none is left open.
+Status ExportBlocks(Store& s, int* fds, int n);
+// Maps rank `peer`'s blocks from its exported descriptors (ExportBlocks' order) into this device's ranges. The
+// descriptors stay the caller's (the imported handles hold their own reference).
+Status ImportPeer(Store& s, int peer, const int* fds, int n);
 // Releases everything a store holds, after waiting for its devices; keeps releasing after a failure and returns
 // the first one.
 Status Release(Store& s);

@@ -1,6 +1,8 @@
 // The expert store itself: CUDA VMM allocations and their composite virtual addresses, the copy streams and
 // events, their release, and the registry of open stores (see store.h).
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <map>
 
@@ -39,6 +41,57 @@ void ProbeHandleType(Store& s, CUmemAllocationProp prop) {
 }
 
 }  // namespace
+
+// One device of the store: its primary context, copy stream and events.
+static Status AddDevice(Store& s, int ordinal, const std::string& where) {
+  auto d = std::make_unique<Device>();
+  d->ordinal = ordinal;
+  DWDP_CU(where, cuDeviceGet(&d->dev, ordinal));
+  int vmm = 0;
+  DWDP_CU(where, cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, d->dev));
+  if (!vmm) return Status{where + ": device " + std::to_string(ordinal) + " does not support CUDA VMM"};
+  DWDP_CU(where, cuDevicePrimaryCtxRetain(&d->ctx, d->dev));
+  s.devices.push_back(std::move(d));
+  Device& dev = *s.devices.back();
+  ScopedContext scope(dev.ctx);
+  if (!scope.ok()) return Status{where + ": cannot make device " + std::to_string(dev.ordinal) + " current"};
+  DWDP_CU(where, cuStreamCreate(&dev.copy, CU_STREAM_NON_BLOCKING));
+  g_live.streams++;
+  DWDP_CU(where, cuEventCreate(&dev.ready, CU_EVENT_DISABLE_TIMING));
+  g_live.events++;
+  if (s.hooks.time_copies) {
+    dev.timing_start.assign(s.layers, nullptr);
+    dev.timing_stop.assign(s.layers, nullptr);
+    dev.timed.assign(s.layers, 0);
+    for (int l = 0; l < s.layers; ++l) {
+      DWDP_CU(where, cuEventCreate(&dev.timing_start[l], CU_EVENT_DEFAULT));
+      g_live.events++;
+      DWDP_CU(where, cuEventCreate(&dev.timing_stop[l], CU_EVENT_DEFAULT));
+      g_live.events++;
+    }
+  }
+  return {};
+}
+
+// Allocates rank r's block of `reg` on `ordinal` and maps it at its offset.
+static Status CreateBlock(Store& s, Region& reg, const CUmemAllocationProp& prop, int r, int layer,
+                          const std::string& where) {
+  CUresult res = cuMemCreate(&reg.handles[r], reg.stride, &prop, 0);
+  if (res != CUDA_SUCCESS) {
+    reg.handles[r] = 0;
+    std::string msg = Describe(where, "cuMemCreate", res) + " allocating " + std::to_string(reg.stride) +
+                      " bytes on device " + std::to_string(prop.location.id) + " for layer " + std::to_string(layer);
+    if (res == CUDA_ERROR_OUT_OF_MEMORY)
+      msg += " (XLA preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of GPU memory; leave room for the store, "
+             "e.g. XLA_PYTHON_CLIENT_PREALLOCATE=false)";
+    return Status{msg};
+  }
+  g_live.allocations++;
+  DWDP_CU(where, cuMemMap(reg.va + r * reg.stride, reg.stride, 0, reg.handles[r], 0));
+  reg.mapped[r] = 1;
+  g_live.mappings++;
+  return {};
+}
 
 std::string Describe(const std::string& where, const char* call, CUresult r) {
   return where + ": " + call + " failed with " + ErrorName(r) + " (" + std::to_string(static_cast<int>(r)) + ")";
@@ -142,32 +195,8 @@ Status Build(Store& s, const int* ordinals) {
   const std::string where = "dwdp_store_create";
   DWDP_CU(where, cuInit(0));
   for (int r = 0; r < s.ranks; ++r) {
-    auto d = std::make_unique<Device>();
-    d->ordinal = ordinals[r];
-    DWDP_CU(where, cuDeviceGet(&d->dev, ordinals[r]));
-    int vmm = 0;
-    DWDP_CU(where, cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, d->dev));
-    if (!vmm) return Status{where + ": device " + std::to_string(ordinals[r]) + " does not support CUDA VMM"};
-    DWDP_CU(where, cuDevicePrimaryCtxRetain(&d->ctx, d->dev));
-    s.devices.push_back(std::move(d));
-    Device& dev = *s.devices.back();
-    ScopedContext scope(dev.ctx);
-    if (!scope.ok()) return Status{where + ": cannot make device " + std::to_string(dev.ordinal) + " current"};
-    DWDP_CU(where, cuStreamCreate(&dev.copy, CU_STREAM_NON_BLOCKING));
-    g_live.streams++;
-    DWDP_CU(where, cuEventCreate(&dev.ready, CU_EVENT_DISABLE_TIMING));
-    g_live.events++;
-    if (s.hooks.time_copies) {
-      dev.timing_start.assign(s.layers, nullptr);
-      dev.timing_stop.assign(s.layers, nullptr);
-      dev.timed.assign(s.layers, 0);
-      for (int l = 0; l < s.layers; ++l) {
-        DWDP_CU(where, cuEventCreate(&dev.timing_start[l], CU_EVENT_DEFAULT));
-        g_live.events++;
-        DWDP_CU(where, cuEventCreate(&dev.timing_stop[l], CU_EVENT_DEFAULT));
-        g_live.events++;
-      }
-    }
+    Status st = AddDevice(s, ordinals[r], where);
+    if (!st.ok()) return st;
   }
   for (int a = 0; a < s.ranks; ++a)
     for (int b = 0; b < s.ranks; ++b) {
@@ -215,24 +244,111 @@ Status Build(Store& s, const int* ordinals) {
       g_live.ranges++;
       for (int r = 0; r < s.ranks; ++r) {
         prop.location.id = ordinals[r];
-        CUresult res = cuMemCreate(&reg.handles[r], reg.stride, &prop, 0);
-        if (res != CUDA_SUCCESS) {
-          reg.handles[r] = 0;
-          std::string msg = Describe(where, "cuMemCreate", res) + " allocating " + std::to_string(reg.stride) +
-                            " bytes on device " + std::to_string(ordinals[r]) + " for layer " + std::to_string(l);
-          if (res == CUDA_ERROR_OUT_OF_MEMORY)
-            msg += " (XLA preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of GPU memory; leave room for the store, "
-                   "e.g. XLA_PYTHON_CLIENT_PREALLOCATE=false)";
-          return Status{msg};
-        }
-        g_live.allocations++;
-        DWDP_CU(where, cuMemMap(reg.va + r * reg.stride, reg.stride, 0, reg.handles[r], 0));
-        reg.mapped[r] = 1;
-        g_live.mappings++;
+        Status st = CreateBlock(s, reg, prop, r, l, where);
+        if (!st.ok()) return st;
       }
       DWDP_CU(where, cuMemSetAccess(reg.va, reg.reserved, access.data(), access.size()));
     }
   }
+  s.present.assign(s.ranks, 1);
+  return {};
+}
+
+Status BuildLocal(Store& s, int ordinal) {
+  const std::string where = "dwdp_store_create_local";
+  DWDP_CU(where, cuInit(0));
+  s.present.assign(s.ranks, 0);
+  Status st = AddDevice(s, ordinal, where);
+  if (!st.ok()) return st;
+  ScopedContext scope(s.devices[0]->ctx);
+  if (!scope.ok()) return Status{where + ": cannot make device " + std::to_string(ordinal) + " current"};
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = ordinal;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;  // exported as descriptors
+  s.handle_type = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  // Every process must compute the same strides: the granularity of the allocation kind, not of the device.
+  DWDP_CU(where, cuMemGetAllocationGranularity(&s.granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  CUmemAccessDesc access = {};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = ordinal;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const int r = s.local_rank;
+  s.regions.resize(static_cast<size_t>(s.layers) * s.weights);
+  for (int l = 0; l < s.layers; ++l) {
+    for (int w = 0; w < s.weights; ++w) {
+      Region& reg = s.region(l, w);
+      reg.stride = (s.block_bytes(w) + s.granularity - 1) / s.granularity * s.granularity;
+      reg.reserved = reg.stride * s.ranks;
+      reg.handles.assign(s.ranks, 0);
+      reg.mapped.assign(s.ranks, 0);
+      DWDP_CU(where, cuMemAddressReserve(&reg.va, reg.reserved, s.granularity, 0, 0));
+      g_live.ranges++;
+      st = CreateBlock(s, reg, prop, r, l, where);
+      if (!st.ok()) return st;
+      DWDP_CU(where, cuMemSetAccess(reg.va + r * reg.stride, reg.stride, &access, 1));
+    }
+  }
+  s.present[r] = 1;
+  return {};
+}
+
+Status ExportBlocks(Store& s, int* fds, int n) {
+  const std::string where = "dwdp_store_export";
+  if (s.local_rank < 0) return Status{where + ": the store was not created with dwdp_store_create_local"};
+  if (n != static_cast<int>(s.regions.size()))
+    return Status{where + ": room for " + std::to_string(n) + " descriptors, the store has " +
+                  std::to_string(s.regions.size()) + " blocks (layers x weights)"};
+  for (int i = 0; i < n; ++i) fds[i] = -1;
+  for (int i = 0; i < n; ++i) {
+    int fd = -1;
+    CUresult res = cuMemExportToShareableHandle(&fd, s.regions[i].handles[s.local_rank],
+                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (res != CUDA_SUCCESS) {
+      for (int j = 0; j < i; ++j) close(fds[j]), fds[j] = -1;
+      return Status{Describe(where, "cuMemExportToShareableHandle", res) + " (block " + std::to_string(i) + ")"};
+    }
+    fds[i] = fd;
+  }
+  return {};
+}
+
+Status ImportPeer(Store& s, int peer, const int* fds, int n) {
+  const std::string where = "dwdp_store_import(rank " + std::to_string(peer) + ")";
+  if (s.local_rank < 0) return Status{where + ": the store was not created with dwdp_store_create_local"};
+  if (peer < 0 || peer >= s.ranks || peer == s.local_rank)
+    return Status{where + ": not a peer rank of this store (ranks " + std::to_string(s.ranks) + ", this one " +
+                  std::to_string(s.local_rank) + ")"};
+  if (s.present[peer]) return Status{where + ": already imported"};
+  if (n != static_cast<int>(s.regions.size()))
+    return Status{where + ": " + std::to_string(n) + " descriptors, the store has " +
+                  std::to_string(s.regions.size()) + " blocks (layers x weights)"};
+  Device& d = *s.devices[0];
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (d.ctx == nullptr || d.closing) return Status{where + ": the store is closing"};
+  ScopedContext scope(d.ctx);
+  if (!scope.ok()) return Status{where + ": cannot make device " + std::to_string(d.ordinal) + " current"};
+  CUmemAccessDesc access = {};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = d.ordinal;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  for (int i = 0; i < n; ++i) {
+    Region& reg = s.regions[i];
+    CUmemGenericAllocationHandle h = 0;
+    DWDP_CU(where, cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
+                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    reg.handles[peer] = h;  // released by Release whatever happens next
+    g_live.allocations++;
+    CUresult res = cuMemMap(reg.va + peer * reg.stride, reg.stride, 0, h, 0);
+    if (res != CUDA_SUCCESS)  // e.g. a peer of another configuration: its block is not this store's stride
+      return Status{Describe(where, "cuMemMap", res) + " mapping block " + std::to_string(i) + " (" +
+                    std::to_string(reg.stride) + " bytes): do all ranks use the same layers, weights and slots?"};
+    reg.mapped[peer] = 1;
+    g_live.mappings++;
+    DWDP_CU(where, cuMemSetAccess(reg.va + peer * reg.stride, reg.stride, &access, 1));
+  }
+  s.present[peer] = 1;
   return {};
 }
 

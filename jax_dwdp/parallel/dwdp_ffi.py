@@ -53,8 +53,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dwdp_live_objects.argtypes = [ctypes.POINTER(i64)]
     lib.dwdp_live_objects.restype = None
     lib.dwdp_store_sync.argtypes = [i64]
+    lib.dwdp_store_create_local.argtypes = [c_int, c_int, c_int, c_int, c_int, ctypes.POINTER(u64), c_int, c_int,
+                                            c_int, ctypes.POINTER(i64)]
+    lib.dwdp_store_export.argtypes = [i64, ctypes.POINTER(c_int), c_int]
+    lib.dwdp_store_import.argtypes = [i64, c_int, ctypes.POINTER(c_int), c_int]
     for fn in ("dwdp_store_create", "dwdp_store_fill", "dwdp_store_close", "dwdp_store_copy_ms",
-               "dwdp_store_inject_error", "dwdp_store_info", "dwdp_store_sync"):
+               "dwdp_store_inject_error", "dwdp_store_info", "dwdp_store_sync", "dwdp_store_create_local",
+               "dwdp_store_export", "dwdp_store_import"):
         getattr(lib, fn).restype = c_int
 
 
@@ -254,6 +259,98 @@ class ExpertStore:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         close_store(self, exc)
+
+
+class ProcessExpertStore(ExpertStore):
+    """One process per device (issue 17): this process is rank `rank` of `num_ranks`, on `device`. It allocates and
+    fills only its own rank's blocks; `connect(exchange)` exports them as POSIX file descriptors, trades them with
+    every peer process through a `fd_exchange.FdExchange`, and maps the peers' blocks into this device's composite
+    ranges, after which prefetch / wait work as in `ExpertStore` (every rank's block, the peers' over NVLink).
+
+    Lifetime: an imported block holds its own reference to the peer's memory, so a peer that closes its store (or
+    dies) before this one does not pull memory from under this process's copies; the memory is freed when the last
+    process holding it releases it (or exits). Every descriptor is closed once imported, on every path.
+    """
+
+    def __init__(self, device, rank: int, num_ranks: int, num_layers: int, num_experts: int, shapes, dtype, *,
+                 timing: bool = False, poison: bool = False, delay_copies: bool = False):
+        from jax_dwdp.parallel.expert_layout import ExpertLayout
+
+        require_gpus([device])
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"ProcessExpertStore: rank {rank} is not in [0, {num_ranks})")
+        self.devices, self.rank, self.num_ranks = [device], rank, num_ranks
+        self.lib = load_library()
+        self.layout = ExpertLayout(num_experts, num_ranks)
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.shapes, self.dtype = tuple(tuple(s) for s in shapes), jnp.dtype(dtype)
+        self.timing = timing
+        expert_bytes = [int(np.prod(s)) * self.dtype.itemsize for s in self.shapes]
+        sizes = (ctypes.c_uint64 * len(expert_bytes))(*expert_bytes)
+        sid = ctypes.c_int64()
+        _check(self.lib, self.lib.dwdp_store_create_local(
+            num_ranks, rank, device.local_hardware_id, num_layers, len(self.shapes), sizes,
+            self.layout.slots_per_rank, num_experts,
+            int(timing) | (2 if poison else 0) | (4 if delay_copies else 0), ctypes.byref(sid)))
+        self.id = sid.value
+        self.closed = False
+        self.connected = num_ranks == 1
+
+    def fill(self, layer: int, weight: int, block: jax.Array) -> None:  # type: ignore[override]
+        """Copies this rank's block ([ceil(E/N), *shape], on this process's device) into the store."""
+        want = (self.layout.slots_per_rank, *self.shapes[weight])
+        if block.shape != want or block.dtype != self.dtype:
+            raise ValueError(f"expert block for layer {layer} weight {weight} rank {self.rank}: got {block.shape} "
+                             f"{block.dtype}, expected {want} {self.dtype}")
+        data = block.addressable_shards[0].data.block_until_ready()
+        _check(self.lib, self.lib.dwdp_store_fill(self.id, layer, weight, self.rank, data.unsafe_buffer_pointer(),
+                                                  data.nbytes))
+
+    def export(self) -> list[int]:
+        """This rank's blocks as new POSIX descriptors, (layer, weight) order; the caller closes them."""
+        self.check_open()
+        n = self.num_layers * len(self.shapes)
+        fds = (ctypes.c_int * n)()
+        _check(self.lib, self.lib.dwdp_store_export(self.id, fds, n))
+        return list(fds)
+
+    def import_peer(self, peer: int, fds: list[int]) -> None:
+        """Maps rank `peer`'s blocks from its exported descriptors (which stay the caller's)."""
+        self.check_open()
+        arr = (ctypes.c_int * len(fds))(*fds)
+        _check(self.lib, self.lib.dwdp_store_import(self.id, peer, arr, len(fds)))
+
+    def connect(self, exchange) -> None:
+        """Trades descriptors with every peer through `exchange` (an FdExchange of this rank and world) and maps
+        their blocks. Closes every descriptor, its own and the received, on every path."""
+        from jax_dwdp.parallel.fd_exchange import close_all
+
+        if exchange.rank != self.rank or exchange.world != self.num_ranks:
+            raise ValueError(f"ProcessExpertStore.connect: exchange of rank {exchange.rank} / {exchange.world}, "
+                             f"store of rank {self.rank} / {self.num_ranks}")
+        mine = self.export()
+        received: dict[int, list[int]] = {}
+        try:
+            received = exchange.share(mine)
+            for peer in sorted(received):
+                self.import_peer(peer, received[peer])
+        finally:
+            close_all({self.rank: mine, **received})
+        self.connected = True
+
+    def copy_ms(self) -> np.ndarray:
+        """[1, layers]: this rank's last copy time per layer in ms (NaN when not timed)."""
+        self.check_open()
+        out = np.full((1, self.num_layers), np.nan)
+        ms = ctypes.c_float()
+        for l in range(self.num_layers):
+            _check(self.lib, self.lib.dwdp_store_copy_ms(self.id, self.rank, l, ctypes.byref(ms)))
+            if ms.value >= 0:
+                out[0, l] = ms.value
+        return out
+
+    def info(self) -> dict:
+        return {**super().info(), "ranks": self.num_ranks, "rank": self.rank}
 
 
 def close_store(store, exc=None) -> None:

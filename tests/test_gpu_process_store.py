@@ -1,0 +1,143 @@
+"""The DWDP expert store with one process per rank (`ProcessExpertStore`): each process allocates only its own
+rank's blocks, exports them as POSIX file descriptors, trades them over UNIX sockets (`FdExchange`) and maps the
+peers' blocks. Runs on ONE GPU (two processes on the same device: the descriptor path is the same as across
+NVLinked GPUs) and skips without a GPU (JAX_DWDP_TEST_GPU=1 on a GPU machine).
+
+- every layer's prefetch returns every rank's experts exactly, into NaN-poisoned destinations;
+- rank 1 closes its store and exits before rank 0 reads: the imported blocks keep the memory alive;
+- each process ends with no live CUDA object of the store (allocations, mappings, ranges, streams, events);
+- importing the same peer twice, or a store of another configuration, is a clear error.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import secrets
+
+import jax
+import numpy as np
+import pytest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)"),
+]
+
+LAYERS, EXPERTS, SHAPES = 3, 7, ((24, 40), (40, 12))  # 4 slots per rank: rank 1 holds 3 experts and a padding slot
+
+
+def _block(rank: int, layer: int, weight: int, slots: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 * rank + 10 * layer + weight)
+    return rng.standard_normal((slots, *SHAPES[weight])).astype(np.float32)
+
+
+def _worker(job: str, rank: int, world: int, layers: int, queue) -> None:
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    try:
+        import jax.numpy as jnp
+
+        from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore, StoreError, live_objects
+        from jax_dwdp.parallel.fd_exchange import FdExchange
+
+        dev = jax.devices()[0]
+        report = {}
+        with FdExchange(job, rank, world, timeout_s=120) as fx:
+            store = ProcessExpertStore(dev, rank, world, layers, EXPERTS, SHAPES, jnp.float32, poison=True)
+            slots = store.layout.slots_per_rank
+            for layer in range(layers):
+                for w in range(2):
+                    store.fill(layer, w, jax.device_put(_block(rank, layer, w, slots), dev))
+            store.connect(fx)
+            try:
+                store.import_peer(1 - rank, [0] * (layers * 2))
+            except StoreError as e:
+                report["twice"] = str(e)
+            if rank == 1:  # closes and leaves first; rank 0 reads rank 1's blocks afterwards
+                store.close()
+                report["live"] = live_objects()
+                fx.barrier()
+                queue.put((rank, "ok", report))
+                return
+            fx.barrier()  # rank 1 has closed its store
+            errs = []
+            for layer in range(layers):
+                def run(dep, layer=layer):
+                    gate_up, down = store.wait(store.prefetch(dep, layer), dep)
+                    return gate_up, down
+
+                got = jax.jit(run)(jnp.ones((4,), jnp.float32))
+                for w in range(2):
+                    want = np.concatenate([_block(r, layer, w, slots) for r in range(world)])[:EXPERTS]
+                    errs.append(float(np.max(np.abs(np.asarray(got[w]) - want))))
+            report["max_err"] = max(errs)
+            report["finite"] = all(np.isfinite(e) for e in errs)
+            store.close()
+            report["live"] = live_objects()
+        queue.put((rank, "ok", report))
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        import traceback
+
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
+
+
+def test_two_processes_share_their_blocks_on_one_gpu():
+    ctx = multiprocessing.get_context("spawn")
+    job, queue = secrets.token_hex(6), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(job, r, 2, LAYERS, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, status, report = queue.get(timeout=240)
+        results[rank] = (status, report)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, (status, report) in sorted(results.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        print(f"rank {rank}: {report}")
+        assert "already imported" in report["twice"]
+        assert all(v == 0 for k, v in report["live"].items() if k != "stores"), report["live"]
+    assert results[0][1]["finite"] and results[0][1]["max_err"] == 0.0, results[0][1]
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_process_store_bad_arguments():
+    import jax.numpy as jnp
+
+    from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore, StoreError
+    from jax_dwdp.parallel.fd_exchange import FdExchange
+
+    dev = jax.devices()[0]
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
+        ProcessExpertStore(dev, 2, 2, 1, 4, SHAPES, jnp.float32)
+    store = ProcessExpertStore(dev, 0, 2, 1, 4, SHAPES, jnp.float32)
+    try:
+        with pytest.raises(StoreError, match="not a peer rank"):
+            store.import_peer(0, [0, 0])
+        with pytest.raises(StoreError, match="1 descriptors, the store has 2 blocks"):
+            store.import_peer(1, [0])
+        with FdExchange(secrets.token_hex(6), 1, 3) as fx, pytest.raises(ValueError, match="exchange of rank 1 / 3"):
+            store.connect(fx)
+        with pytest.raises(Exception, match="rank 1's blocks are not mapped here yet"):  # not connected
+            jax.block_until_ready(jax.jit(lambda d: store.wait(store.prefetch(d, 0), d))(jnp.ones(2)))
+    finally:
+        store.close()
+
+
+def test_single_process_store_on_one_gpu():
+    """The one-process store (Build, the handlers) on one device: a rank's blocks come back exactly, poisoned
+    destinations and all; nothing is left alive after close."""
+    import jax.numpy as jnp
+
+    from jax_dwdp.parallel.dwdp_ffi import ExpertStore, live_objects
+
+    dev = jax.devices()[0]
+    blocks = [[[jax.device_put(_block(0, layer, w, EXPERTS), dev)] for w in range(2)] for layer in range(2)]
+    want = [[np.asarray(blocks[layer][w][0]) for w in range(2)] for layer in range(2)]
+    with ExpertStore.from_blocks([dev], blocks, EXPERTS, poison=True) as store:
+        for layer in range(2):
+            got = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(jnp.ones(3))
+            for w in range(2):
+                np.testing.assert_array_equal(np.asarray(got[w]), want[layer][w])
+    assert all(v == 0 for v in live_objects().values()), live_objects()
