@@ -22,6 +22,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gdn import wall_ms  # noqa: E402
+from bench_layer_parts import _environment  # noqa: E402
 from jax_dwdp.config import ModelConfig  # noqa: E402
 from jax_dwdp.model import init_model  # noqa: E402
 from jax_dwdp.model import moe as moe_mod  # noqa: E402
@@ -35,17 +36,6 @@ def patched(obj, name, value):
         yield
     finally:
         setattr(obj, name, old)
-
-
-@contextlib.contextmanager
-def env(**kw):
-    old = {k: os.environ.get(k) for k in kw}
-    os.environ.update(kw)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -68,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
         "default": contextlib.nullcontext,
         "barrier after routing": lambda: patched(moe_mod.routing, "expert_permutation", barrier_route),
         "barrier before combine": lambda: patched(kr, "combine_rows", barrier_combine),
-        "XLA dispatch": lambda: env(JAX_DWDP_DISPATCH="xla"),
-        "Pallas combine": lambda: env(JAX_DWDP_COMBINE="pallas"),
+        "XLA dispatch": lambda: _environment({"JAX_DWDP_DISPATCH": "xla"}),
+        "Pallas combine": lambda: _environment({"JAX_DWDP_COMBINE": "pallas"}),
     }
     rng = np.random.default_rng(0)
     print(f"{'variant':<26}" + "".join(f"{t:>10}" for t in args.tokens), flush=True)

@@ -16,6 +16,22 @@ int SetError(const std::string& message) {
   return -1;
 }
 
+// A store's sizes and test switches, before Build / BuildLocal acquires anything.
+std::shared_ptr<Store> NewStore(int ranks, int layers, int weights, const uint64_t* expert_bytes, int slots,
+                                int experts, int flags) {
+  auto s = std::make_shared<Store>();
+  s->ranks = ranks;
+  s->layers = layers;
+  s->weights = weights;
+  s->slots = slots;
+  s->experts = experts;
+  s->hooks.time_copies = (flags & TestHooks::kTimeCopies) != 0;
+  s->hooks.poison = (flags & TestHooks::kPoisonDestinations) != 0;
+  s->hooks.delay_copies = (flags & TestHooks::kDelayCopies) != 0;
+  s->expert_bytes.assign(expert_bytes, expert_bytes + weights);
+  return s;
+}
+
 }  // namespace
 
 extern "C" {
@@ -35,16 +51,7 @@ int dwdp_store_create(int ranks, const int* ordinals, int layers, int weights, c
       if (ordinals[a] == ordinals[b])
         return SetError("dwdp_store_create: device " + std::to_string(ordinals[a]) + " is given for two ranks");
   try {
-    auto s = std::make_shared<Store>();
-    s->ranks = ranks;
-    s->layers = layers;
-    s->weights = weights;
-    s->slots = slots;
-    s->experts = experts;
-    s->hooks.time_copies = (flags & TestHooks::kTimeCopies) != 0;
-    s->hooks.poison = (flags & TestHooks::kPoisonDestinations) != 0;
-    s->hooks.delay_copies = (flags & TestHooks::kDelayCopies) != 0;
-    s->expert_bytes.assign(expert_bytes, expert_bytes + weights);
+    auto s = NewStore(ranks, layers, weights, expert_bytes, slots, experts, flags);
     Status st = Build(*s, ordinals);
     if (!st.ok()) {
       Release(*s);  // nothing acquired so far survives a failed create
@@ -71,17 +78,8 @@ int dwdp_store_create_local(int ranks, int rank, int ordinal, int layers, int we
   for (int w = 0; w < weights; ++w)
     if (expert_bytes[w] == 0) return SetError("dwdp_store_create_local: weight " + std::to_string(w) + " has 0 bytes");
   try {
-    auto s = std::make_shared<Store>();
-    s->ranks = ranks;
+    auto s = NewStore(ranks, layers, weights, expert_bytes, slots, experts, flags);
     s->local_rank = rank;
-    s->layers = layers;
-    s->weights = weights;
-    s->slots = slots;
-    s->experts = experts;
-    s->hooks.time_copies = (flags & TestHooks::kTimeCopies) != 0;
-    s->hooks.poison = (flags & TestHooks::kPoisonDestinations) != 0;
-    s->hooks.delay_copies = (flags & TestHooks::kDelayCopies) != 0;
-    s->expert_bytes.assign(expert_bytes, expert_bytes + weights);
     Status st = BuildLocal(*s, ordinal);
     if (!st.ok()) {
       Release(*s);
