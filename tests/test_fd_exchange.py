@@ -129,3 +129,61 @@ def test_bad_arguments_are_clear_errors():
             fx.barrier()
     with FdExchange(job, 0, 1) as alone:  # a world of one: nothing to exchange; the name is free again
         assert alone.share([]) == {} and alone.barrier() is None
+
+
+def _raw_send(job, sender, seq, kind, fds=(), payload=b""):
+    """A message as a peer would send it (the module's wire format), from a raw socket."""
+    import socket
+
+    from jax_dwdp.parallel import fd_exchange as fdx
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(fdx._address(job, 0))
+        data = fdx._HEADER.pack(fdx._MAGIC, sender, seq, kind, len(fds), len(payload)) + payload
+        socket.send_fds(s, [data], list(fds)) if fds else s.sendall(data)
+
+
+def _fake_rank1(job):
+    """Rank 1's listening socket, so that rank 0's own messages to it have somewhere to go."""
+    import socket
+
+    from jax_dwdp.parallel import fd_exchange as fdx
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(fdx._address(job, 1))
+    listener.listen(8)
+    return listener
+
+
+def test_a_peers_next_message_is_kept_for_the_next_exchange_and_payloads_arrive():
+    """Rank 1's barrier (exchange 1) arrives before its share (exchange 0): rank 0's share takes the share and keeps
+    the barrier for its barrier() call; the payload comes through whole."""
+    job = secrets.token_hex(6)
+    before = _open_fds()
+    with _fake_rank1(job) as listener, FdExchange(job, 0, 2, timeout_s=10) as fx:
+        _raw_send(job, 1, 1, 1)  # exchange 1, a barrier: early
+        fd = _memfd("from rank 1")
+        _raw_send(job, 1, 0, 0, [fd], b"x" * 5000)
+        os.close(fd)
+        got = fx.exchange([], b"hello")
+        assert list(got) == [1] and got[1].payload == b"x" * 5000
+        assert os.pread(got[1].fds[0], 20, 0) == b"from rank 1"
+        close_all({1: got[1].fds})
+        fx.barrier(timeout_s=5)  # served by the kept message: returns at once
+        conn, _ = listener.accept()  # rank 0's own share reached rank 1, payload and all
+        with conn:
+            data = conn.recv(1 << 16)
+        assert data.endswith(b"hello")
+    assert _open_fds() == before
+
+
+def test_a_message_of_the_wrong_kind_is_a_clear_error():
+    job = secrets.token_hex(6)
+    before = _open_fds()
+    with _fake_rank1(job), FdExchange(job, 0, 2, timeout_s=10) as fx:
+        fd = _memfd("stray")
+        _raw_send(job, 1, 0, 1, [fd])  # a barrier message (with a descriptor) where a share is due
+        os.close(fd)
+        with pytest.raises(ExchangeError, match="unexpected message from rank 1"):
+            fx.share([])
+    assert _open_fds() == before

@@ -4,9 +4,10 @@ peers' blocks. Runs on ONE GPU (two processes on the same device: the descriptor
 NVLinked GPUs) and skips without a GPU (JAX_DWDP_TEST_GPU=1 on a GPU machine).
 
 - every layer's prefetch returns every rank's experts exactly, into NaN-poisoned destinations;
-- rank 1 closes its store and exits before rank 0 reads: the imported blocks keep the memory alive;
-- each process ends with no live CUDA object of the store (allocations, mappings, ranges, streams, events);
-- importing the same peer twice, or a store of another configuration, is a clear error.
+- rank 1 closes its store and its process has exited before rank 0 reads: the imported blocks keep the memory alive;
+- each process ends with no live CUDA object of the store (allocations, mappings, ranges, streams, events, stores);
+- importing the same peer twice is a clear error; ranks of different configurations fail on both sides, naming
+  the difference.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _block(rank: int, layer: int, weight: int, slots: int) -> np.ndarray:
     return rng.standard_normal((slots, *SHAPES[weight])).astype(np.float32)
 
 
-def _worker(job: str, rank: int, world: int, layers: int, queue) -> None:
+def _worker(job: str, rank: int, world: int, layers: int, queue, gone=None, shapes=SHAPES) -> None:
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     try:
         import jax.numpy as jnp
@@ -43,12 +44,18 @@ def _worker(job: str, rank: int, world: int, layers: int, queue) -> None:
         dev = jax.devices()[0]
         report = {}
         with FdExchange(job, rank, world, timeout_s=120) as fx:
-            store = ProcessExpertStore(dev, rank, world, layers, EXPERTS, SHAPES, jnp.float32, poison=True)
+            store = ProcessExpertStore(dev, rank, world, layers, EXPERTS, shapes, jnp.float32, poison=True)
             slots = store.layout.slots_per_rank
             for layer in range(layers):
                 for w in range(2):
-                    store.fill(layer, w, jax.device_put(_block(rank, layer, w, slots), dev))
-            store.connect(fx)
+                    store.fill(layer, w, jax.device_put(_block(rank, layer, w, slots) if shapes == SHAPES else
+                                                        np.ones((slots, *shapes[w]), np.float32), dev))
+            try:
+                store.connect(fx)
+            except StoreError as e:
+                store.close()
+                queue.put((rank, "connect failed", {"error": str(e), "live": live_objects()}))
+                return
             try:
                 store.import_peer(1 - rank, [0] * (layers * 2))
             except StoreError as e:
@@ -56,10 +63,10 @@ def _worker(job: str, rank: int, world: int, layers: int, queue) -> None:
             if rank == 1:  # closes and leaves first; rank 0 reads rank 1's blocks afterwards
                 store.close()
                 report["live"] = live_objects()
-                fx.barrier()
                 queue.put((rank, "ok", report))
                 return
-            fx.barrier()  # rank 1 has closed its store
+            if not gone.wait(120):  # the parent saw rank 1's process exit
+                raise RuntimeError("rank 1's process did not exit")
             errs = []
             for layer in range(layers):
                 def run(dep, layer=layer):
@@ -84,22 +91,44 @@ def _worker(job: str, rank: int, world: int, layers: int, queue) -> None:
 def test_two_processes_share_their_blocks_on_one_gpu():
     ctx = multiprocessing.get_context("spawn")
     job, queue = secrets.token_hex(6), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(job, r, 2, LAYERS, queue)) for r in range(2)]
+    gone = ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(job, r, 2, LAYERS, queue, gone)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
     for _ in procs:
         rank, status, report = queue.get(timeout=240)
         results[rank] = (status, report)
+        if rank == 1:
+            procs[1].join(timeout=60)
+            assert procs[1].exitcode == 0, f"rank 1 exited with {procs[1].exitcode}"
+            gone.set()
     for p in procs:
         p.join(timeout=60)
     for rank, (status, report) in sorted(results.items()):
         assert status == "ok", f"rank {rank}: {report}"
         print(f"rank {rank}: {report}")
         assert "already imported" in report["twice"]
-        assert all(v == 0 for k, v in report["live"].items() if k != "stores"), report["live"]
+        assert all(v == 0 for v in report["live"].values()), report["live"]
     assert results[0][1]["finite"] and results[0][1]["max_err"] == 0.0, results[0][1]
     assert all(p.exitcode == 0 for p in procs)
+
+
+def test_ranks_of_different_configurations_fail_on_both_sides():
+    ctx = multiprocessing.get_context("spawn")
+    job, queue = secrets.token_hex(6), ctx.Queue()
+    other = (SHAPES[0], (40, 16))  # rank 1's down projection is wider
+    procs = [ctx.Process(target=_worker, args=(job, r, 2, 1, queue, None, SHAPES if r == 0 else other))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((rank, (status, report)) for rank, status, report in (queue.get(timeout=240) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    for rank, (status, report) in sorted(results.items()):
+        assert status == "connect failed", (rank, status, report)
+        assert "differs" in report["error"] and "'shapes'" in report["error"], report["error"]
+        assert all(v == 0 for v in report["live"].values()), report["live"]
 
 
 def test_process_store_bad_arguments():
@@ -119,8 +148,14 @@ def test_process_store_bad_arguments():
             store.import_peer(1, [0])
         with FdExchange(secrets.token_hex(6), 1, 3) as fx, pytest.raises(ValueError, match="exchange of rank 1 / 3"):
             store.connect(fx)
-        with pytest.raises(Exception, match="rank 1's blocks are not mapped here yet"):  # not connected
-            jax.block_until_ready(jax.jit(lambda d: store.wait(store.prefetch(d, 0), d))(jnp.ones(2)))
+        with pytest.raises(StoreError, match="connect.exchange. first"):
+            store.prefetch(jnp.ones(2), 0)
+        with pytest.raises(TypeError, match="holds one rank's blocks"):
+            ProcessExpertStore.from_sharded([], 4)
+        from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+
+        with pytest.raises(Exception, match="rank 1's blocks are not mapped here yet"):  # the library's own check
+            jax.block_until_ready(jax.jit(lambda d: ExpertStore.prefetch(store, d, 0))(jnp.ones(2)))
     finally:
         store.close()
 

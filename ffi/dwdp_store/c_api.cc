@@ -98,8 +98,6 @@ int dwdp_store_create_local(int ranks, int rank, int ordinal, int layers, int we
 int dwdp_store_export(int64_t id, int* fds, int n) {
   std::shared_ptr<Store> s = Find(id);
   if (!s) return SetError("dwdp_store_export: no open expert store " + std::to_string(id));
-  Device& d = *s->devices[0];
-  ScopedContext scope(d.ctx);
   Status st = ExportBlocks(*s, fds, n);
   return st.ok() ? 0 : SetError(st.message);
 }

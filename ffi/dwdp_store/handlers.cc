@@ -104,9 +104,6 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   if (layer < 0 || layer >= s->layers)
     return Fail(where + ": layer out of range [0, " + std::to_string(s->layers) + ")");
   if (s->weights != 2) return Fail(where + ": the store holds " + std::to_string(s->weights) + " weights, expected 2");
-  for (int r = 0; r < s->ranks; ++r)
-    if (!s->present[r])
-      return Fail(where + ": rank " + std::to_string(r) + "'s blocks are not mapped here yet (dwdp_store_import)");
   ffi::AnyBuffer* const outs[2] = {&(*gate_up), &(*down)};
   for (int w = 0; w < 2; ++w) {
     const size_t want = static_cast<size_t>(s->experts) * s->expert_bytes[w];
@@ -118,6 +115,9 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
   Device& d = *dp;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.ctx == nullptr || d.closing) return Fail(where + ": the store is closing");
+  for (int r = 0; r < s->ranks; ++r)  // under d.mu: ImportPeer sets present[] holding it
+    if (!s->present[r])
+      return Fail(where + ": rank " + std::to_string(r) + "'s blocks are not mapped here yet (dwdp_store_import)");
   if (int injected = s->hooks.inject.exchange(0); injected != 0)
     return Fail(Describe(where, "cuMemcpyDtoDAsync (injected)", static_cast<CUresult>(injected)));
   ScopedContext scope(d.ctx);

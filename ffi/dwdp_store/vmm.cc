@@ -300,6 +300,11 @@ Status ExportBlocks(Store& s, int* fds, int n) {
   if (n != static_cast<int>(s.regions.size()))
     return Status{where + ": room for " + std::to_string(n) + " descriptors, the store has " +
                   std::to_string(s.regions.size()) + " blocks (layers x weights)"};
+  Device& d = *s.devices[0];
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (d.ctx == nullptr || d.closing) return Status{where + ": the store is closing"};
+  ScopedContext scope(d.ctx);
+  if (!scope.ok()) return Status{where + ": cannot make device " + std::to_string(d.ordinal) + " current"};
   for (int i = 0; i < n; ++i) fds[i] = -1;
   for (int i = 0; i < n; ++i) {
     int fd = -1;
@@ -333,20 +338,43 @@ Status ImportPeer(Store& s, int peer, const int* fds, int n) {
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = d.ordinal;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  // On a failure part-way, this peer's blocks imported so far are unmapped and released again: the store is as
+  // before the call (a retry starts clean).
+  auto undo = [&](int upto) {
+    for (int j = 0; j <= upto && j < n; ++j) {
+      Region& reg = s.regions[j];
+      if (reg.mapped[peer] && cuMemUnmap(reg.va + peer * reg.stride, reg.stride) == CUDA_SUCCESS) g_live.mappings--;
+      reg.mapped[peer] = 0;
+      if (reg.handles[peer] != 0 && cuMemRelease(reg.handles[peer]) == CUDA_SUCCESS) g_live.allocations--;
+      reg.handles[peer] = 0;
+    }
+  };
   for (int i = 0; i < n; ++i) {
     Region& reg = s.regions[i];
     CUmemGenericAllocationHandle h = 0;
-    DWDP_CU(where, cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
-                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
-    reg.handles[peer] = h;  // released by Release whatever happens next
+    CUresult res = cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
+                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (res != CUDA_SUCCESS) {
+      undo(i);
+      return Status{Describe(where, "cuMemImportFromShareableHandle", res) + " (block " + std::to_string(i) + ")"};
+    }
+    reg.handles[peer] = h;
     g_live.allocations++;
-    CUresult res = cuMemMap(reg.va + peer * reg.stride, reg.stride, 0, h, 0);
-    if (res != CUDA_SUCCESS)  // e.g. a peer of another configuration: its block is not this store's stride
+    res = cuMemMap(reg.va + peer * reg.stride, reg.stride, 0, h, 0);
+    if (res != CUDA_SUCCESS) {  // e.g. a peer of another configuration: its block is smaller than this stride
+      undo(i);
       return Status{Describe(where, "cuMemMap", res) + " mapping block " + std::to_string(i) + " (" +
                     std::to_string(reg.stride) + " bytes): do all ranks use the same layers, weights and slots?"};
+    }
     reg.mapped[peer] = 1;
     g_live.mappings++;
-    DWDP_CU(where, cuMemSetAccess(reg.va + peer * reg.stride, reg.stride, &access, 1));
+    res = cuMemSetAccess(reg.va + peer * reg.stride, reg.stride, &access, 1);
+    if (res != CUDA_SUCCESS) {
+      undo(i);
+      return Status{Describe(where, "cuMemSetAccess", res) + " on block " + std::to_string(i) +
+                    " (can device " + std::to_string(d.ordinal) + " reach the peer's GPU? DWDP needs NVLink or "
+                    "PCIe P2P)"};
+    }
   }
   s.present[peer] = 1;
   return {};

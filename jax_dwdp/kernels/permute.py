@@ -22,7 +22,6 @@ Timings (H200, 35b-a3b): benchmarks/RESULTS.md, "MoE block".
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp

@@ -296,13 +296,27 @@ class ProcessExpertStore(ExpertStore):
         self.closed = False
         self.connected = num_ranks == 1
 
+    @classmethod
+    def from_blocks(cls, *args, **kwargs):  # noqa: D102 (the one-process constructors do not apply)
+        raise TypeError("ProcessExpertStore holds one rank's blocks: create it, fill(layer, weight, block) each of "
+                        "its own blocks, then connect(exchange)")
+
+    from_sharded = from_blocks
+
     def fill(self, layer: int, weight: int, block: jax.Array) -> None:  # type: ignore[override]
-        """Copies this rank's block ([ceil(E/N), *shape], on this process's device) into the store."""
+        """Copies this rank's block ([ceil(E/N), *shape], on this process's device alone) into the store; before
+        connect (afterwards the peers may be reading it)."""
+        self.check_open()
+        if self.connected and self.num_ranks > 1:
+            raise StoreError("ProcessExpertStore.fill after connect: the peers may be reading the blocks")
         want = (self.layout.slots_per_rank, *self.shapes[weight])
         if block.shape != want or block.dtype != self.dtype:
             raise ValueError(f"expert block for layer {layer} weight {weight} rank {self.rank}: got {block.shape} "
                              f"{block.dtype}, expected {want} {self.dtype}")
-        data = block.addressable_shards[0].data.block_until_ready()
+        shard = block.addressable_shards[0]
+        if len(block.addressable_shards) != 1 or shard.device != self.devices[0]:
+            raise ValueError(f"expert block for rank {self.rank} must live on {self.devices[0]} alone")
+        data = shard.data.block_until_ready()
         _check(self.lib, self.lib.dwdp_store_fill(self.id, layer, weight, self.rank, data.unsafe_buffer_pointer(),
                                                   data.nbytes))
 
@@ -320,23 +334,64 @@ class ProcessExpertStore(ExpertStore):
         arr = (ctypes.c_int * len(fds))(*fds)
         _check(self.lib, self.lib.dwdp_store_import(self.id, peer, arr, len(fds)))
 
+    def configuration(self) -> dict:
+        """What every rank of one store must agree on before mapping each other's blocks."""
+        return {"ranks": self.num_ranks, "layers": self.num_layers, "experts": self.num_experts,
+                "shapes": [list(s) for s in self.shapes], "dtype": self.dtype.name,
+                "slots_per_rank": self.layout.slots_per_rank, "granularity": self.info()["granularity"]}
+
     def connect(self, exchange) -> None:
         """Trades descriptors with every peer through `exchange` (an FdExchange of this rank and world) and maps
-        their blocks. Closes every descriptor, its own and the received, on every path."""
+        their blocks. The ranks first compare their configurations (a peer of another one is an error naming it
+        and the difference, on every rank), and afterwards tell each other whether their imports worked, so a
+        failure on one rank is an error on all. Every descriptor, its own and the received, is closed on every
+        path."""
+        import json
+
         from jax_dwdp.parallel.fd_exchange import close_all
 
         if exchange.rank != self.rank or exchange.world != self.num_ranks:
             raise ValueError(f"ProcessExpertStore.connect: exchange of rank {exchange.rank} / {exchange.world}, "
                              f"store of rank {self.rank} / {self.num_ranks}")
+        config = self.configuration()
         mine = self.export()
         received: dict[int, list[int]] = {}
+        failure = ""
         try:
-            received = exchange.share(mine)
-            for peer in sorted(received):
-                self.import_peer(peer, received[peer])
+            got = exchange.exchange(mine, json.dumps(config, sort_keys=True).encode())
+            received = {r: m.fds for r, m in got.items()}
+            for peer in sorted(got):
+                theirs = json.loads(got[peer].payload)
+                if theirs != config:
+                    diff = {k: (config.get(k), theirs.get(k)) for k in sorted(set(config) | set(theirs))
+                            if config.get(k) != theirs.get(k)}
+                    failure = f"rank {peer}'s store differs from rank {self.rank}'s: {diff} (this rank's, peer's)"
+                    break
+            if not failure:
+                for peer in sorted(received):
+                    try:
+                        self.import_peer(peer, received[peer])
+                    except StoreError as e:
+                        failure = f"rank {self.rank} could not map rank {peer}'s blocks: {e}"
+                        break
         finally:
             close_all({self.rank: mine, **received})
+        status = exchange.exchange([], failure.encode())
+        failures = [failure] if failure else []
+        failures += [m.payload.decode() for r, m in sorted(status.items()) if m.payload]
+        if failures:
+            raise StoreError("ProcessExpertStore.connect: " + "; ".join(failures))
         self.connected = True
+
+    def check_connected(self) -> None:
+        self.check_open()
+        if not self.connected:
+            raise StoreError(f"ProcessExpertStore (rank {self.rank}): connect(exchange) first, the peers' blocks "
+                             "are not mapped yet")
+
+    def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
+        self.check_connected()
+        return super().prefetch(dep, layer)
 
     def copy_ms(self) -> np.ndarray:
         """[1, layers]: this rank's last copy time per layer in ms (NaN when not timed)."""
