@@ -539,9 +539,12 @@ def _check_processes(args) -> None:
     if args.pipeline > 1 and _ranks(args) > 1:
         raise UsageError("across processes, --pipeline runs one device per stage and --dwdp / --dep ranks one stage: "
                          "not both yet")
-    if args.dwdp > 1 and args.dwdp_backend == "ffi":
-        raise UsageError("--dwdp-backend ffi across processes is not supported yet (the VMM handle exchange); use "
-                         "--dwdp-backend xla, or one process driving every GPU")
+    if args.dwdp > 1 and args.dwdp_backend == "ffi" and not joined:
+        from jax_dwdp.distributed import _visible_gpus
+
+        if not _visible_gpus():  # (a joined process finds out from its own devices, in _build_runner)
+            raise UsageError("--dwdp-backend ffi across processes needs a CUDA GPU per process; none is visible "
+                             "(use --dwdp-backend xla)")
     if args.prefill_chunk is not None:
         raise UsageError("--prefill-chunk runs on one device, in one process")
 

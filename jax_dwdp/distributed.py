@@ -47,10 +47,39 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
                                heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=max(timeout_s, 3600))
 
 
+_LAUNCH_KEY = "jax_dwdp/launch_id"
+_launch_id: str | None = None
+
+
+def launch_id(timeout_s: float = 60.0) -> str:
+    """A string that every process of this jax.distributed launch shares and no other launch has (it names the
+    launch's UNIX sockets, parallel.fd_exchange): process 0 draws it and publishes it in jax.distributed's
+    key-value store, the others read it (waiting up to `timeout_s`)."""
+    global _launch_id
+    if _launch_id is None:
+        import secrets
+
+        import jax
+        from jax._src import distributed as jax_distributed
+
+        client = jax_distributed.global_state.client
+        if client is None:
+            raise RuntimeError("launch_id: this process is not part of a jax.distributed launch")
+        if jax.process_index() == 0:
+            value = secrets.token_hex(8)
+            client.key_value_set(_LAUNCH_KEY, value)
+        else:
+            value = client.blocking_key_value_get(_LAUNCH_KEY, int(timeout_s * 1000))
+        _launch_id = value
+    return _launch_id
+
+
 def shutdown() -> None:
     import jax
 
+    global _launch_id
     jax.distributed.shutdown()
+    _launch_id = None
 
 
 def reserve_port() -> socket.socket:

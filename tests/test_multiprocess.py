@@ -179,6 +179,7 @@ def test_processes_die_with_their_launcher(tmp_path):
     (["--pipeline", "2", "--num-processes", "2", "--microbatches", "0"], "--microbatches must be >= 1"),
     (["--dwdp", "2", "--num-processes", "2", "--dwdp-backend", "foo"], "--dwdp-backend 'foo'"),
     (["--dep", "2", "--num-processes", "2", "--dwdp-backend", "local"], "--dep has one way to move tokens"),
+    (["--dwdp", "2", "--num-processes", "2", "--dwdp-backend", "ffi"], "needs a CUDA GPU per process"),
 ])
 def test_inconsistent_process_options_are_one_line_errors(args, message):
     """Checked by the launcher before it starts a process (or by a process that joins): one line, not one per

@@ -125,11 +125,9 @@ int dwdp_store_fill(int64_t id, int layer, int weight, int rank, uint64_t src, u
   if (dp == nullptr)
     return SetError("dwdp_store_fill: rank " + std::to_string(rank) + "'s blocks belong to another process");
   Device& d = *dp;
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.ctx == nullptr || d.closing) return SetError("dwdp_store_fill: the store is closing");
-  ScopedContext scope(d.ctx);
-  if (!scope.ok()) return SetError("dwdp_store_fill: cannot make device " + std::to_string(d.ordinal) + " current");
   const std::string where = "dwdp_store_fill";
+  DeviceScope scope(d, where);
+  if (!scope.ok()) return SetError(scope.error());
   Region& reg = s->region(layer, weight);
   CUresult r = cuMemcpyDtoDAsync(reg.va + rank * reg.stride, static_cast<CUdeviceptr>(src), bytes, d.copy);
   if (r != CUDA_SUCCESS) return SetError(Describe(where, "cuMemcpyDtoDAsync", r));

@@ -25,7 +25,7 @@ ffi::Error Fail(const std::string& message) { return ffi::Error(ffi::ErrorCode::
 
 void CUDA_CB DelayCopies(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }
 
-// The store and this device's state for a handler (the caller then takes d->mu and checks `closing`).
+// The store and this device's state for a handler (the caller then opens a DeviceScope on it).
 ffi::Error FindDevice(int64_t store_id, int32_t ordinal, const std::string& where, std::shared_ptr<Store>* s,
                       Device** d) {
   *s = Find(store_id);
@@ -113,15 +113,13 @@ ffi::Error PrefetchImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/
                             " bytes, expected " + std::to_string(want) + " (experts x expert bytes)");
   }
   Device& d = *dp;
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.ctx == nullptr || d.closing) return Fail(where + ": the store is closing");
-  for (int r = 0; r < s->ranks; ++r)  // under d.mu: ImportPeer sets present[] holding it
-    if (!s->present[r])
+  DeviceScope scope(d, where);
+  if (!scope.ok()) return Fail(scope.error());
+  for (int r = 0; r < s->ranks; ++r)  // under d.mu: ImportPeer maps a peer's blocks holding it
+    if (!s->rank_mapped(r))
       return Fail(where + ": rank " + std::to_string(r) + "'s blocks are not mapped here yet (dwdp_store_import)");
   if (int injected = s->hooks.inject.exchange(0); injected != 0)
     return Fail(Describe(where, "cuMemcpyDtoDAsync (injected)", static_cast<CUresult>(injected)));
-  ScopedContext scope(d.ctx);
-  if (!scope.ok()) return Fail(where + ": cannot make device " + std::to_string(ordinal) + " current");
   Status st = EnqueueCopy(*s, d, rank, stream, static_cast<int>(layer), outs, where);
   if (!st.ok()) {
     // XLA frees the outputs of a failed call: no copy may still be writing them.
@@ -141,10 +139,8 @@ ffi::Error WaitImpl(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ff
   Device* dp = nullptr;
   if (ffi::Error e = FindDevice(store_id, ordinal, where, &s, &dp); e.failure()) return e;
   Device& d = *dp;
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.ctx == nullptr || d.closing) return Fail(where + ": the store is closing");
-  ScopedContext scope(d.ctx);
-  if (!scope.ok()) return Fail(where + ": cannot make device " + std::to_string(ordinal) + " current");
+  DeviceScope scope(d, where);
+  if (!scope.ok()) return Fail(scope.error());
   const uintptr_t key = reinterpret_cast<uintptr_t>(gate_up.untyped_data());
   auto it = d.pending.find(key);
   if (it == d.pending.end())

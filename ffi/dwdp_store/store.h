@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -89,6 +90,27 @@ struct Device {
   std::vector<char> timed;                         // layer has a recorded pair
 };
 
+// One store operation on device d: d.mu held and d's context current for the scope's life. ok() is false, with
+// error() saying why, when the store is closing or the context cannot be made current.
+class DeviceScope {
+ public:
+  DeviceScope(Device& d, const std::string& where) : lock_(d.mu) {
+    if (d.ctx == nullptr || d.closing) {
+      error_ = where + ": the store is closing";
+      return;
+    }
+    scope_.emplace(d.ctx);
+    if (!scope_->ok()) error_ = where + ": cannot make device " + std::to_string(d.ordinal) + " current";
+  }
+  bool ok() const { return error_.empty(); }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::lock_guard<std::mutex> lock_;  // released last: members are destroyed in reverse order
+  std::optional<ScopedContext> scope_;
+  std::string error_;
+};
+
 struct Region {  // one (layer, weight): every rank's block in one reserved VA range
   CUdeviceptr va = 0;
   size_t reserved = 0;
@@ -101,7 +123,6 @@ struct Store {
   int64_t id = 0;
   int ranks = 0, layers = 0, weights = 0, slots = 0, experts = 0;
   int local_rank = -1;        // one process per device: this process's rank, its device devices[0]; else -1
-  std::vector<char> present;  // per rank: its blocks are mapped (allocated here, or imported from the peer)
   TestHooks hooks;
   size_t granularity = 0;
   CUmemAllocationHandleType handle_type = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -111,6 +132,12 @@ struct Store {
 
   size_t block_bytes(int w) const { return static_cast<size_t>(slots) * expert_bytes[w]; }
   Region& region(int layer, int w) { return regions[static_cast<size_t>(layer) * weights + w]; }
+  // Whether rank r's blocks are mapped here (allocated here, or imported from its process): every region's.
+  bool rank_mapped(int r) const {
+    for (const Region& reg : regions)
+      if (!reg.mapped[r]) return false;
+    return true;
+  }
   int rank_of(int ordinal) const {
     if (local_rank >= 0) return !devices.empty() && devices[0]->ordinal == ordinal ? local_rank : -1;
     for (int r = 0; r < ranks && r < static_cast<int>(devices.size()); ++r)

@@ -250,14 +250,12 @@ Status Build(Store& s, const int* ordinals) {
       DWDP_CU(where, cuMemSetAccess(reg.va, reg.reserved, access.data(), access.size()));
     }
   }
-  s.present.assign(s.ranks, 1);
   return {};
 }
 
 Status BuildLocal(Store& s, int ordinal) {
   const std::string where = "dwdp_store_create_local";
   DWDP_CU(where, cuInit(0));
-  s.present.assign(s.ranks, 0);
   Status st = AddDevice(s, ordinal, where);
   if (!st.ok()) return st;
   ScopedContext scope(s.devices[0]->ctx);
@@ -290,7 +288,6 @@ Status BuildLocal(Store& s, int ordinal) {
       DWDP_CU(where, cuMemSetAccess(reg.va + r * reg.stride, reg.stride, &access, 1));
     }
   }
-  s.present[r] = 1;
   return {};
 }
 
@@ -300,11 +297,8 @@ Status ExportBlocks(Store& s, int* fds, int n) {
   if (n != static_cast<int>(s.regions.size()))
     return Status{where + ": room for " + std::to_string(n) + " descriptors, the store has " +
                   std::to_string(s.regions.size()) + " blocks (layers x weights)"};
-  Device& d = *s.devices[0];
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.ctx == nullptr || d.closing) return Status{where + ": the store is closing"};
-  ScopedContext scope(d.ctx);
-  if (!scope.ok()) return Status{where + ": cannot make device " + std::to_string(d.ordinal) + " current"};
+  DeviceScope scope(*s.devices[0], where);
+  if (!scope.ok()) return Status{scope.error()};
   for (int i = 0; i < n; ++i) fds[i] = -1;
   for (int i = 0; i < n; ++i) {
     int fd = -1;
@@ -325,15 +319,13 @@ Status ImportPeer(Store& s, int peer, const int* fds, int n) {
   if (peer < 0 || peer >= s.ranks || peer == s.local_rank)
     return Status{where + ": not a peer rank of this store (ranks " + std::to_string(s.ranks) + ", this one " +
                   std::to_string(s.local_rank) + ")"};
-  if (s.present[peer]) return Status{where + ": already imported"};
   if (n != static_cast<int>(s.regions.size()))
     return Status{where + ": " + std::to_string(n) + " descriptors, the store has " +
                   std::to_string(s.regions.size()) + " blocks (layers x weights)"};
   Device& d = *s.devices[0];
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.ctx == nullptr || d.closing) return Status{where + ": the store is closing"};
-  ScopedContext scope(d.ctx);
-  if (!scope.ok()) return Status{where + ": cannot make device " + std::to_string(d.ordinal) + " current"};
+  DeviceScope scope(d, where);
+  if (!scope.ok()) return Status{scope.error()};
+  if (s.rank_mapped(peer)) return Status{where + ": already imported"};  // (under d.mu, as the prefetch's check)
   CUmemAccessDesc access = {};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = d.ordinal;
@@ -376,7 +368,6 @@ Status ImportPeer(Store& s, int peer, const int* fds, int n) {
                     "PCIe P2P)"};
     }
   }
-  s.present[peer] = 1;
   return {};
 }
 

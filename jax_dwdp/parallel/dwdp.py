@@ -96,10 +96,30 @@ class Placement:
 
     def _fill(self, layer, weight, padded, layout):
         slots = layout.slots_per_rank
+        if getattr(self.store, "num_ranks", None) is not None:  # a ProcessExpertStore: this process's rank only
+            device, rank = self.store.devices[0], self.store.rank
+            block, copied = own_block(padded, rank, slots, device)
+            self.store.fill(layer, weight, block)
+            if copied:
+                block.delete()
+            return
         for rank, device in enumerate(self.mesh.devices.flat):
             block = jax.device_put(padded[rank * slots:(rank + 1) * slots], device)
             self.store.fill(layer, weight, rank, block)
             block.delete()
+
+
+def own_block(padded, rank: int, slots: int, device) -> tuple[jax.Array, bool]:
+    """Rank `rank`'s block [slots, ...] of a layer's padded experts, on `device` (this process's), and whether it is
+    a copy: the shard `device` already holds when `padded` is split over processes (loaded split), else a slice."""
+    if isinstance(padded, jax.Array) and not padded.is_fully_addressable:
+        for shard in padded.addressable_shards:
+            if shard.device == device and (shard.index[0].start or 0) == rank * slots and \
+                    shard.data.shape[0] == slots:
+                return shard.data, False
+        raise ValueError(f"rank {rank}'s expert block (slots [{rank * slots}, {(rank + 1) * slots})) is not a shard "
+                         f"of the placed experts on {device}")
+    return jax.device_put(padded[rank * slots:(rank + 1) * slots], device), True
 
 
 def place_model(model: Qwen35MoeForCausalLM, mesh: Mesh, *, split_experts: bool = True) -> Qwen35MoeForCausalLM:
@@ -155,13 +175,49 @@ def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range,
     return set_fused_swiglu(stage, interleaved, permute=False)
 
 
+CONNECT_TIMEOUT_S = 600.0  # how long a process's store waits for its peers' (they may still be loading weights)
+_stores_opened = 0  # per process; every process of a launch opens its stores in the same order
+
+
 def open_store(mesh: Mesh, cfg: ModelConfig, num_layers: int, dtype, **options):
     """An empty CUDA VMM expert store over the mesh's devices for `num_layers` layers of `cfg`'s experts, to be
-    filled by a Placement(experts="store")."""
-    from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+    filled by a Placement(experts="store") and then connected (`connect_store`).
 
+    One process driving every device of the mesh: an `ExpertStore` over them. One process per device
+    (jax.distributed; the mesh's devices in several processes): a `ProcessExpertStore` of this process's device,
+    its rank the device's position in the mesh; `connect_store` maps the peer processes' blocks."""
+    from jax_dwdp.parallel.dwdp_ffi import ExpertStore, ProcessExpertStore
+
+    global _stores_opened
+    _stores_opened += 1
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    return ExpertStore(list(mesh.devices.flat), num_layers, cfg.num_experts, ((2 * i, h), (h, i)), dtype, **options)
+    shapes = ((2 * i, h), (h, i))
+    devices = list(mesh.devices.flat)
+    mine = [r for r, d in enumerate(devices) if d.process_index == jax.process_index()]
+    if len(mine) == len(devices):
+        return ExpertStore(devices, num_layers, cfg.num_experts, shapes, dtype, **options)
+    if len(mine) != 1:
+        raise ValueError(f"an expert store across processes needs one device of its ranks per process; process "
+                         f"{jax.process_index()} drives {len(mine)} of {len(devices)}")
+    store = ProcessExpertStore(devices[mine[0]], mine[0], len(devices), num_layers, cfg.num_experts, shapes, dtype,
+                               **options)
+    store.job = f"store{_stores_opened}"
+    return store
+
+
+def connect_store(store, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """After the store is filled: a `ProcessExpertStore` trades its blocks with its peer processes' stores (the
+    same store of every process of the launch, over an FdExchange named by the launch and the store's order) and
+    maps theirs; an `ExpertStore` has them all already. A peer that does not connect within `timeout_s` is named
+    in the error."""
+    if getattr(store, "num_ranks", None) is None or store.connected:
+        return
+    from jax_dwdp.distributed import launch_id
+    from jax_dwdp.parallel.fd_exchange import FdExchange
+
+    with FdExchange(f"{launch_id(timeout_s)}-{store.job}", store.rank, store.num_ranks,
+                    timeout_s=timeout_s) as exchange:
+        store.connect(exchange)
 
 
 def expert_blocks(model: Qwen35MoeForCausalLM) -> list[tuple[jax.Array, jax.Array]]:

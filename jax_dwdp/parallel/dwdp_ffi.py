@@ -114,29 +114,34 @@ class ExpertStore:
         layer's copy time; `poison` (tests) fills every prefetch destination with NaN before the copy;
         `delay_copies` (tests) holds the copy stream 20 ms before each prefetch, so that a read of the experts that
         does not wait for their copy sees the poison."""
-        from jax_dwdp.parallel.expert_layout import ExpertLayout
-
         self.devices = list(devices)
         require_gpus(self.devices)
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"an expert store needs distinct devices, got {self.devices}")
         if any(d.process_index != jax.process_index() for d in self.devices):
             raise ValueError("an expert store's devices must all belong to this process")
+        sizes, flags = self._configure(len(self.devices), num_layers, num_experts, shapes, dtype, timing=timing,
+                                       poison=poison, delay_copies=delay_copies)
+        ordinals = (ctypes.c_int * len(self.devices))(*[d.local_hardware_id for d in self.devices])
+        sid = ctypes.c_int64()
+        _check(self.lib, self.lib.dwdp_store_create(len(self.devices), ordinals, num_layers, len(self.shapes), sizes,
+                                                    self.layout.slots_per_rank, num_experts, flags, ctypes.byref(sid)))
+        self.id = sid.value
+        self.closed = False
+
+    def _configure(self, ranks: int, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool,
+                   poison: bool, delay_copies: bool):
+        """The store's layout, shapes and dtype; returns the C API's per-expert byte sizes and flag bits."""
+        from jax_dwdp.parallel.expert_layout import ExpertLayout
+
         self.lib = load_library()
-        self.layout = ExpertLayout(num_experts, len(self.devices))
+        self.layout = ExpertLayout(num_experts, ranks)
         self.num_layers, self.num_experts = num_layers, num_experts
         self.shapes, self.dtype = tuple(tuple(s) for s in shapes), jnp.dtype(dtype)
         self.timing = timing
         expert_bytes = [int(np.prod(s)) * self.dtype.itemsize for s in self.shapes]
-        ordinals = (ctypes.c_int * len(self.devices))(*[d.local_hardware_id for d in self.devices])
         sizes = (ctypes.c_uint64 * len(expert_bytes))(*expert_bytes)
-        sid = ctypes.c_int64()
-        _check(self.lib, self.lib.dwdp_store_create(len(self.devices), ordinals, num_layers, len(self.shapes), sizes,
-                                                    self.layout.slots_per_rank, num_experts,
-                                                    int(timing) | (2 if poison else 0) | (4 if delay_copies else 0),
-                                                    ctypes.byref(sid)))
-        self.id = sid.value
-        self.closed = False
+        return sizes, int(timing) | (2 if poison else 0) | (4 if delay_copies else 0)
 
     # ---- filling ---------------------------------------------------------------------------------------------
     def fill(self, layer: int, weight: int, rank: int, block: jax.Array) -> None:
@@ -274,24 +279,16 @@ class ProcessExpertStore(ExpertStore):
 
     def __init__(self, device, rank: int, num_ranks: int, num_layers: int, num_experts: int, shapes, dtype, *,
                  timing: bool = False, poison: bool = False, delay_copies: bool = False):
-        from jax_dwdp.parallel.expert_layout import ExpertLayout
-
         require_gpus([device])
         if not 0 <= rank < num_ranks:
             raise ValueError(f"ProcessExpertStore: rank {rank} is not in [0, {num_ranks})")
         self.devices, self.rank, self.num_ranks = [device], rank, num_ranks
-        self.lib = load_library()
-        self.layout = ExpertLayout(num_experts, num_ranks)
-        self.num_layers, self.num_experts = num_layers, num_experts
-        self.shapes, self.dtype = tuple(tuple(s) for s in shapes), jnp.dtype(dtype)
-        self.timing = timing
-        expert_bytes = [int(np.prod(s)) * self.dtype.itemsize for s in self.shapes]
-        sizes = (ctypes.c_uint64 * len(expert_bytes))(*expert_bytes)
+        sizes, flags = self._configure(num_ranks, num_layers, num_experts, shapes, dtype, timing=timing,
+                                       poison=poison, delay_copies=delay_copies)
         sid = ctypes.c_int64()
-        _check(self.lib, self.lib.dwdp_store_create_local(
-            num_ranks, rank, device.local_hardware_id, num_layers, len(self.shapes), sizes,
-            self.layout.slots_per_rank, num_experts,
-            int(timing) | (2 if poison else 0) | (4 if delay_copies else 0), ctypes.byref(sid)))
+        _check(self.lib, self.lib.dwdp_store_create_local(num_ranks, rank, device.local_hardware_id, num_layers,
+                                                          len(self.shapes), sizes, self.layout.slots_per_rank,
+                                                          num_experts, flags, ctypes.byref(sid)))
         self.id = sid.value
         self.closed = False
         self.connected = num_ranks == 1

@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec as P
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
 from jax_dwdp.model.qwen35_moe import LogitsMode
-from jax_dwdp.parallel.dwdp import (CheckpointLayers, Placement, build_placed, check_experts_choice, expert_blocks,
-                                    model_range, open_store)
+from jax_dwdp.parallel.dwdp import (CheckpointLayers, Placement, build_placed, check_experts_choice, connect_store,
+                                    expert_blocks, model_range, open_store)
 from jax_dwdp.parallel.experts import AXIS, Dispatch, Gather, Local, Store
 from jax_dwdp.parallel.mesh import builder_device, cpu_barrier, make_mesh, put
 from jax_dwdp.parallel.runner import StageRunner, pad_batch, padded_rows, take_rows
@@ -185,7 +185,10 @@ class Pipeline:
             placement = Placement(row, experts="store", store=self.stores[-1], owned=owned)
         else:
             placement = Placement(row, experts="replicate" if self.experts == "local" else "split", owned=owned)
-        return build_placed(self.cfg, st.start_layer, st.end_layer, ranges, placement, dtype=dtype)
+        stage = build_placed(self.cfg, st.start_layer, st.end_layer, ranges, placement, dtype=dtype)
+        if self.experts == "ffi":
+            connect_store(self.stores[-1])  # one process per device: map the peer processes' blocks
+        return stage
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod

@@ -1,0 +1,118 @@
+"""DWDP over the CUDA VMM store with one process per rank, through the library's own drivers: `Pipeline(...,
+experts="ffi")` in a jax.distributed launch makes a `ProcessExpertStore` per process (`dwdp.open_store`), fills
+only its own rank's blocks, connects them (`dwdp.connect_store`: FdExchange named by the launch) and runs the same
+shard_map prefetch / wait programs; and `jax-dwdp prefill --num-processes 2 --dwdp 2 --dwdp-backend ffi`.
+
+- Two processes joined through jax.distributed, their prefill's logits (each process's own rows, written by the
+  process) equal one process with every expert on its device (fp32, 1e-5); each process ends with no live CUDA
+  object of its store. On one GPU the two processes share it (no collective runs: DWDP's ranks exchange no
+  tokens, and each process writes its own rows); with two GPUs each has its own.
+- Two GPUs: the CLI's launcher with the FFI store equals one process driving both GPUs (fp32 <= 1e-5).
+Skips without a GPU (JAX_DWDP_TEST_GPU=1 on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from tests.process_store_worker import BATCH, _pipeline, _tokens
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(len(jax.devices()))]
+    return ids
+
+
+@pytest.mark.parametrize("source", ["random", "hf"])
+def test_two_processes_run_the_pipeline_over_the_process_store(tmp_path, source):
+    """random: each process makes every layer on its device and fills its slice; hf: each process loads its own
+    experts' bytes straight into the split placement (CheckpointLayers) and fills the shard it holds."""
+    if source == "hf":
+        from jax_dwdp.config import ModelConfig
+        from tests.checkpoint_helpers import write_hf
+
+        source = str(write_hf(tmp_path / "hf", ModelConfig.preset("tiny").replace(num_hidden_layers=3), seed=5))
+    gpus = _gpus()
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=gpus[pid % len(gpus)],
+                   XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        env.pop("JAX_PLATFORMS", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.process_store_worker", coordinator, str(pid),
+                                       str(tmp_path), source],
+                                      env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=400)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for pid, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {pid} exited with {p.returncode}:\n{text[-4000:]}"
+
+    one = _pipeline(source)
+    tokens, lengths = _tokens(one.cfg)
+    ref, _ = one.prefill(tokens, lengths, logits="all")
+    ref = np.asarray(ref)
+    got = np.full(ref.shape, np.nan, np.float32)
+    for f in tmp_path.glob("logits_*.npy"):
+        start = int(f.stem.split("_")[2])
+        block = np.load(f)
+        got[start:start + block.shape[0]] = block
+    for pid in range(2):
+        report = json.loads((tmp_path / f"report_{pid}.json").read_text())
+        print(f"process {pid}: {report}")
+        assert report["store"] == "ProcessExpertStore" and report["rank"] == pid
+        assert all(v == 0 for v in report["live"].values()), report["live"]
+    for row in range(BATCH):  # each row's valid positions
+        n = int(lengths[row])
+        err = float(np.abs(got[row, :n] - ref[row, :n]).max() / np.abs(ref[row, :n]).max())
+        print(f"row {row} ({n} tokens): two processes over the store vs one device: {err:.2e}")
+        assert np.isfinite(got[row, :n]).all() and err <= 1e-5, (row, err)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="the launcher gives each process its own GPU: needs two")
+def test_launcher_with_the_ffi_store_equals_one_process(tmp_path):
+    cli = [sys.executable, "-m", "jax_dwdp.cli", "prefill", "--preset", "tiny", "--batch", "3", "--seq-len", "40",
+           "--dtype", "float32", "--iters", "1", "--dwdp", "2", "--dwdp-backend", "ffi"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    runs = {}
+    for name, extra in (("one", []), ("two", ["--num-processes", "2"])):
+        out = tmp_path / f"{name}.npy"
+        proc = subprocess.run(cli + extra + ["--logits-out", str(out)], capture_output=True, text=True, timeout=600,
+                              env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = np.load(out)
+    err = float(np.abs(runs["two"] - runs["one"]).max() / np.abs(runs["one"]).max())
+    print(f"--num-processes 2 --dwdp-backend ffi vs one process on both GPUs: {err:.2e}")
+    assert err <= 1e-5
+
+
