@@ -46,8 +46,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fusions", action="store_true", help="also time the candidate fusions")
     ap.add_argument("--no-variants", action="store_true",
                     help="today's defaults only: no one-change variants (XLA routing / dispatch, Pallas combine / conv)")
+    ap.add_argument("--variants", help="comma-separated one-change variants to time (default: all of "
+                    "routing, dispatch, combine, conv, norm_rope)")
     ap.add_argument("--permute-configs", action="store_true",
                     help="also time the permutation kernels' block shapes")
+    ap.add_argument("--conv-configs", action="store_true",
+                    help="also time the GDN mixer with the Pallas conv at other tile rows x warps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -104,8 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
         # Layers and mixers with today's defaults; then with the XLA routing the routing kernels replaced, and
         # with the opt-in Pallas conv (the environment is read when a function is traced: at its first call).
         moe_ms = None
-        for suffix, env in VARIANTS[:1] if args.no_variants else VARIANTS:
-            with _environment(env(routing, conv_mod)):
+        wanted = set(VARIANTS) if args.variants is None else set(args.variants.split(","))
+        chosen = [("", {})] + ([] if args.no_variants else [v for k, v in VARIANTS.items() if k in wanted])
+        for suffix, env in chosen:
+            with _environment(env):
                 lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
                 record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
                 if suffix not in MOE_ONLY:  # MoE-only variants: the linear layer and the MoE block are timed
@@ -113,6 +119,12 @@ def main(argv: list[str] | None = None) -> dict:
                     record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
                 if suffix == PALLAS_CONV:
                     continue  # the conv is only in the linear-attention layer's mixer
+                if suffix == XLA_NORM_ROPE:  # only in the full-attention layer's mixer
+                    full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
+                    record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
+                    attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
+                    record(t, "attention mixer (with input norm)" + suffix, lambda: attn(x, positions), "layer")
+                    continue
                 if suffix not in MOE_ONLY:
                     full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
                     record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
@@ -164,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                                                      implementation=impl))
             record(t, f"un-permute, weighted sum + shared add, {impl}",
                    lambda: combine_add(down, inverse, w_bf16, shared_out), "moe")
+        if args.conv_configs:  # the Pallas conv's tile rows and warps, inside the GDN mixer
+            for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (16, 4)):
+                with _environment({conv_mod.ENV_IMPLEMENTATION: "pallas"}), _patched(conv_mod, BLOCK_T=bt,
+                                                                                      NUM_WARPS=nw):
+                    gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
+                    record(t, f"GDN mixer, Pallas conv {bt} rows w{nw}", lambda: gdn(x, lengths), "conv")
         if args.permute_configs:  # the kernels' block shapes (tokens x columns per program, warps)
             for bt, bw, nw in ((16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 512, 8), (8, 512, 4), (32, 512, 8)):
                 cfg_kw = dict(block_tokens=bt, block_columns=bw, num_warps=nw)
@@ -249,14 +267,27 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-XLA_ROUTING, PALLAS_CONV, XLA_DISPATCH, PALLAS_COMBINE = (" (XLA routing)", " (Pallas conv)", " (XLA dispatch)",
-                                                          " (Pallas combine)")
+XLA_ROUTING, PALLAS_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
+    " (XLA routing)", " (Pallas conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
 MOE_ONLY = (XLA_DISPATCH, PALLAS_COMBINE)
-VARIANTS = (("", lambda routing, conv: {}),
-            (XLA_ROUTING, lambda routing, conv: {routing.ENV_IMPLEMENTATION: "xla"}),
-            (XLA_DISPATCH, lambda routing, conv: {"JAX_DWDP_DISPATCH": "xla"}),
-            (PALLAS_COMBINE, lambda routing, conv: {"JAX_DWDP_COMBINE": "pallas"}),
-            (PALLAS_CONV, lambda routing, conv: {conv.ENV_IMPLEMENTATION: "pallas"}))
+# name -> (row suffix, environment): each changes one choice of the defaults
+VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
+            "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla"}),
+            "combine": (PALLAS_COMBINE, {"JAX_DWDP_COMBINE": "pallas"}),
+            "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),
+            "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"})}
+
+
+@contextlib.contextmanager
+def _patched(module, **values):
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
 
 
 @contextlib.contextmanager

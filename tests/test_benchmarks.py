@@ -266,7 +266,8 @@ def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
                  "GDN mixer (with input norm) (Pallas conv)", "router (matmul, softmax, top-k), xla", "sort by expert and inverse, xla", "gate_up grouped "
                  "GEMM", "GDN: causal conv + SiLU, xla", "attention core: the model's (cuDNN)",
                  "fusion: GDN input matmuls as one", "MoE block (XLA dispatch)", "MoE block (Pallas combine)", "dispatch rows, xla (row gather)",
-                 "un-permute, weighted sum + shared add, xla"):
+                 "un-permute, weighted sum + shared add, xla", "full-attention layer (XLA norm+RoPE)",
+                 "attention mixer (with input norm) (XLA norm+RoPE)"):
         assert parts[part]["ms"] > 0, part
     assert parts["router (matmul, softmax, top-k), pallas"]["error"]  # a Pallas kernel on the CPU: says why
     assert parts["dispatch rows, pallas (scatter)"]["error"]
@@ -281,7 +282,19 @@ def test_layer_parts_without_variants(tmp_path):
                                              "--no-attention-alternatives"])
     parts = {r["part"] for r in result["rows"]}
     assert {"linear-attention layer", "full-attention layer", "MoE block", "gate_up grouped GEMM"} <= parts
-    assert not [p for p in parts if p.endswith(("(XLA routing)", "(XLA dispatch)", "(Pallas combine)", "(Pallas conv)"))]
+    assert not [p for p in parts if p.endswith(("(XLA routing)", "(XLA dispatch)", "(Pallas combine)", "(Pallas conv)",
+                                                "(XLA norm+RoPE)"))]
+
+
+def test_layer_parts_chosen_variants_and_conv_configs(tmp_path):
+    """--variants picks one-change variants by name; --conv-configs times the GDN mixer at the conv's tile shapes
+    (the Pallas conv cannot run on the CPU: each row says why)."""
+    result = load("bench_layer_parts").main(["--preset", "tiny", "--tokens", "16", "--variants", "norm_rope",
+                                             "--no-attention-alternatives", "--conv-configs"])
+    parts = {r["part"]: r for r in result["rows"]}
+    assert "full-attention layer (XLA norm+RoPE)" in parts and "MoE block (XLA routing)" not in parts
+    conv_rows = [r for r in result["rows"] if r["group"] == "conv"]
+    assert len(conv_rows) == 6 and all(r["ms"] is not None or r["error"] for r in conv_rows)
 
 
 @pytest.mark.parametrize("mode", ["--layerwise", "--scan"])

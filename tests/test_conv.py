@@ -89,3 +89,22 @@ def test_gpu_model_sizes(rng):
     _check(got, _reference_f64(x, weight, history), "pallas bf16 8192 channels", 1e-2)
     diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
     assert np.all(diff <= np.abs(np.asarray(want, np.float32)) * 2**-7 + 1e-6)
+
+
+@pytest.mark.parametrize("with_history", [False, True])
+def test_split_outputs_are_the_channel_ranges(rng, with_history):
+    """`splits` (Gated DeltaNet's q, k, v): the kernel reads each channel range of x in place and writes it as its
+    own array, equal to the pieces of the whole conv (ranges of 32, 32 and 64 channels, blocks of 32 and 64)."""
+    x, weight, history = _inputs(rng, 2, 45, 128, 4, jnp.bfloat16)
+    history = history if with_history else None
+    whole = conv.causal_conv_silu_xla(x, weight, history)
+    pieces = [conv.causal_conv_silu_pallas(x, weight, history, channels=r, interpret=not on_gpu)
+              for r in ((0, 32), (32, 64), (64, 128))]
+    for got, want in zip(pieces, jnp.split(whole, [32, 64], axis=-1)):
+        assert got.shape == want.shape
+        diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+        assert np.all(diff <= np.abs(np.asarray(want, np.float32)) * 2**-7 + 1e-6)
+    xla = conv.causal_conv_silu(x, weight, history, splits=(32, 64), implementation="xla")
+    assert len(xla) == 3 and all(np.array_equal(a, b) for a, b in zip(xla, jnp.split(whole, [32, 64], axis=-1)))
+    with pytest.raises(ValueError, match="from 16"):
+        conv.causal_conv_silu_pallas(x, weight, channels=(16, 80), interpret=True)  # 64 wide: start not aligned

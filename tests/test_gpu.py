@@ -81,7 +81,7 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     request) and the GPU grouped matmul (the CUTLASS kernel when its library is built, else Mosaic; then Mosaic
     forced); compare with GPU fp32 (XLA paths but the routing kernels)."""
     from jax_dwdp.config import ModelConfig
-    from jax_dwdp.kernels import _cutlass
+    from jax_dwdp.kernels import _cutlass, norm_rope
     from jax_dwdp.model import init_model
     from jax_dwdp.prefill import jit_prefill
     from tests.test_model import _damp_residual_branches
@@ -103,6 +103,7 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     assert "gdn_recurrence" in text, "bf16 GPU prefill did not use the Pallas gated delta rule"
     for kernel in ("moe_topk_softmax", "moe_expert_ranks"):
         assert kernel in text, f"bf16 GPU prefill did not use the Pallas kernel {kernel}"
+    assert norm_rope.supported(cfg.head_dim, cfg.rotary_dim) and "attention_norm_rope" in text
     assert "gdn_causal_conv_silu" not in text  # opt-in (JAX_DWDP_CONV=pallas): slower inside the mixer
     # The environment is read when traced: a new length (999) traces anew, with the conv kernel asked for.
     monkeypatch.setenv("JAX_DWDP_CONV", "pallas")

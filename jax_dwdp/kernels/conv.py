@@ -23,7 +23,8 @@ from jax_dwdp.kernels._backend import IMPLEMENTATIONS, choose  # noqa: F401 (IMP
 
 ENV_IMPLEMENTATION = "JAX_DWDP_CONV"
 _F32 = jnp.float32
-BLOCK_T = 32
+BLOCK_T = 32  # rows of a program's tile
+NUM_WARPS = 4
 
 
 def causal_conv_silu_xla(x: jax.Array, weight: jax.Array, history: jax.Array | None = None) -> jax.Array:
@@ -74,47 +75,67 @@ def _conv_kernel(x_ref, w_ref, *refs, t: int, kernel: int, offset: int):
 
 
 def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array | None = None, *,
-                            out: jax.Array | None = None, interpret: bool = False) -> jax.Array:
-    """`out` (tests): a buffer of the output's shape the kernel writes into (a poisoned one shows unwritten rows)."""
+                            out: jax.Array | None = None, channels: tuple[int, int] | None = None,
+                            block_t: int | None = None, num_warps: int | None = None,
+                            interpret: bool = False) -> jax.Array:
+    """The kernel over channels [c0, c1) of x (`channels`; all by default): returns [B, T, c1 - c0], read in place
+    (no slice of x is copied). `out` (tests): a buffer of the output's shape the kernel writes into (a poisoned one
+    shows unwritten rows). `block_t`, `num_warps`: the tile's rows and the warps per program."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     b, t, c = x.shape
+    block_t, num_warps = block_t or BLOCK_T, num_warps or NUM_WARPS  # (the module's, read at each call)
+    c0, c1 = channels or (0, c)
     kernel = weight.shape[-1]
-    bc = _block_c(c)
-    if not supported(c, kernel):
-        raise ValueError(f"causal_conv_silu_pallas: channels {c} need a power-of-two block >= 16 dividing them "
-                         f"and a power-of-two kernel width (got {kernel})")
+    bc = _block_c(c1 - c0)
+    if not supported(c1 - c0, kernel) or c0 % bc or not 0 <= c0 < c1 <= c:
+        raise ValueError(f"causal_conv_silu_pallas: channels {c1 - c0} (of {c}, from {c0}) need a power-of-two "
+                         f"block >= 16 dividing them and their start, and a power-of-two kernel width (got {kernel})")
     offset = kernel - 1 if interpret else 0
-    xin = jnp.pad(x, ((0, 0), (offset, BLOCK_T), (0, 0))) if interpret else x
+    xin = jnp.pad(x, ((0, 0), (offset, block_t), (0, 0))) if interpret else x
     w = jnp.swapaxes(weight[:, 0, :], 0, 1)  # [K, C]
-    out_spec = pl.BlockSpec((None, BLOCK_T, bc), lambda i, n, j: (i, n, j))
-    out = pl.pallas_call(
+    first = c0 // bc  # the channel block the range starts at
+    out_spec = pl.BlockSpec((None, block_t, bc), lambda i, n, j: (i, n, j))
+    y = pl.pallas_call(
         functools.partial(_conv_kernel, t=t, kernel=kernel, offset=offset),
-        grid=(b, pl.cdiv(t, BLOCK_T), c // bc),
-        in_specs=[pl.BlockSpec((None, xin.shape[1], bc), lambda i, n, j: (i, 0, j)),
-                  pl.BlockSpec((kernel, bc), lambda i, n, j: (0, j))] + ([] if out is None else [out_spec]),
+        grid=(b, pl.cdiv(t, block_t), (c1 - c0) // bc),
+        in_specs=[pl.BlockSpec((None, xin.shape[1], bc), lambda i, n, j: (i, 0, j + first)),
+                  pl.BlockSpec((kernel, bc), lambda i, n, j: (0, j + first))] + ([] if out is None else [out_spec]),
         out_specs=out_spec,
         input_output_aliases={} if out is None else {2: 0},
-        out_shape=jax.ShapeDtypeStruct((b, t, c), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        out_shape=jax.ShapeDtypeStruct((b, t, c1 - c0), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_causal_conv_silu",
     )(xin, w, *([] if out is None else [out]))
     if history is not None:  # the first K-1 rows read the cached inputs: the reference recomputes them
         head = min(kernel - 1, t)
-        first = causal_conv_silu_xla(x[:, :head], weight, history)
-        out = out.at[:, :head].set(first)
-    return out
+        y = y.at[:, :head].set(causal_conv_silu_xla(x[:, :head, c0:c1], weight[c0:c1], history[..., c0:c1]))
+    return y
 
 
 def causal_conv_silu(x: jax.Array, weight: jax.Array, history: jax.Array | None = None, *,
-                     implementation: str | None = None) -> jax.Array:
+                     implementation: str | None = None, splits: tuple[int, ...] = ()):
     """silu(causal depthwise conv) of x [B, T, C] with weight [C, 1, K], zeros or `history` [B, K-1, C] before
-    t = 0; fp32 math, x's dtype out. XLA unless "pallas" is asked for (argument or $JAX_DWDP_CONV), which runs the
-    kernel where the computation is lowered for a CUDA GPU with 16-bit inputs and supported shapes."""
+    t = 0; fp32 math, x's dtype out. `splits` (channel indices, as jnp.split's): returns the pieces of the output
+    instead, which the kernel writes as separate arrays (no copy of a slice; Gated DeltaNet's q, k, v).
+    XLA unless "pallas" is asked for (argument or $JAX_DWDP_CONV), which runs the kernel where the computation is
+    lowered for a CUDA GPU with 16-bit inputs and supported shapes."""
+    c, kernel = x.shape[-1], weight.shape[-1]
+    bounds = list(zip((0, *splits), (*splits, c)))
+
+    def xla(x, weight, history):
+        out = causal_conv_silu_xla(x, weight, history)
+        return tuple(jnp.split(out, list(splits), axis=-1)) if splits else out
+
+    def pallas(x, weight, history):
+        pieces = tuple(causal_conv_silu_pallas(x, weight, history, channels=r) for r in bounds)
+        return pieces if splits else pieces[0]
+
     impl = choose(implementation, ENV_IMPLEMENTATION, what="causal_conv_silu") or "xla"
-    if impl == "xla" or x.dtype not in (jnp.bfloat16, jnp.float16) or not supported(x.shape[-1], weight.shape[-1]):
-        return causal_conv_silu_xla(x, weight, history)
+    fits = all(supported(b - a, kernel) and a % _block_c(b - a) == 0 for a, b in bounds)
+    if impl == "xla" or x.dtype not in (jnp.bfloat16, jnp.float16) or not fits:
+        return xla(x, weight, history)
     # Decided when lowered: a CPU computation on a GPU host takes the XLA path.
-    return lax.platform_dependent(x, weight, history, cuda=causal_conv_silu_pallas, default=causal_conv_silu_xla)
+    return lax.platform_dependent(x, weight, history, cuda=pallas, default=xla)

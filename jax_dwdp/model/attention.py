@@ -8,7 +8,8 @@ from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
+from jax_dwdp.kernels.norm_rope import norm_rope
+from jax_dwdp.model.layers import Linear, RMSNorm, rope_cos_sin
 
 
 class GatedAttention(nnx.Module):
@@ -26,14 +27,16 @@ class GatedAttention(nnx.Module):
     def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """x [B, T, H], positions [B, T] -> q [B,T,nh,hd], gate [B,T,nh*hd], k, v [B,T,nkv,hd] (k roped)."""
         b, t, _ = x.shape
-        # q_proj's output is interleaved per head: [q_head0 | gate_head0 | q_head1 | ...].
+        # q_proj's output is interleaved per head: [q_head0 | gate_head0 | q_head1 | ...]; the norm + RoPE reads
+        # each head's q where it is (one pass on the GPU: kernels.norm_rope).
         qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * self.head_dim)
-        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(b, t, -1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
+        gate = qg[..., self.head_dim :].reshape(b, t, -1)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta)
-        return apply_rope(q, cos, sin), gate, apply_rope(k, cos, sin), v
+        q = norm_rope(qg, self.q_norm.weight[...], cos, sin, eps=self.q_norm.eps, head_dim=self.head_dim)
+        k = norm_rope(k, self.k_norm.weight[...], cos, sin, eps=self.k_norm.eps, head_dim=self.head_dim)
+        return q, gate, k, v
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array] | None = None

@@ -41,10 +41,11 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
         return g, beta
 
-    def _split_heads(self, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """[..., C] -> q, k [..., HK, dk], v [..., HV, dv] (the kernels share each key head among HV/HK value heads)."""
-        lead = mixed.shape[:-1]
-        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
+    def _split_heads(self, mixed) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """[..., C] (or its q, k, v channel pieces) -> q, k [..., HK, dk], v [..., HV, dv] (the kernels share each
+        key head among HV/HK value heads)."""
+        q, k, v = mixed if isinstance(mixed, tuple) else jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
+        lead = q.shape[:-1]
         q = q.reshape(*lead, self.num_k_heads, self.head_k_dim)
         k = k.reshape(*lead, self.num_k_heads, self.head_k_dim)
         return q, k, v.reshape(*lead, self.num_v_heads, self.head_v_dim)
@@ -67,7 +68,7 @@ class GatedDeltaNet(nnx.Module):
         mixed = self.in_proj_qkv(x)  # [B, T, C]
         history = None if cache is None else jnp.swapaxes(cache[0], 1, 2)  # [B, K-1, C]
         conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1, history)
-        conv_out = causal_conv_silu(mixed, self.conv1d.weight[...], history)
+        conv_out = causal_conv_silu(mixed, self.conv1d.weight[...], history, splits=(self.key_dim, 2 * self.key_dim))
         q, k, v = self._split_heads(conv_out)
         g, beta = self._gates(x)
         core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths,

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_dwdp.kernels.norm_rope import rms_norm
+
 
 def matmul_precision(dtype) -> jax.lax.Precision | None:
     """fp32 runs are reference runs: keep them in full fp32 on the GPU (no TF32)."""
@@ -36,9 +38,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -72,14 +72,3 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[j
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates the first rotary_dim dims of x [..., heads, head_dim]; cos/sin [..., rotary_dim] broadcast over heads."""
-    rd = cos.shape[-1]
-    x32 = x.astype(jnp.float32)
-    rot, rest = x32[..., :rd], x32[..., rd:]
-    half = rd // 2
-    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    out = rot * cos[..., None, :] + rotated * sin[..., None, :]
-    return jnp.concatenate([out, rest], axis=-1).astype(x.dtype)
