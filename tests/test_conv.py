@@ -108,3 +108,50 @@ def test_split_outputs_are_the_channel_ranges(rng, with_history):
     assert len(xla) == 3 and all(np.array_equal(a, b) for a, b in zip(xla, jnp.split(whole, [32, 64], axis=-1)))
     with pytest.raises(ValueError, match="from 16"):
         conv.causal_conv_silu_pallas(x, weight, channels=(16, 80), interpret=True)  # 64 wide: start not aligned
+
+
+def test_default_takes_the_kernel_from_the_token_threshold(rng, monkeypatch):
+    """Lowered for CUDA: XLA's conv below PALLAS_MIN_TOKENS tokens, the kernel (one call per split) from there on;
+    the CPU lowering never holds it; $JAX_DWDP_CONV=xla keeps XLA at any size."""
+    monkeypatch.delenv(conv.ENV_IMPLEMENTATION, raising=False)
+    weight = jnp.asarray(rng.standard_normal((64, 1, 4)), jnp.bfloat16)
+
+    def lowered(t, platform="cuda"):
+        x = jax.ShapeDtypeStruct((1, t, 64), jnp.bfloat16)
+        fn = jax.jit(lambda x, w: conv.causal_conv_silu(x, w, splits=(16, 32)))
+        return fn.trace(x, weight).lower(lowering_platforms=(platform,)).as_text()
+
+    assert "gdn_causal_conv_silu" not in lowered(conv.PALLAS_MIN_TOKENS - 1)
+    assert lowered(conv.PALLAS_MIN_TOKENS).count("gdn_causal_conv_silu") >= 3
+    assert "gdn_causal_conv_silu" not in lowered(conv.PALLAS_MIN_TOKENS, "cpu")
+    monkeypatch.setenv(conv.ENV_IMPLEMENTATION, "xla")
+    assert "gdn_causal_conv_silu" not in lowered(conv.PALLAS_MIN_TOKENS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)")
+def test_gpu_gdn_mixer_takes_the_split_kernel_and_equals_xla(rng, monkeypatch):
+    """A 35B-A3B Gated DeltaNet mixer at 2 x 4100 tokens (past the threshold), bf16: the default lowers to the split
+    conv kernel, and its output is within bf16 rounding of the mixer with XLA's conv."""
+    from flax import nnx
+
+    from jax_dwdp.config import ModelConfig
+    from jax_dwdp.model.gated_deltanet import GatedDeltaNet
+
+    cfg = ModelConfig.preset("35b-a3b")
+    mixer = GatedDeltaNet(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    x = jnp.asarray(rng.standard_normal((2, 4100, cfg.hidden_size)), jnp.bfloat16)
+    lengths = jnp.array([4100, 3000], jnp.int32)
+    outs = {}
+    for impl in (None, "xla"):
+        if impl is None:
+            monkeypatch.delenv(conv.ENV_IMPLEMENTATION, raising=False)
+        else:
+            monkeypatch.setenv(conv.ENV_IMPLEMENTATION, impl)
+        graph, state = nnx.split(mixer)
+        fn = jax.jit(lambda s, x, n: nnx.merge(graph, s)(x, n)[0])
+        assert ("gdn_causal_conv_silu" in fn.lower(state, x, lengths).as_text()) == (impl is None)
+        outs[impl] = np.asarray(fn(state, x, lengths), np.float32)
+    err = float(np.abs(outs[None] - outs["xla"]).max() / np.abs(outs["xla"]).max())
+    print(f"GDN mixer, split conv kernel vs XLA's conv: {err:.2e} (bound 2e-2)")
+    assert np.isfinite(outs[None]).all() and err <= 2e-2

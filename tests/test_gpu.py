@@ -104,7 +104,7 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     for kernel in ("moe_topk_softmax", "moe_expert_ranks"):
         assert kernel in text, f"bf16 GPU prefill did not use the Pallas kernel {kernel}"
     assert norm_rope.supported(cfg.head_dim, cfg.rotary_dim) and "attention_norm_rope" in text
-    assert "gdn_causal_conv_silu" not in text  # opt-in (JAX_DWDP_CONV=pallas): slower inside the mixer
+    assert "gdn_causal_conv_silu" not in text  # 1000 tokens: below conv.PALLAS_MIN_TOKENS, XLA's conv
     # The environment is read when traced: a new length (999) traces anew, with the conv kernel asked for.
     monkeypatch.setenv("JAX_DWDP_CONV", "pallas")
     short = tokens[:, :999]

@@ -1,13 +1,17 @@
-"""Causal depthwise conv + SiLU of Gated DeltaNet's q/k/v channels: XLA (the default) and a Pallas (Triton) kernel.
+"""Causal depthwise conv + SiLU of Gated DeltaNet's q/k/v channels: XLA and a Pallas (Triton) kernel.
 
 out[b, t, c] = silu(sum_j w[c, j] * x[b, t - (K-1) + j, c]), zeros (or the cached inputs `history`) before t = 0,
 in fp32, cast to x's dtype. XLA computes it as K shifted multiply-adds, a fusion at about 1.8 TB/s on the H200
-(0.30 ms for 16K tokens x 8192 channels). The kernel reads each [BT, BC] tile's K shifted windows (the overlap hits
-L1/L2) and writes the output once; rows before t = 0 are masked loads (zeros), and with `history` the first K-1
-rows, the only ones that read it, are recomputed by the reference and written over the kernel's.
-Measured (benchmarks/RESULTS.md, ninth session): the kernel alone is 1.15-1.18x faster at 16K-32K tokens and slower
-at 4K, but the whole mixer is 2-4% slower with it (XLA fuses its conv with the neighbouring passes; a custom call
-cannot be), so the model keeps XLA's. $JAX_DWDP_CONV=pallas opts in (16-bit inputs on a CUDA GPU).
+(0.30 ms for 16K tokens x 8192 channels; it lays the projection out T-minor and transposes it back). The kernel
+reads each [BT, BC] tile's K shifted windows (the overlap hits L1/L2) and writes the output once; rows before
+t = 0 are masked loads (zeros), and with `history` the first K-1 rows, the only ones that read it, are recomputed
+by the reference and written over the kernel's. With `splits` it reads each of q's, k's and v's channel ranges in
+place and writes them as three arrays, so the split costs no copy.
+Measured (benchmarks/RESULTS.md): alone the kernel is 1.15-1.18x faster than XLA's conv at 16K-32K tokens and
+slower at 4K (ninth session). Writing one array (ninth session) the whole mixer was 2-4% slower with it (the q/k/v
+slices became copies); writing the three (twelfth session) the linear-attention layer is 1.6% / 0.5% faster at 16K
+/ 32K. So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on; $JAX_DWDP_CONV=xla|pallas chooses
+for every size. Tile: 32 rows x up to 128 channels, 4 warps (the fastest of six shapes inside the mixer).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax_dwdp.kernels._backend import IMPLEMENTATIONS, choose  # noqa: F401 (IMP
 
 
 ENV_IMPLEMENTATION = "JAX_DWDP_CONV"
+PALLAS_MIN_TOKENS = 8192  # the default: the kernel from this many tokens (B x T) on, XLA below
 _F32 = jnp.float32
 BLOCK_T = 32  # rows of a program's tile
 NUM_WARPS = 4
@@ -120,8 +125,9 @@ def causal_conv_silu(x: jax.Array, weight: jax.Array, history: jax.Array | None 
     """silu(causal depthwise conv) of x [B, T, C] with weight [C, 1, K], zeros or `history` [B, K-1, C] before
     t = 0; fp32 math, x's dtype out. `splits` (channel indices, as jnp.split's): returns the pieces of the output
     instead, which the kernel writes as separate arrays (no copy of a slice; Gated DeltaNet's q, k, v).
-    XLA unless "pallas" is asked for (argument or $JAX_DWDP_CONV), which runs the kernel where the computation is
-    lowered for a CUDA GPU with 16-bit inputs and supported shapes."""
+    The kernel where the computation is lowered for a CUDA GPU (16-bit inputs, supported shapes) from
+    PALLAS_MIN_TOKENS tokens (B x T) on, XLA below and elsewhere; "xla" / "pallas" (argument or $JAX_DWDP_CONV)
+    choose for every size."""
     c, kernel = x.shape[-1], weight.shape[-1]
     bounds = list(zip((0, *splits), (*splits, c)))
 
@@ -133,7 +139,9 @@ def causal_conv_silu(x: jax.Array, weight: jax.Array, history: jax.Array | None 
         pieces = tuple(causal_conv_silu_pallas(x, weight, history, channels=r) for r in bounds)
         return pieces if splits else pieces[0]
 
-    impl = choose(implementation, ENV_IMPLEMENTATION, what="causal_conv_silu") or "xla"
+    impl = choose(implementation, ENV_IMPLEMENTATION, what="causal_conv_silu")
+    if impl is None:  # the kernel from PALLAS_MIN_TOKENS tokens on (measured faster there, see the module doc)
+        impl = "pallas" if x.shape[0] * x.shape[1] >= PALLAS_MIN_TOKENS else "xla"
     fits = all(supported(b - a, kernel) and a % _block_c(b - a) == 0 for a, b in bounds)
     if impl == "xla" or x.dtype not in (jnp.bfloat16, jnp.float16) or not fits:
         return xla(x, weight, history)
