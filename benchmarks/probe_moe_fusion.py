@@ -1,8 +1,8 @@
 """Probe: the MoE block's XLA fusions at 4K/16K tokens with the Pallas dispatch (the 4K 'loop_add_fusion' of the
 eleventh session's trace: 1.22 ms a layer at 4K, 0.17 at 16K). Times the block with one change each, and writes the
 optimized HLO of the default block so the slow fusion's body can be read. Since the fix (the inverse permutation
-materialised in routing.expert_permutation_pallas) the default includes the barrier: "barrier after routing" then
-times the same program, and the 4K default is the fixed block.
+materialised in routing.expert_permutation_pallas) the default includes the barrier (its "barrier after routing"
+variant, the fix's first form, is gone: it timed the same program), and the 4K default is the fixed block.
 
     python benchmarks/probe_moe_fusion.py --tokens 4096 16384 --out-dir DIR
 """
@@ -53,12 +53,10 @@ def main(argv: list[str] | None = None) -> dict:
     layer = next(lay for lay in model.layers if lay.layer_type == "linear_attention")
     graph, state = nnx.split(layer.mlp)
     kr = moe_mod.kernels
-    perm, comb = moe_mod.routing.expert_permutation, kr.combine_rows
-    barrier_route = lambda *a, **k: lax.optimization_barrier(perm(*a, **k))  # noqa: E731
+    comb = kr.combine_rows
     barrier_combine = lambda y, i, w, add=None, **k: comb(*lax.optimization_barrier((y, i, w, add)), **k)  # noqa: E731
     variants = {
         "default": contextlib.nullcontext,
-        "barrier after routing": lambda: patched(moe_mod.routing, "expert_permutation", barrier_route),
         "barrier before combine": lambda: patched(kr, "combine_rows", barrier_combine),
         "XLA dispatch": lambda: _environment({"JAX_DWDP_DISPATCH": "xla"}),
         "Pallas combine": lambda: _environment({"JAX_DWDP_COMBINE": "pallas"}),

@@ -317,7 +317,7 @@ def test_moe_fusion_probe_runs_every_variant(tmp_path):
     """probe_moe_fusion on the tiny preset: every variant timed at each length, the default's optimized HLO
     written."""
     result = load("probe_moe_fusion").main(["--preset", "tiny", "--tokens", "16", "--out-dir", str(tmp_path)])
-    assert set(result) == {"default", "barrier after routing", "barrier before combine", "XLA dispatch",
+    assert set(result) == {"default", "barrier before combine", "XLA dispatch",
                            "Pallas combine"}
     assert all(set(v) == {16} and v[16] > 0 for v in result.values())
     assert "HloModule" in (tmp_path / "moe_16.hlo.txt").read_text()
@@ -386,3 +386,31 @@ def test_gpu_session_scripts_call_scripts_and_subcommands_that_exist():
             assert word in commands["bench_grouped_matmul"], (script.name, word)
             seen.add(word)
     assert {"bench_dwdp", "bench_pipeline", "bench_grouped_matmul", "calls", "fusion"} <= seen
+
+
+def test_layer_kernel_probe_names_each_fusion(tmp_path):
+    """probe_layer_kernels on the tiny preset: both layer types traced (host events on the CPU), their optimized HLO
+    written, and every fusion of the HLO described by its ops (a multi-output fusion's tuple shape too)."""
+    mod = load("probe_layer_kernels")
+    result = mod.main(["--preset", "tiny", "--tokens", "16", "--calls", "1", "--out-dir", str(tmp_path)])
+    assert [r["layer"] for r in result["rows"]] == ["linear_attention", "full_attention"]
+    assert all(r["kernel_ms"] > 0 and r["kernels"] for r in result["rows"])
+    hlo = (tmp_path / "linear_attention_16.hlo.txt").read_text()
+    ops = mod.fusion_ops(hlo)
+    assert ops and all(v.startswith("-> ") and "root " in v for v in ops.values())
+    assert json.loads((tmp_path / "kernels.json").read_text())["rows"][0]["tokens"] == 16
+    text = """%fused_pair (p0: f32[4], p1: f32[4]) -> (f32[4], f32[4]) {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %a = f32[4]{0} add(%p0, %p1)
+  %m = f32[4]{0} multiply(%p0, %p1)
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%a, %m)
+}
+
+ENTRY %main (x: f32[4], y: f32[4]) -> (f32[4], f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %y = f32[4]{0} parameter(1)
+  ROOT %loop_fusion.3 = (f32[4]{0}, f32[4]{0}) fusion(%x, %y), kind=kLoop, calls=%fused_pair
+}
+"""
+    assert mod.fusion_ops(text) == {"loop_fusion.3": "-> (f32[4]{0}, f32[4]{0}); root tuple; add x1, multiply x1, tuple x1"}
