@@ -14,7 +14,7 @@ For each token count (batch 1, random bf16 weights of one linear-attention and o
   `attention_mgpu` takes only fp16 and jax's default implementation picks XLA's for head_dim 256 (out of memory at
   32K): both left out (benchmarks/RESULTS.md, ninth session);
 - the routing kernels and the permutation kernels (dispatch, combine) against the XLA passes they replaced, and
-  the opt-in conv kernel against XLA's conv,
+  the conv kernel and XLA's conv (each forced), the norm + RoPE kernel against XLA's passes,
   as whole layers and as parts (the ninth session's run C, before the conv went back to XLA, labelled
   differently: see RESULTS.md);
 - candidate fusions beside what they would replace (`--fusions`): the four GDN input projections as one matmul,
@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-attention-alternatives", action="store_true")
     ap.add_argument("--fusions", action="store_true", help="also time the candidate fusions")
     ap.add_argument("--no-variants", action="store_true",
-                    help="today's defaults only: no one-change variants (XLA routing / dispatch, Pallas combine / conv)")
+                    help="today's defaults only: no one-change variants")
     ap.add_argument("--variants", help="comma-separated one-change variants to time (default: all of "
-                    "routing, dispatch, combine, conv, norm_rope)")
+                    "routing, dispatch, combine, conv, xla_conv, norm_rope)")
     ap.add_argument("--permute-configs", action="store_true",
                     help="also time the permutation kernels' block shapes")
     ap.add_argument("--conv-configs", action="store_true",
@@ -105,10 +105,12 @@ def main(argv: list[str] | None = None) -> dict:
         positions = jnp.arange(t, dtype=jnp.int32)[None]
         flat = x.reshape(t, -1)
 
-        # Layers and mixers with today's defaults; then with the XLA routing the routing kernels replaced, and
-        # with the opt-in Pallas conv (the environment is read when a function is traced: at its first call).
+        # Layers and mixers with today's defaults; then each chosen variant, one choice changed through its
+        # environment variable (read when a function is traced: at its first call).
         moe_ms = None
         wanted = set(VARIANTS) if args.variants is None else set(args.variants.split(","))
+        if wanted - set(VARIANTS):
+            ap.error(f"--variants: {', '.join(sorted(wanted - set(VARIANTS)))} not among {', '.join(VARIANTS)}")
         chosen = [("", {})] + ([] if args.no_variants else [v for k, v in VARIANTS.items() if k in wanted])
         for suffix, env in chosen:
             with _environment(env):
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if suffix not in MOE_ONLY:  # MoE-only variants: the linear layer and the MoE block are timed
                     gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
                     record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
-                if suffix == PALLAS_CONV:
+                if suffix in (PALLAS_CONV, XLA_CONV):
                     continue  # the conv is only in the linear-attention layer's mixer
                 if suffix == XLA_NORM_ROPE:  # only in the full-attention layer's mixer
                     full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
@@ -267,14 +269,15 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-XLA_ROUTING, PALLAS_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
-    " (XLA routing)", " (Pallas conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
+XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
+    " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
 MOE_ONLY = (XLA_DISPATCH, PALLAS_COMBINE)
 # name -> (row suffix, environment): each changes one choice of the defaults
 VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla"}),
             "combine": (PALLAS_COMBINE, {"JAX_DWDP_COMBINE": "pallas"}),
-            "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),
+            "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),  # (the default from 8,192 tokens: a no-op there)
+            "xla_conv": (XLA_CONV, {"JAX_DWDP_CONV": "xla"}),  # (the default below 8,192 tokens)
             "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"})}
 
 

@@ -1,9 +1,10 @@
 """One process per device: each process's start (jax.distributed) and the local launcher.
 
 `jax-dwdp prefill ... --num-processes N` starts N local processes of the same command (`launch`), one device each
-(on a GPU machine each sees one GPU through CUDA_VISIBLE_DEVICES; on the CPU each has one host device), with a
-coordinator on a free local port; `--coordinator HOST:PORT --process-id I --num-processes N` instead joins a launch
-made by another tool (a cluster scheduler, mpirun, a notebook), which then also chooses each process's device.
+(on a GPU machine each sees every GPU and drives GPU I, $JAX_DWDP_LOCAL_DEVICE; on the CPU each has one host
+device), with a coordinator on a free local port; `--coordinator HOST:PORT --process-id I --num-processes N`
+instead joins a launch made by another tool (a cluster scheduler, mpirun, a notebook), which then also chooses each
+process's device (for `--dwdp-backend ffi`: every GPU visible, $JAX_DWDP_LOCAL_DEVICE naming the process's own).
 
 Every process runs the whole program (multi-controller JAX): the mesh spans all processes' devices, each builds
 the same weights and keeps only its own devices' shards (`jax_dwdp.parallel.mesh.put`), and the collectives (the
@@ -33,9 +34,14 @@ EXIT_RUNTIME = 1
 EXIT_INTERRUPTED = 130
 
 
+LOCAL_DEVICE_ENV = "JAX_DWDP_LOCAL_DEVICE"
+
+
 def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60) -> None:
     """Joins the launch: jax.distributed with CPU collectives over gloo (the GPU backends bring their own).
-    Must run before anything touches a JAX device."""
+    Must run before anything touches a JAX device. With $JAX_DWDP_LOCAL_DEVICE=I (set by `launch` on a GPU
+    machine) the process drives only GPU I of those it sees (`local_device_ids`): every process sees every GPU, so
+    the FFI expert store can map and read its peers' memory on theirs, as one process driving them all does."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -43,8 +49,11 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
     # the launcher, or by a scheduler, ends at once instead.
     jax.config.update("jax_enable_preemption_service", False)
     # The exit barrier waits for the slowest process, which may be writing the logits: not bounded by timeout_s.
+    local = os.environ.get(LOCAL_DEVICE_ENV)
     jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout_s,
-                               heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=max(timeout_s, 3600))
+                               heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=max(timeout_s, 3600),
+                               local_device_ids=[int(local)] if local else None)
+    launch_id(timeout_s)  # process 0 publishes it now: a peer never waits on a process 0 that failed later
 
 
 _LAUNCH_KEY = "jax_dwdp/launch_id"
@@ -66,10 +75,17 @@ def launch_id(timeout_s: float = 60.0) -> str:
         if client is None:
             raise RuntimeError("launch_id: this process is not part of a jax.distributed launch")
         if jax.process_index() == 0:
-            value = secrets.token_hex(8)
-            client.key_value_set(_LAUNCH_KEY, value)
+            try:  # published already (by `initialize`), or by an earlier call
+                value = client.key_value_try_get(_LAUNCH_KEY)
+            except Exception:  # noqa: BLE001 (not found: jax raises its runtime's error)
+                value = secrets.token_hex(8)
+                client.key_value_set(_LAUNCH_KEY, value)
         else:
-            value = client.blocking_key_value_get(_LAUNCH_KEY, int(timeout_s * 1000))
+            try:
+                value = client.blocking_key_value_get(_LAUNCH_KEY, int(timeout_s * 1000))
+            except Exception as e:  # noqa: BLE001 (a deadline from the key-value store)
+                raise RuntimeError(f"launch_id: process 0 did not publish the launch's id within {timeout_s:g} s "
+                                   f"(did it fail before jax_dwdp's initialize or launch_id?): {e}") from None
         _launch_id = value
     return _launch_id
 
@@ -151,8 +167,9 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
     try:
         for i in range(num_processes):
             env = dict(os.environ)
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+            if gpus:  # every process sees every GPU and drives its own (see initialize)
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+                env[LOCAL_DEVICE_ENV] = str(i)
             cmd = [sys.executable, "-m", "jax_dwdp.cli", *argv, "--process-id", str(i), "--coordinator", coordinator,
                    "--process-timeout", str(timeout_s)]
             # Their own process group: a Ctrl-C at the terminal reaches the launcher only, which stops them all and

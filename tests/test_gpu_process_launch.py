@@ -59,8 +59,10 @@ def test_two_processes_run_the_pipeline_over_the_process_store(tmp_path, source)
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = []
     for pid in range(2):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=gpus[pid % len(gpus)],
-                   XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        # As the launcher does: every GPU visible, the process's own named by JAX_DWDP_LOCAL_DEVICE (on one GPU
+        # both processes drive it)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=",".join(gpus),
+                   JAX_DWDP_LOCAL_DEVICE=str(pid % len(gpus)), XLA_PYTHON_CLIENT_PREALLOCATE="false")
         env.pop("JAX_PLATFORMS", None)
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.process_store_worker", coordinator, str(pid),
                                        str(tmp_path), source],
@@ -80,11 +82,11 @@ def test_two_processes_run_the_pipeline_over_the_process_store(tmp_path, source)
 
     # The reference runs each rank's two rows as its own batch on one device: the same matmul shapes as the rank's
     # (a 4-row batch picks other GEMM algorithms, whose fp32 rounding differs by ~2e-5 of the logits' scale)
-    one = _pipeline(source)
-    tokens, lengths = _tokens(one.cfg)
-    half = BATCH // 2
-    ref = np.concatenate([np.asarray(one.prefill(tokens[r:r + half], lengths[r:r + half], logits="all")[0])
-                          for r in (0, half)])
+    with _pipeline(source) as one:
+        tokens, lengths = _tokens(one.cfg)
+        half = BATCH // 2
+        ref = np.concatenate([np.asarray(one.prefill(tokens[r:r + half], lengths[r:r + half], logits="all")[0])
+                              for r in (0, half)])
     got = np.full(ref.shape, np.nan, np.float32)
     for f in tmp_path.glob("logits_*.npy"):
         start = int(f.stem.split("_")[2])

@@ -246,9 +246,15 @@ def test_twenty_cycles_across_processes_release_everything():
     procs = [ctx.Process(target=_cycles_worker, args=(job, r, 2, 20, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((rank, (status, report)) for rank, status, report in (queue.get(timeout=400) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        results = dict((rank, (status, report)) for rank, status, report in (queue.get(timeout=400) for _ in procs))
+        for p in procs:
+            p.join(timeout=60)
+    finally:  # a worker that died or hangs does not outlive the test
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     for rank, (status, report) in sorted(results.items()):
         assert status == "ok", f"rank {rank}: {report}"
         print(f"rank {rank}: free memory before {report['before'] >> 20} MiB, after {report['after'] >> 20} MiB; "

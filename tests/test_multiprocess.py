@@ -244,3 +244,30 @@ def test_json_output_is_one_object():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["command"] == "prefill" and result["logits_finite"]
+
+
+def _launch_ids(n: int = 2) -> list[str]:
+    """Each process of a fresh CPU launch of n processes: jax_dwdp's initialize, then its launch_id."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import sys; from jax_dwdp.distributed import initialize, launch_id; "
+            "initialize(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), timeout_s=60); print('ID', launch_id())")
+    procs = [subprocess.Popen([sys.executable, "-c", code, f"127.0.0.1:{port}", str(n), str(i)], env=_env(),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    ids = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        ids += [line.split()[1] for line in out.splitlines() if line.startswith("ID ")]
+    return ids
+
+
+def test_launch_id_is_shared_by_a_launch_and_new_for_the_next():
+    """The id that names a launch's UNIX sockets (the FFI store's descriptor exchange): process 0 draws it at
+    initialize, every process reads the same; another launch draws another."""
+    first, second = _launch_ids(), _launch_ids()
+    assert len(first) == 2 and first[0] == first[1] and len(first[0]) == 16
+    assert len(second) == 2 and second[0] == second[1] and second[0] != first[0]

@@ -10,8 +10,8 @@ place and writes them as three arrays, so the split costs no copy.
 Measured (benchmarks/RESULTS.md): alone the kernel is 1.15-1.18x faster than XLA's conv at 16K-32K tokens and
 slower at 4K (ninth session). Writing one array (ninth session) the whole mixer was 2-4% slower with it (the q/k/v
 slices became copies); writing the three (twelfth session) the linear-attention layer is 1.6% / 0.5% faster at 16K
-/ 32K. So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on; $JAX_DWDP_CONV=xla|pallas chooses
-for every size. Tile: 32 rows x up to 128 channels, 4 warps (the fastest of six shapes inside the mixer).
+/ 32K, and 1.9% slower at 4K. So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on (8,192: between
+the measured sizes, not measured itself); $JAX_DWDP_CONV=xla|pallas chooses for every size. Tile: 32 rows x up to 128 channels, 4 warps (the fastest of six shapes inside the mixer).
 """
 
 from __future__ import annotations

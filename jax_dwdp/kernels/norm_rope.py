@@ -100,18 +100,21 @@ def _kernel(x_ref, w_ref, cos_ref, sin_ref, *refs, t: int, eps: float, pieces, h
 
 def norm_rope_pallas(x, weight, cos, sin, *, eps: float, head_dim: int, out: jax.Array | None = None,
                      interpret: bool = False) -> jax.Array:
-    """x [B, T, H, W >= head_dim]; weight [head_dim]; cos, sin [B, T, rotary_dim] fp32. Returns [B, T, H, head_dim]
-    in x's dtype. `out` (tests): a buffer of the output's shape the kernel writes into (a poisoned one shows unwritten
-    elements)."""
+    """x [B, T, H, W] (W a multiple of head_dim: the head's values are its first head_dim); weight [head_dim]; cos,
+    sin [B, T, rotary_dim] fp32 in the NeoX layout, each half the same (rope_cos_sin's): the kernel reads the first.
+    Returns [B, T, H, head_dim] in x's dtype. `out` (tests): a buffer of the output's shape the kernel writes into
+    (a poisoned one shows unwritten elements)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     b, t, h, w = x.shape
     rotary_dim = cos.shape[-1]
     pieces = _pieces(head_dim, rotary_dim)
-    if not supported(head_dim, rotary_dim) or w % head_dim:
-        raise ValueError(f"norm_rope_pallas: head_dim {head_dim} (of {w} columns per head) with rotary_dim "
-                         f"{rotary_dim}: needs rotary halves and the rest in power-of-two pieces >= 16")
+    if not supported(head_dim, rotary_dim):
+        raise ValueError(f"norm_rope_pallas: head_dim {head_dim} with rotary_dim {rotary_dim}: needs both powers of "
+                         "two, rotary halves and the rest in power-of-two pieces >= 16")
+    if w % head_dim:
+        raise ValueError(f"norm_rope_pallas: x has {w} columns per head, not a multiple of head_dim {head_dim}")
     cos, sin = cos.astype(_F32), sin.astype(_F32)
     rows = t
     if interpret:  # the interpreter clamps a block past T instead of masking it: pad to whole blocks

@@ -65,8 +65,9 @@ class Placement:
     Non-expert weights are replicated. Expert weights ([E, ...] per layer): experts="split" pads them to
     N * ceil(E/N) slots and splits them by rank (P('dwdp'), `ExpertLayout`); "replicate" puts all of them on every
     rank (the no-communication baseline); "store" copies each rank's block into `store` (an open
-    dwdp_ffi.ExpertStore over the mesh's devices, in order) and keeps a scalar placeholder, so that the XLA copy
-    of a layer's experts is gone before the next layer is made. `owned`: the arrays handed in belong to the
+    dwdp_ffi.ExpertStore over the mesh's devices, in order; or, one process per device, a ProcessExpertStore,
+    which takes this process's block alone) and keeps a scalar placeholder, so that the XLA copy of a layer's
+    experts is gone before the next layer is made. `owned`: the arrays handed in belong to the
     builder (a layer made for this stage), which frees each layer's once it is placed (build_placed); otherwise (a
     caller's model) they are left alone. (They are freed by dropping them, not `delete()`: a replicated placement
     may share the buffer of the array it came from on that device.)
@@ -96,7 +97,9 @@ class Placement:
 
     def _fill(self, layer, weight, padded, layout):
         slots = layout.slots_per_rank
-        if getattr(self.store, "num_ranks", None) is not None:  # a ProcessExpertStore: this process's rank only
+        from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore
+
+        if isinstance(self.store, ProcessExpertStore):  # one process per device: this process's rank only
             device, rank = self.store.devices[0], self.store.rank
             block, copied = own_block(padded, rank, slots, device)
             self.store.fill(layer, weight, block)
@@ -176,20 +179,18 @@ def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range,
 
 
 CONNECT_TIMEOUT_S = 600.0  # how long a process's store waits for its peers' (they may still be loading weights)
-_stores_opened = 0  # per process; every process of a launch opens its stores in the same order
 
 
-def open_store(mesh: Mesh, cfg: ModelConfig, num_layers: int, dtype, **options):
+def open_store(mesh: Mesh, cfg: ModelConfig, num_layers: int, dtype, *, name: str = "store", **options):
     """An empty CUDA VMM expert store over the mesh's devices for `num_layers` layers of `cfg`'s experts, to be
     filled by a Placement(experts="store") and then connected (`connect_store`).
 
     One process driving every device of the mesh: an `ExpertStore` over them. One process per device
     (jax.distributed; the mesh's devices in several processes): a `ProcessExpertStore` of this process's device,
-    its rank the device's position in the mesh; `connect_store` maps the peer processes' blocks."""
+    its rank the device's position in the mesh; `connect_store` maps the peer processes' blocks, pairing the stores
+    of the processes by `name` (e.g. the pipeline stage's), which must be the same in every process."""
     from jax_dwdp.parallel.dwdp_ffi import ExpertStore, ProcessExpertStore
 
-    global _stores_opened
-    _stores_opened += 1
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     shapes = ((2 * i, h), (h, i))
     devices = list(mesh.devices.flat)
@@ -201,7 +202,7 @@ def open_store(mesh: Mesh, cfg: ModelConfig, num_layers: int, dtype, **options):
                          f"{jax.process_index()} drives {len(mine)} of {len(devices)}")
     store = ProcessExpertStore(devices[mine[0]], mine[0], len(devices), num_layers, cfg.num_experts, shapes, dtype,
                                **options)
-    store.job = f"store{_stores_opened}"
+    store.job = name
     return store
 
 
@@ -210,14 +211,20 @@ def connect_store(store, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     same store of every process of the launch, over an FdExchange named by the launch and the store's order) and
     maps theirs; an `ExpertStore` has them all already. A peer that does not connect within `timeout_s` is named
     in the error."""
-    if getattr(store, "num_ranks", None) is None or store.connected:
+    from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore
+
+    if not isinstance(store, ProcessExpertStore) or store.connected:
         return
     from jax_dwdp.distributed import launch_id
-    from jax_dwdp.parallel.fd_exchange import FdExchange
+    from jax_dwdp.parallel.fd_exchange import ExchangeTimeout, FdExchange
 
-    with FdExchange(f"{launch_id(timeout_s)}-{store.job}", store.rank, store.num_ranks,
-                    timeout_s=timeout_s) as exchange:
-        store.connect(exchange)
+    try:
+        with FdExchange(f"{launch_id(timeout_s)}-{store.job}", store.rank, store.num_ranks,
+                        timeout_s=timeout_s) as exchange:
+            store.connect(exchange)
+    except ExchangeTimeout as e:
+        raise ExchangeTimeout(f"connecting expert store {store.job!r} of rank {store.rank} (the peers' processes "
+                              f"must run on this host and open the same stores)", e.missing, timeout_s) from None
 
 
 def expert_blocks(model: Qwen35MoeForCausalLM) -> list[tuple[jax.Array, jax.Array]]:

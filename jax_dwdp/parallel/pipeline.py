@@ -181,7 +181,8 @@ class Pipeline:
             return ranges(st.start_layer, st.end_layer)
         row = self.row_meshes[st.stage]
         if self.experts == "ffi":
-            self.stores.append(open_store(row, self.cfg, st.end_layer - st.start_layer, dtype))
+            self.stores.append(open_store(row, self.cfg, st.end_layer - st.start_layer, dtype,
+                                          name=f"stage{st.stage}"))
             placement = Placement(row, experts="store", store=self.stores[-1], owned=owned)
         else:
             placement = Placement(row, experts="replicate" if self.experts == "local" else "split", owned=owned)
