@@ -113,29 +113,24 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(f"--variants: {', '.join(sorted(wanted - set(VARIANTS)))} not among {', '.join(VARIANTS)}")
         chosen = [("", {})] + ([] if args.no_variants else [v for k, v in VARIANTS.items() if k in wanted])
         for suffix, env in chosen:
+            parts = VARIANT_PARTS.get(suffix, DEFAULT_PARTS)  # the layers and blocks the variant can change
             with _environment(env):
-                lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
-                record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
-                if suffix not in MOE_ONLY:  # MoE-only variants: the linear layer and the MoE block are timed
+                if "linear" in parts:
+                    lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
+                    record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
+                if "gdn" in parts:
                     gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
                     record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
-                if suffix in (PALLAS_CONV, XLA_CONV):
-                    continue  # the conv is only in the linear-attention layer's mixer
-                if suffix == XLA_NORM_ROPE:  # only in the full-attention layer's mixer
+                if "full" in parts:
                     full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
                     record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
+                if "attention" in parts:
                     attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
                     record(t, "attention mixer (with input norm)" + suffix, lambda: attn(x, positions), "layer")
-                    continue
-                if suffix not in MOE_ONLY:
-                    full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
-                    record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
-                if not suffix:
-                    attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
-                    record(t, "attention mixer (with input norm)", lambda: attn(x, positions), "layer")
-                moe = jit_method(linear, lambda m, x: m.mlp(x))
-                ms = record(t, "MoE block" + suffix, lambda: moe(x), "layer")
-                moe_ms = moe_ms if suffix else ms
+                if "moe" in parts:
+                    moe = jit_method(linear, lambda m, x: m.mlp(x))
+                    ms = record(t, "MoE block" + suffix, lambda: moe(x), "layer")
+                    moe_ms = moe_ms if suffix else ms
 
         # The MoE block's passes.
         mlp = linear.mlp
@@ -271,7 +266,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
     " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
-MOE_ONLY = (XLA_DISPATCH, PALLAS_COMBINE)
+DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
+# What each variant's change can reach (the rest would time the defaults again): the routing every MoE layer, the
+# dispatch and combine the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the
+# attention mixer.
+VARIANT_PARTS = {XLA_ROUTING: ("linear", "gdn", "full", "moe"), XLA_DISPATCH: ("linear", "moe"),
+                 PALLAS_COMBINE: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
+                 XLA_NORM_ROPE: ("full", "attention")}
 # name -> (row suffix, environment): each changes one choice of the defaults
 VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla"}),

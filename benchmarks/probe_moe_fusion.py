@@ -24,20 +24,10 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gdn import wall_ms  # noqa: E402
-from bench_layer_parts import _environment  # noqa: E402
+from bench_layer_parts import _environment, _patched  # noqa: E402
 from jax_dwdp.config import ModelConfig  # noqa: E402
 from jax_dwdp.model import init_model  # noqa: E402
 from jax_dwdp.model import moe as moe_mod  # noqa: E402
-
-
-@contextlib.contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     barrier_combine = lambda y, i, w, add=None, **k: comb(*lax.optimization_barrier((y, i, w, add)), **k)  # noqa: E731
     variants = {
         "default": contextlib.nullcontext,
-        "barrier before combine": lambda: patched(kr, "combine_rows", barrier_combine),
+        "barrier before combine": lambda: _patched(kr, combine_rows=barrier_combine),
         "XLA dispatch": lambda: _environment({"JAX_DWDP_DISPATCH": "xla"}),
         "Pallas combine": lambda: _environment({"JAX_DWDP_COMBINE": "pallas"}),
     }

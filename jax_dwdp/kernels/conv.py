@@ -11,7 +11,8 @@ Measured (benchmarks/RESULTS.md): alone the kernel is 1.15-1.18x faster than XLA
 slower at 4K (ninth session). Writing one array (ninth session) the whole mixer was 2-4% slower with it (the q/k/v
 slices became copies); writing the three (twelfth session) the linear-attention layer is 1.6% / 0.5% faster at 16K
 / 32K, and 1.9% slower at 4K. So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on (8,192: between
-the measured sizes, not measured itself); $JAX_DWDP_CONV=xla|pallas chooses for every size. Tile: 32 rows x up to 128 channels, 4 warps (the fastest of six shapes inside the mixer).
+the measured sizes, not measured itself); $JAX_DWDP_CONV=xla|pallas chooses for every size. Tile: 32 rows x up to
+128 channels, 4 warps (the fastest of six shapes inside the mixer).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def supported(c: int, kernel: int) -> bool:
     return _block_c(c) > 0 and kernel & (kernel - 1) == 0
 
 
+def _range_supported(c0: int, c1: int, c: int, kernel: int) -> bool:
+    """The kernel can take channels [c0, c1) of c: supported widths, starting at a whole block."""
+    return 0 <= c0 < c1 <= c and supported(c1 - c0, kernel) and c0 % _block_c(c1 - c0) == 0
+
+
 def _conv_kernel(x_ref, w_ref, *refs, t: int, kernel: int, offset: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -94,7 +100,7 @@ def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array 
     c0, c1 = channels or (0, c)
     kernel = weight.shape[-1]
     bc = _block_c(c1 - c0)
-    if not supported(c1 - c0, kernel) or c0 % bc or not 0 <= c0 < c1 <= c:
+    if not _range_supported(c0, c1, c, kernel):
         raise ValueError(f"causal_conv_silu_pallas: channels {c1 - c0} (of {c}, from {c0}) need a power-of-two "
                          f"block >= 16 dividing them and their start, and a power-of-two kernel width (got {kernel})")
     offset = kernel - 1 if interpret else 0
@@ -142,7 +148,7 @@ def causal_conv_silu(x: jax.Array, weight: jax.Array, history: jax.Array | None 
     impl = choose(implementation, ENV_IMPLEMENTATION, what="causal_conv_silu")
     if impl is None:  # the kernel from PALLAS_MIN_TOKENS tokens on (measured faster there, see the module doc)
         impl = "pallas" if x.shape[0] * x.shape[1] >= PALLAS_MIN_TOKENS else "xla"
-    fits = all(supported(b - a, kernel) and a % _block_c(b - a) == 0 for a, b in bounds)
+    fits = all(_range_supported(a, b, c, kernel) for a, b in bounds)
     if impl == "xla" or x.dtype not in (jnp.bfloat16, jnp.float16) or not fits:
         return xla(x, weight, history)
     # Decided when lowered: a CPU computation on a GPU host takes the XLA path.

@@ -208,8 +208,8 @@ def open_store(mesh: Mesh, cfg: ModelConfig, num_layers: int, dtype, *, name: st
 
 def connect_store(store, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     """After the store is filled: a `ProcessExpertStore` trades its blocks with its peer processes' stores (the
-    same store of every process of the launch, over an FdExchange named by the launch and the store's order) and
-    maps theirs; an `ExpertStore` has them all already. A peer that does not connect within `timeout_s` is named
+    store of the same name in every process of the launch, over an FdExchange named by the launch and that name)
+    and maps theirs; an `ExpertStore` has them all already. A peer that does not connect within `timeout_s` is named
     in the error."""
     from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore
 
