@@ -13,8 +13,9 @@ For each token count (batch 1, random bf16 weights of one linear-attention and o
   Pallas Triton `ops.gpu.attention.mha` (an implementation that fails prints why). Pallas Mosaic GPU's
   `attention_mgpu` takes only fp16 and jax's default implementation picks XLA's for head_dim 256 (out of memory at
   32K): both left out (benchmarks/RESULTS.md, ninth session);
-- the routing kernels and the permutation kernels (dispatch, combine) against the XLA passes they replaced, and
-  the conv kernel and XLA's conv (each forced), the norm + RoPE kernel against XLA's passes,
+- the routing kernels and the permutation kernels (dispatch, combine) against the XLA passes they replaced, the
+  conv inside the GDN prep kernel (the default) against the separate conv (its kernel and XLA's, each forced),
+  the norm + RoPE kernel against XLA's passes,
   as whole layers and as parts (the ninth session's run C, before the conv went back to XLA, labelled
   differently: see RESULTS.md);
 - candidate fusions beside what they would replace (`--fusions`): the four GDN input projections as one matmul,
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-variants", action="store_true",
                     help="today's defaults only: no one-change variants")
     ap.add_argument("--variants", help="comma-separated one-change variants to time (default: all of "
-                    "routing, dispatch, combine, conv, xla_conv, norm_rope)")
+                    "routing, dispatch, combine, gdn_conv, conv, xla_conv, norm_rope)")
     ap.add_argument("--permute-configs", action="store_true",
                     help="also time the permutation kernels' block shapes")
     ap.add_argument("--conv-configs", action="store_true",
@@ -175,8 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
                    lambda: combine_add(down, inverse, w_bf16, shared_out), "moe")
         if args.conv_configs:  # the Pallas conv's tile rows and warps, inside the GDN mixer
             for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (16, 4)):
-                with _environment({conv_mod.ENV_IMPLEMENTATION: "pallas"}), _patched(conv_mod, BLOCK_T=bt,
-                                                                                      NUM_WARPS=nw):
+                pallas_conv = {**_SEPARATE, conv_mod.ENV_IMPLEMENTATION: "pallas"}
+                with _environment(pallas_conv), _patched(conv_mod, BLOCK_T=bt, NUM_WARPS=nw):
                     gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
                     record(t, f"GDN mixer, Pallas conv {bt} rows w{nw}", lambda: gdn(x, lengths), "conv")
         if args.permute_configs:  # the kernels' block shapes (tokens x columns per program, warps)
@@ -240,6 +241,11 @@ def main(argv: list[str] | None = None) -> dict:
         core = jax.jit(lambda q, k, v, g, b, n: kernels.chunk_gated_delta_rule(q, k, v, g, b, lengths=n))
         o, _ = core(qg, kg, vg, g, beta, lengths)
         record(t, "GDN: core (gated delta rule)", lambda: core(qg, kg, vg, g, beta, lengths), "gdn")
+        heads, dims = (ga.num_k_heads, ga.num_v_heads), (ga.head_k_dim, ga.head_v_dim)
+        if kernels.conv_fused(mixed.dtype, mixed.shape[-1], ga.conv_kernel, heads, dims):
+            conv_core = jit_method(linear, lambda m, y, g, b, n: kernels.conv_chunk_gated_delta_rule(
+                y, m.linear_attn.conv1d.weight[...], g, b, heads=heads, head_dims=dims, lengths=n))
+            record(t, "GDN: conv + core, conv in the prep kernel", lambda: conv_core(mixed, g, beta, lengths), "gdn")
         output = jit_method(linear, lambda m, o, x: m.linear_attn._output(o, x))
         record(t, "GDN: z proj, gated norm, out_proj", lambda: output(o, x), "gdn")
 
@@ -266,19 +272,22 @@ def main(argv: list[str] | None = None) -> dict:
 
 XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
     " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
+SEPARATE_CONV = " (separate conv)"
 DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
 # What each variant's change can reach (the rest would time the defaults again): the routing every MoE layer, the
 # dispatch and combine the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the
 # attention mixer.
 VARIANT_PARTS = {XLA_ROUTING: ("linear", "gdn", "full", "moe"), XLA_DISPATCH: ("linear", "moe"),
                  PALLAS_COMBINE: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
-                 XLA_NORM_ROPE: ("full", "attention")}
+                 SEPARATE_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention")}
+_SEPARATE = {"JAX_DWDP_GDN_CONV": "separate"}  # the conv as its own kernel (by default it runs in the GDN prep)
 # name -> (row suffix, environment): each changes one choice of the defaults
 VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla"}),
             "combine": (PALLAS_COMBINE, {"JAX_DWDP_COMBINE": "pallas"}),
-            "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),  # (the default from 8,192 tokens: a no-op there)
-            "xla_conv": (XLA_CONV, {"JAX_DWDP_CONV": "xla"}),  # (the default below 8,192 tokens)
+            "gdn_conv": (SEPARATE_CONV, _SEPARATE),  # the separate conv's own default (XLA or the split kernel)
+            "conv": (PALLAS_CONV, {**_SEPARATE, "JAX_DWDP_CONV": "pallas"}),  # the separate split kernel
+            "xla_conv": (XLA_CONV, {**_SEPARATE, "JAX_DWDP_CONV": "xla"}),  # the separate conv in XLA
             "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"})}
 
 

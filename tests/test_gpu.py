@@ -104,8 +104,9 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     for kernel in ("moe_topk_softmax", "moe_expert_ranks"):
         assert kernel in text, f"bf16 GPU prefill did not use the Pallas kernel {kernel}"
     assert norm_rope.supported(cfg.head_dim, cfg.rotary_dim) and "attention_norm_rope" in text
-    assert "gdn_causal_conv_silu" not in text  # 1000 tokens: below conv.PALLAS_MIN_TOKENS, XLA's conv
-    # The environment is read when traced: a new length (999) traces anew, with the conv kernel asked for.
+    assert "gdn_conv_prep" in text and "gdn_causal_conv_silu" not in text  # the conv inside the GDN prep kernel
+    # The environment is read when traced: a new length (999) traces anew, with the separate conv kernel asked for.
+    monkeypatch.setenv("JAX_DWDP_GDN_CONV", "separate")
     monkeypatch.setenv("JAX_DWDP_CONV", "pallas")
     short = tokens[:, :999]
     opted = jit_prefill(m16).lower(short, np.array([999], np.int32)).as_text()
@@ -114,6 +115,7 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     print(f"GPU bf16 with the Pallas conv (opt-in) vs fp32 logits: {conv_err:.2e}")
     assert conv_err <= 2e-2
     monkeypatch.delenv("JAX_DWDP_CONV")
+    monkeypatch.delenv("JAX_DWDP_GDN_CONV")
     from jax_dwdp.model import fused_swiglu_enabled
 
     # Models keep the checkpoint layout by default (the fused SwiGLU kernel is opt-in); with the CUTLASS kernel, the

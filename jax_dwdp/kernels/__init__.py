@@ -6,7 +6,12 @@ matmul). Later work swaps an implementation here without touching the model.
 """
 
 from jax_dwdp.kernels.attention import cached_attention, causal_attention, decode_attention
-from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
+from jax_dwdp.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    conv_chunk_gated_delta_rule,
+    conv_fused,
+    recurrent_gated_delta_step,
+)
 from jax_dwdp.kernels.grouped_matmul import ROW_MULTIPLE as GROUPED_MATMUL_ROW_MULTIPLE
 from jax_dwdp.kernels.grouped_matmul import (
     deinterleave_gate_up,
@@ -21,6 +26,8 @@ __all__ = [
     "cached_attention",
     "decode_attention",
     "chunk_gated_delta_rule",
+    "conv_chunk_gated_delta_rule",
+    "conv_fused",
     "recurrent_gated_delta_step",
     "grouped_matmul",
     "grouped_matmul_swiglu",

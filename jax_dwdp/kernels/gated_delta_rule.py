@@ -94,6 +94,53 @@ def chunk_gated_delta_rule(
     return o.astype(v.dtype), state
 
 
+ENV_CONV = "JAX_DWDP_GDN_CONV"
+CONV_MODES = ("fused", "separate")
+
+
+def conv_fused(dtype, conv_dim: int, kernel: int, heads: tuple[int, int], head_dims: tuple[int, int]) -> bool:
+    """Whether Gated DeltaNet's causal conv + SiLU runs inside the gated delta rule's Pallas prep kernel
+    (`conv_chunk_gated_delta_rule`): wherever the Pallas implementation is chosen and the shapes fit, unless
+    $JAX_DWDP_GDN_CONV=separate (the conv as its own kernel, `conv.causal_conv_silu`). Prefill from a cache (the
+    conv reads cached inputs before t = 0) always takes the separate conv."""
+    env = os.environ.get(ENV_CONV) or "fused"
+    if env not in CONV_MODES:
+        raise ValueError(f"{ENV_CONV}={env!r} is none of {CONV_MODES}")
+    if env == "separate" or default_implementation(dtype, *head_dims) != "pallas":
+        return False
+    from jax_dwdp.kernels import gdn_pallas
+
+    return dtype in (jnp.bfloat16, jnp.float16) and gdn_pallas.conv_supported(conv_dim, kernel, *heads, *head_dims)
+
+
+def conv_chunk_gated_delta_rule(
+    mixed: jax.Array,
+    conv_weight: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    heads: tuple[int, int],
+    head_dims: tuple[int, int],
+    lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The causal conv + SiLU of Gated DeltaNet's input projection mixed [B, T, C] (q's, k's, v's channels; conv
+    weight [C, 1, K]; zeros before t = 0) and the chunked gated delta rule on its q, k, v, in the Pallas kernels
+    with the conv inside the prep kernel (see `conv_fused` for where it applies). Returns what
+    `chunk_gated_delta_rule` returns."""
+    from jax_dwdp.kernels import gdn_pallas
+
+    b, t, c = mixed.shape
+    hv = heads[1]
+    if conv_weight.shape != (c, 1, conv_weight.shape[-1]) or g.shape != (b, t, hv) or beta.shape != g.shape:
+        raise ValueError(f"conv_chunk_gated_delta_rule: mixed {mixed.shape}, conv_weight {conv_weight.shape}, g "
+                         f"{g.shape}, beta {beta.shape} do not fit mixed [B, T, C], conv_weight [C, 1, K], g, beta "
+                         f"[B, T, {hv}]")
+    if lengths is None:
+        lengths = jnp.full((b,), t, jnp.int32)
+    return gdn_pallas.chunk_gated_delta_rule_conv_pallas(mixed, conv_weight, g, beta, lengths, heads=tuple(heads),
+                                                         head_dims=tuple(head_dims))
+
+
 def chunk_gated_delta_rule_xla(
     q: jax.Array,
     k: jax.Array,

@@ -160,6 +160,48 @@ def _scores(q, k, cum, scale: float):
     return scores, rq * jnp.exp(cum)
 
 
+def _conv_tile(x_ref, w_ref, n, *, t: int, kernel: int, offset: int):
+    """silu(causal depthwise conv) of chunk n's rows of x_ref [T, d] (channels of the input projection) with w_ref
+    [K, d]: the arithmetic of `conv.causal_conv_silu_pallas` (fp32, taps in order, rounded to x's dtype), zeros
+    before t = 0 and at and past t. `offset`: the left padding of x in interpret mode (see conv.py)."""
+    w = w_ref[...].astype(_F32)
+    tap = _iota(w.shape, 0)
+    shape = (CHUNK, x_ref.shape[-1])
+    row = n * CHUNK + _iota(shape, 0)
+    acc = jnp.zeros(shape, _F32)
+    for j in range(kernel):
+        shift = kernel - 1 - j
+        src = row - shift
+        xs = plgpu.load(x_ref.at[pl.ds(n * CHUNK - shift + offset, CHUNK), :], mask=(src >= 0) & (src < t),
+                        other=jnp.zeros((), x_ref.dtype))
+        acc = acc + xs.astype(_F32) * jnp.sum(jnp.where(tap == j, w, 0.0), axis=0)[None, :]
+    out = acc * jax.nn.sigmoid(acc)
+    return jnp.where(row < t, out, 0.0).astype(x_ref.dtype)
+
+
+def _conv_prep_kernel(len_ref, xk_ref, xv_ref, g_ref, beta_ref, xq_ref, wk_ref, wv_ref, wq_ref, w_ref, u_ref, kg_ref,
+                      cum_ref, a_ref, qs_ref, qc_ref, *, merge_precision: str, scale: float, t: int, rep: int,
+                      kernel: int, offset: int):
+    """The prep kernel (wide inverse, fused output) reading q, k, v through their causal conv: xq, xk, xv are the
+    head's channels of the input projection (whole sequence), the conv is computed on the chunk's rows here (K-1
+    rows of overlap with the previous chunk, L1/L2 hits), so the conv's output never goes through memory. The conv'd
+    q, which the recurrence reads again, is written to qc by the first value head of each key head."""
+    b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(n * CHUNK < len_ref[b])
+    def _():
+        tile = functools.partial(_conv_tile, n=n, t=t, kernel=kernel, offset=offset)
+        k, v, q = tile(xk_ref, wk_ref), tile(xv_ref, wv_ref), tile(xq_ref, wq_ref)
+        scores, q_scale = _scores(q, k, jnp.cumsum(g_ref[...]), scale)
+        a_ref[...] = scores.astype(a_ref.dtype)
+        qs_ref[...] = q_scale
+        _prep_wide(k, v, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, _MERGE_PRECISION[merge_precision])
+
+        @pl.when(h % rep == 0)
+        def _():
+            _store(qc_ref, q, n, t)
+
+
 def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, merge_precision: str,
                  fused: bool, scale: float, t: int):
     b, n = pl.program_id(0), pl.program_id(2)
@@ -517,18 +559,97 @@ def output(lengths, q, k, cum, states, v_new, out=None, *, rep: int, tuning: Tun
     )(*args)
 
 
+def _pad_gates(g, beta, lengths):
+    """g, beta [B, T, HV] -> fp32 [B, HV, T'] (T' = T rounded up to CHUNK), zero past each length; lengths clipped
+    to T, int32."""
+    t = g.shape[1]
+    pad = (-t) % CHUNK
+    valid = jnp.arange(t + pad)[None, :, None] < lengths[:, None, None]
+    g, beta = (jnp.where(valid, jnp.pad(x.astype(_F32), ((0, 0), (0, pad), (0, 0))), 0.0).transpose(0, 2, 1)
+               for x in (g, beta))
+    return g, beta, jnp.minimum(lengths.astype(jnp.int32), t)
+
+
 def pad_inputs(q, k, v, g, beta, lengths):
     """Casts q, k, v to one half type (no copy when they are one already: they are not padded, the kernels mask the
     last chunk's rows past T), zeroes g and beta past each length and lays them out as [B, HV, T'], T' = T rounded
     up to CHUNK. Returns (q, k, v, g, beta, lengths clipped to T)."""
-    t = q.shape[1]
-    pad = (-t) % CHUNK
     dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
     q, k, v = (x.astype(dtype) for x in (q, k, v))
-    valid = jnp.arange(t + pad)[None, :, None] < lengths[:, None, None]
-    g, beta = (jnp.where(valid, jnp.pad(x.astype(_F32), ((0, 0), (0, pad), (0, 0))), 0.0).transpose(0, 2, 1)
-               for x in (g, beta))
-    return q, k, v, g, beta, jnp.minimum(lengths.astype(jnp.int32), t)
+    return q, k, v, *_pad_gates(g, beta, lengths)
+
+
+def conv_supported(conv_dim: int, kernel: int, hk: int, hv: int, dk: int, dv: int) -> bool:
+    """`chunk_gated_delta_rule_conv_pallas` takes these shapes: the kernels' head dims, a power-of-two conv width,
+    the input projection laid out [q | k | v] (HK*dk, HK*dk, HV*dv channels) with v starting at a whole head."""
+    key_dim = hk * dk
+    return (supported(dk, dv) and kernel >= 2 and kernel & (kernel - 1) == 0 and hv % hk == 0
+            and conv_dim == 2 * key_dim + hv * dv and (2 * key_dim) % dv == 0)
+
+
+def prepare_conv(lengths, mixed, conv_weight, g, beta, *, heads: tuple[int, int], head_dims: tuple[int, int],
+                 tuning: Tuning = Tuning(), interpret: bool = False):
+    """Kernel 1 reading q, k, v through their causal conv from the input projection `mixed` [B, T, C] (C = q's,
+    k's and v's channels in that order; conv weight [C, 1, K]; zeros before t = 0). Returns what `prepare(...,
+    q)` returns, then the conv'd q [B, T, HK, dk] for `fused_recurrence` (rows of chunks past a length
+    unwritten)."""
+    if tuning.inverse != "wide" or not tuning.fused_output:
+        raise ValueError("prepare_conv: the conv is fused into the wide prep with the fused output only "
+                         f"(got inverse={tuning.inverse!r}, fused_output={tuning.fused_output})")
+    b, t, c = mixed.shape
+    (hk, hv), (dk, dv) = heads, head_dims
+    kernel = conv_weight.shape[-1]
+    if not conv_supported(c, kernel, hk, hv, dk, dv):
+        raise ValueError(f"prepare_conv: {c} channels, conv width {kernel}, heads {hk}/{hv} of {dk}/{dv} do not fit "
+                         "the kernel (see conv_supported)")
+    rep, tp = hv // hk, g.shape[-1]
+    offset = kernel - 1 if interpret else 0  # the interpreter clamps slices: pad x instead of masking (conv.py)
+    x = jnp.pad(mixed, ((0, 0), (offset, CHUNK), (0, 0))) if interpret else mixed
+    w = jnp.swapaxes(conv_weight[:, 0, :], 0, 1).astype(mixed.dtype)  # [K, C]
+    rows, v_first = x.shape[1], 2 * hk * dk // dv
+
+    def channels(d, first):  # the head's channels, whole sequence, and their conv taps
+        return (pl.BlockSpec((None, rows, d), lambda i, h, n: (i, 0, first(h))),
+                pl.BlockSpec((kernel, d), lambda i, h, n: (0, first(h))))
+
+    (xq, wq), (xk, wk), (xv, wv) = (channels(dk, lambda h: h // rep), channels(dk, lambda h: hk + h // rep),
+                                    channels(dv, lambda h: v_first + h))
+    out_specs = [_per_chunk(dk), _per_chunk(dv), _per_chunk(dk), _GATES, _per_chunk(CHUNK), _GATES,
+                 _key_chunk(dk, rep)]
+    out_shape = [jax.ShapeDtypeStruct((b, hv, tp, d), mixed.dtype) for d in (dk, dv, dk)] + [
+        jax.ShapeDtypeStruct((b, hv, tp), _F32), jax.ShapeDtypeStruct((b, hv, tp, CHUNK), mixed.dtype),
+        jax.ShapeDtypeStruct((b, hv, tp), _F32), jax.ShapeDtypeStruct((b, t, hk, dk), mixed.dtype)]
+    return pl.pallas_call(
+        functools.partial(_conv_prep_kernel, merge_precision=tuning.merge_precision, scale=dk**-0.5, t=t, rep=rep,
+                          kernel=kernel, offset=offset),
+        grid=(b, hv, tp // CHUNK),
+        in_specs=[_whole(lengths), xk, xv, _GATES, _GATES, xq, wk, wv, wq],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=tuning.params(0),
+        interpret=interpret,
+        name="gdn_conv_prep",
+    )(lengths, x, x, g, beta, x, w, w, w)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "head_dims", "tuning", "interpret"))
+def chunk_gated_delta_rule_conv_pallas(mixed: jax.Array, conv_weight: jax.Array, g: jax.Array, beta: jax.Array,
+                                       lengths: jax.Array, out: jax.Array | None = None, *,
+                                       heads: tuple[int, int], head_dims: tuple[int, int],
+                                       tuning: Tuning = Tuning(), interpret: bool = False):
+    """Gated DeltaNet's causal conv + SiLU and gated delta rule from the input projection: mixed [B, T, C] (16-bit;
+    q's, k's, v's channels), conv_weight [C, 1, K], g, beta [B, T, HV], lengths [B]. Equals
+    `chunk_gated_delta_rule_pallas` on the split, conv'd q, k, v (zeros before t = 0: no cached history), without
+    the conv's output going through memory (only q, which the recurrence reads again). `out`: an optional
+    [B, T, HV, dv] buffer o is written into (tests poison it). Returns (o [B, T, HV, dv] zero past each length,
+    final state [B, HV, dk, dv] fp32)."""
+    if mixed.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"chunk_gated_delta_rule_conv_pallas: mixed must be bf16 or fp16, got {mixed.dtype}")
+    g, beta, lengths = _pad_gates(g, beta, lengths)
+    w, u, kg, cum, scores, q_scale, q = prepare_conv(lengths, mixed, conv_weight, g, beta, heads=heads,
+                                                     head_dims=head_dims, tuning=tuning, interpret=interpret)
+    return fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, None, out, rep=heads[1] // heads[0],
+                            tuning=tuning, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))

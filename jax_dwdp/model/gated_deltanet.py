@@ -68,11 +68,18 @@ class GatedDeltaNet(nnx.Module):
         mixed = self.in_proj_qkv(x)  # [B, T, C]
         history = None if cache is None else jnp.swapaxes(cache[0], 1, 2)  # [B, K-1, C]
         conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1, history)
-        conv_out = causal_conv_silu(mixed, self.conv1d.weight[...], history, splits=(self.key_dim, 2 * self.key_dim))
-        q, k, v = self._split_heads(conv_out)
         g, beta = self._gates(x)
-        core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths,
-                                                     initial_state=None if cache is None else cache[1])
+        heads, head_dims = (self.num_k_heads, self.num_v_heads), (self.head_k_dim, self.head_v_dim)
+        weight = self.conv1d.weight[...]
+        if cache is None and kernels.conv_fused(mixed.dtype, mixed.shape[-1], self.conv_kernel, heads, head_dims):
+            # The conv inside the gated delta rule's prep kernel: its output never goes through memory.
+            core, state = kernels.conv_chunk_gated_delta_rule(mixed, weight, g, beta, heads=heads,
+                                                              head_dims=head_dims, lengths=lengths)
+        else:
+            conv_out = causal_conv_silu(mixed, weight, history, splits=(self.key_dim, 2 * self.key_dim))
+            q, k, v = self._split_heads(conv_out)
+            core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths,
+                                                         initial_state=None if cache is None else cache[1])
         return self._output(core, x), (conv_state, state)
 
     def decode(

@@ -200,10 +200,8 @@ def open_store(mesh: Mesh, cfg: ModelConfig, num_layers: int, dtype, *, name: st
     if len(mine) != 1:
         raise ValueError(f"an expert store across processes needs one device of its ranks per process; process "
                          f"{jax.process_index()} drives {len(mine)} of {len(devices)}")
-    store = ProcessExpertStore(devices[mine[0]], mine[0], len(devices), num_layers, cfg.num_experts, shapes, dtype,
-                               **options)
-    store.job = name
-    return store
+    return ProcessExpertStore(devices[mine[0]], mine[0], len(devices), num_layers, cfg.num_experts, shapes, dtype,
+                              name=name, **options)
 
 
 def connect_store(store, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -219,11 +217,11 @@ def connect_store(store, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     from jax_dwdp.parallel.fd_exchange import ExchangeTimeout, FdExchange
 
     try:
-        with FdExchange(f"{launch_id(timeout_s)}-{store.job}", store.rank, store.num_ranks,
+        with FdExchange(f"{launch_id(timeout_s)}-{store.name}", store.rank, store.num_ranks,
                         timeout_s=timeout_s) as exchange:
             store.connect(exchange)
     except ExchangeTimeout as e:
-        raise ExchangeTimeout(f"connecting expert store {store.job!r} of rank {store.rank} (the peers' processes "
+        raise ExchangeTimeout(f"connecting expert store {store.name!r} of rank {store.rank} (the peers' processes "
                               f"must run on this host and open the same stores)", e.missing, timeout_s) from None
 
 

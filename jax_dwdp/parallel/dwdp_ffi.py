@@ -278,11 +278,12 @@ class ProcessExpertStore(ExpertStore):
     """
 
     def __init__(self, device, rank: int, num_ranks: int, num_layers: int, num_experts: int, shapes, dtype, *,
-                 timing: bool = False, poison: bool = False, delay_copies: bool = False):
+                 name: str = "experts", timing: bool = False, poison: bool = False, delay_copies: bool = False):
         require_gpus([device])
         if not 0 <= rank < num_ranks:
             raise ValueError(f"ProcessExpertStore: rank {rank} is not in [0, {num_ranks})")
         self.devices, self.rank, self.num_ranks = [device], rank, num_ranks
+        self.name = name  # pairs this store with its peers' (the same name in every process; dwdp.connect_store)
         sizes, flags = self._configure(num_ranks, num_layers, num_experts, shapes, dtype, timing=timing,
                                        poison=poison, delay_copies=delay_copies)
         sid = ctypes.c_int64()
