@@ -14,7 +14,7 @@ For each token count (batch 1, random bf16 weights of one linear-attention and o
   `attention_mgpu` takes only fp16 and jax's default implementation picks XLA's for head_dim 256 (out of memory at
   32K): both left out (benchmarks/RESULTS.md, ninth session);
 - the routing kernels and the permutation kernels (dispatch, combine) against the XLA passes they replaced, the
-  conv inside the GDN prep kernel (the default) against the separate conv (its kernel and XLA's, each forced),
+  conv inside the GDN prep kernel (opt-in) against the separate conv (its kernel and XLA's, each forced),
   the norm + RoPE kernel against XLA's passes,
   as whole layers and as parts (the ninth session's run C, before the conv went back to XLA, labelled
   differently: see RESULTS.md);
@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
                    lambda: combine_add(down, inverse, w_bf16, shared_out), "moe")
         if args.conv_configs:  # the Pallas conv's tile rows and warps, inside the GDN mixer
             for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (16, 4)):
-                pallas_conv = {**_SEPARATE, conv_mod.ENV_IMPLEMENTATION: "pallas"}
-                with _environment(pallas_conv), _patched(conv_mod, BLOCK_T=bt, NUM_WARPS=nw):
+                with _environment({conv_mod.ENV_IMPLEMENTATION: "pallas"}), _patched(conv_mod, BLOCK_T=bt,
+                                                                                      NUM_WARPS=nw):
                     gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
                     record(t, f"GDN mixer, Pallas conv {bt} rows w{nw}", lambda: gdn(x, lengths), "conv")
         if args.permute_configs:  # the kernels' block shapes (tokens x columns per program, warps)
@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
         o, _ = core(qg, kg, vg, g, beta, lengths)
         record(t, "GDN: core (gated delta rule)", lambda: core(qg, kg, vg, g, beta, lengths), "gdn")
         heads, dims = (ga.num_k_heads, ga.num_v_heads), (ga.head_k_dim, ga.head_v_dim)
-        if kernels.conv_fused(mixed.dtype, mixed.shape[-1], ga.conv_kernel, heads, dims):
+        with _environment({"JAX_DWDP_GDN_CONV": "fused"}):
+            fusable = kernels.conv_fused(mixed.dtype, mixed.shape[-1], ga.conv_kernel, heads, dims)
+        if fusable:
             conv_core = jit_method(linear, lambda m, y, g, b, n: kernels.conv_chunk_gated_delta_rule(
                 y, m.linear_attn.conv1d.weight[...], g, b, heads=heads, head_dims=dims, lengths=n))
             record(t, "GDN: conv + core, conv in the prep kernel", lambda: conv_core(mixed, g, beta, lengths), "gdn")
@@ -272,22 +274,21 @@ def main(argv: list[str] | None = None) -> dict:
 
 XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
     " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
-SEPARATE_CONV = " (separate conv)"
+FUSED_CONV = " (conv in GDN prep)"
 DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
 # What each variant's change can reach (the rest would time the defaults again): the routing every MoE layer, the
 # dispatch and combine the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the
 # attention mixer.
 VARIANT_PARTS = {XLA_ROUTING: ("linear", "gdn", "full", "moe"), XLA_DISPATCH: ("linear", "moe"),
                  PALLAS_COMBINE: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
-                 SEPARATE_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention")}
-_SEPARATE = {"JAX_DWDP_GDN_CONV": "separate"}  # the conv as its own kernel (by default it runs in the GDN prep)
+                 FUSED_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention")}
 # name -> (row suffix, environment): each changes one choice of the defaults
 VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla"}),
             "combine": (PALLAS_COMBINE, {"JAX_DWDP_COMBINE": "pallas"}),
-            "gdn_conv": (SEPARATE_CONV, _SEPARATE),  # the separate conv's own default (XLA or the split kernel)
-            "conv": (PALLAS_CONV, {**_SEPARATE, "JAX_DWDP_CONV": "pallas"}),  # the separate split kernel
-            "xla_conv": (XLA_CONV, {**_SEPARATE, "JAX_DWDP_CONV": "xla"}),  # the separate conv in XLA
+            "gdn_conv": (FUSED_CONV, {"JAX_DWDP_GDN_CONV": "fused"}),  # the conv inside the GDN prep kernel
+            "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),  # (the default from 8,192 tokens: a no-op there)
+            "xla_conv": (XLA_CONV, {"JAX_DWDP_CONV": "xla"}),  # (the default below 8,192 tokens)
             "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"})}
 
 

@@ -138,7 +138,6 @@ def test_gpu_gdn_mixer_takes_the_split_kernel_and_equals_xla(rng, monkeypatch):
     from jax_dwdp.config import ModelConfig
     from jax_dwdp.model.gated_deltanet import GatedDeltaNet
 
-    monkeypatch.setenv("JAX_DWDP_GDN_CONV", "separate")  # (by default the conv runs inside the GDN prep kernel)
     cfg = ModelConfig.preset("35b-a3b")
     mixer = GatedDeltaNet(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
     x = jnp.asarray(rng.standard_normal((2, 4100, cfg.hidden_size)), jnp.bfloat16)

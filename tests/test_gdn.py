@@ -144,12 +144,15 @@ def test_conv_in_prep_kernel_matches_separate_conv_interpreted(rng, hk, hv):
 
 
 def test_conv_in_prep_kernel_choice(monkeypatch):
-    """`conv_fused`: only where the Pallas gated delta rule is chosen, for shapes the kernel takes, not with
-    $JAX_DWDP_GDN_CONV=separate; a bad value is named; the kernel refuses shapes it cannot take."""
+    """`conv_fused`: off by default; with $JAX_DWDP_GDN_CONV=fused only where the Pallas gated delta rule is chosen,
+    for shapes the kernel takes; a bad value is named; the kernel refuses shapes it cannot take."""
     heads, dims = (16, 32), (128, 128)
     c = 2 * 16 * 128 + 32 * 128
-    monkeypatch.delenv(gdr.ENV_IMPLEMENTATION, raising=False)
     monkeypatch.delenv(gdr.ENV_CONV, raising=False)
+    monkeypatch.setenv(gdr.ENV_IMPLEMENTATION, "pallas")
+    assert not gdr.conv_fused(jnp.bfloat16, c, 4, heads, dims)  # the default: the separate conv
+    monkeypatch.setenv(gdr.ENV_CONV, "fused")
+    monkeypatch.delenv(gdr.ENV_IMPLEMENTATION)
     assert not gdr.conv_fused(jnp.bfloat16, c, 4, heads, dims)  # the CPU: XLA's gated delta rule
     monkeypatch.setenv(gdr.ENV_IMPLEMENTATION, "pallas")
     assert gdr.conv_fused(jnp.bfloat16, c, 4, heads, dims)
@@ -172,11 +175,11 @@ def test_conv_in_prep_kernel_choice(monkeypatch):
                                            heads=(2, 4), head_dims=(16, 32), interpret=True)
 
 
-@pytest.mark.parametrize("mode,cached,want", [("fused", False, "gdn_conv_prep"), ("separate", False, "gdn_prep"),
+@pytest.mark.parametrize("mode,cached,want", [("fused", False, "gdn_conv_prep"), ("", False, "gdn_prep"),
                                               ("fused", True, "gdn_prep")])
 def test_gdn_mixer_lowered_for_cuda_takes_the_conv_prep_kernel(rng, monkeypatch, mode, cached, want):
-    """The Gated DeltaNet mixer lowered for CUDA with the Pallas gated delta rule: the conv inside the prep kernel
-    by default; the separate conv and the plain prep kernel with $JAX_DWDP_GDN_CONV=separate, and when a cache's
+    """The Gated DeltaNet mixer lowered for CUDA with the Pallas gated delta rule: the separate conv and the plain
+    prep kernel by default; the conv inside the prep kernel with $JAX_DWDP_GDN_CONV=fused, but not when a cache's
     inputs precede t = 0."""
     from flax import nnx
 

@@ -104,9 +104,17 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     for kernel in ("moe_topk_softmax", "moe_expert_ranks"):
         assert kernel in text, f"bf16 GPU prefill did not use the Pallas kernel {kernel}"
     assert norm_rope.supported(cfg.head_dim, cfg.rotary_dim) and "attention_norm_rope" in text
-    assert "gdn_conv_prep" in text and "gdn_causal_conv_silu" not in text  # the conv inside the GDN prep kernel
-    # The environment is read when traced: a new length (999) traces anew, with the separate conv kernel asked for.
-    monkeypatch.setenv("JAX_DWDP_GDN_CONV", "separate")
+    assert "gdn_causal_conv_silu" not in text  # 1000 tokens: below conv.PALLAS_MIN_TOKENS, XLA's conv
+    assert "gdn_conv_prep" not in text  # the conv inside the GDN prep kernel: opt-in
+    # The environment is read when traced: a new length traces anew, with the conv inside the GDN prep kernel asked
+    # for (998 tokens), then the conv kernel (999).
+    monkeypatch.setenv("JAX_DWDP_GDN_CONV", "fused")
+    short = tokens[:, :998]
+    assert "gdn_conv_prep" in jit_prefill(m16).lower(short, np.array([998], np.int32)).as_text()
+    fused_conv_err = rel_err(jit_prefill(m16)(short)[0].astype(jnp.float32), jit_prefill(m32)(short)[0])
+    print(f"GPU bf16 with the conv in the GDN prep kernel (opt-in) vs fp32 logits: {fused_conv_err:.2e}")
+    assert fused_conv_err <= 2e-2
+    monkeypatch.delenv("JAX_DWDP_GDN_CONV")
     monkeypatch.setenv("JAX_DWDP_CONV", "pallas")
     short = tokens[:, :999]
     opted = jit_prefill(m16).lower(short, np.array([999], np.int32)).as_text()
@@ -115,7 +123,6 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     print(f"GPU bf16 with the Pallas conv (opt-in) vs fp32 logits: {conv_err:.2e}")
     assert conv_err <= 2e-2
     monkeypatch.delenv("JAX_DWDP_CONV")
-    monkeypatch.delenv("JAX_DWDP_GDN_CONV")
     from jax_dwdp.model import fused_swiglu_enabled
 
     # Models keep the checkpoint layout by default (the fused SwiGLU kernel is opt-in); with the CUTLASS kernel, the

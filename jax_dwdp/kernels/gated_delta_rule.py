@@ -100,10 +100,12 @@ CONV_MODES = ("fused", "separate")
 
 def conv_fused(dtype, conv_dim: int, kernel: int, heads: tuple[int, int], head_dims: tuple[int, int]) -> bool:
     """Whether Gated DeltaNet's causal conv + SiLU runs inside the gated delta rule's Pallas prep kernel
-    (`conv_chunk_gated_delta_rule`): wherever the Pallas implementation is chosen and the shapes fit, unless
-    $JAX_DWDP_GDN_CONV=separate (the conv as its own kernel, `conv.causal_conv_silu`). Prefill from a cache (the
-    conv reads cached inputs before t = 0) always takes the separate conv."""
-    env = os.environ.get(ENV_CONV) or "fused"
+    (`conv_chunk_gated_delta_rule`) instead of as its own kernel (`conv.causal_conv_silu`, the default):
+    on request ($JAX_DWDP_GDN_CONV=fused), where the Pallas implementation is chosen and the shapes fit. Measured
+    slower on an H200 (thirteenth session, benchmarks/RESULTS.md: conv + core 1.87 vs 1.23 ms at 16K tokens, the
+    prep kernel's registers). Prefill from a cache (the conv reads cached inputs before t = 0) always takes the
+    separate conv."""
+    env = os.environ.get(ENV_CONV) or "separate"
     if env not in CONV_MODES:
         raise ValueError(f"{ENV_CONV}={env!r} is none of {CONV_MODES}")
     if env == "separate" or default_implementation(dtype, *head_dims) != "pallas":
@@ -125,8 +127,8 @@ def conv_chunk_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """The causal conv + SiLU of Gated DeltaNet's input projection mixed [B, T, C] (q's, k's, v's channels; conv
     weight [C, 1, K]; zeros before t = 0) and the chunked gated delta rule on its q, k, v, in the Pallas kernels
-    with the conv inside the prep kernel (see `conv_fused` for where it applies). Returns what
-    `chunk_gated_delta_rule` returns."""
+    with the conv inside the prep kernel (opt-in, see `conv_fused`). Returns what `chunk_gated_delta_rule`
+    returns."""
     from jax_dwdp.kernels import gdn_pallas
 
     b, t, c = mixed.shape

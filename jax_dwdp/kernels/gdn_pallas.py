@@ -190,16 +190,19 @@ def _conv_prep_kernel(len_ref, xk_ref, xv_ref, g_ref, beta_ref, xq_ref, wk_ref, 
 
     @pl.when(n * CHUNK < len_ref[b])
     def _():
+        # In order of use, each stored as soon as it is final (fewer tiles live at once: registers).
         tile = functools.partial(_conv_tile, n=n, t=t, kernel=kernel, offset=offset)
-        k, v, q = tile(xk_ref, wk_ref), tile(xv_ref, wv_ref), tile(xq_ref, wq_ref)
-        scores, q_scale = _scores(q, k, jnp.cumsum(g_ref[...]), scale)
-        a_ref[...] = scores.astype(a_ref.dtype)
-        qs_ref[...] = q_scale
-        _prep_wide(k, v, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, _MERGE_PRECISION[merge_precision])
+        q, k = tile(xq_ref, wq_ref), tile(xk_ref, wk_ref)
 
         @pl.when(h % rep == 0)
         def _():
             _store(qc_ref, q, n, t)
+
+        scores, q_scale = _scores(q, k, jnp.cumsum(g_ref[...]), scale)
+        a_ref[...] = scores.astype(a_ref.dtype)
+        qs_ref[...] = q_scale
+        _prep_wide(k, tile(xv_ref, wv_ref), g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref,
+                   _MERGE_PRECISION[merge_precision])
 
 
 def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, merge_precision: str,
@@ -388,6 +391,7 @@ class Tuning:
 
     block_v: int | None = None
     num_warps: tuple[int, int, int] = (4, 4, 4)
+    conv_prep_warps: int = 8  # the prep kernel with the conv inside (`prepare_conv`): 4 spill (3x slower)
     num_stages: tuple[int, int, int] = (2, 3, 2)
     inverse: str = "wide"
     merge_precision: str = "bf16"
@@ -592,7 +596,13 @@ def prepare_conv(lengths, mixed, conv_weight, g, beta, *, heads: tuple[int, int]
     """Kernel 1 reading q, k, v through their causal conv from the input projection `mixed` [B, T, C] (C = q's,
     k's and v's channels in that order; conv weight [C, 1, K]; zeros before t = 0). Returns what `prepare(...,
     q)` returns, then the conv'd q [B, T, HK, dk] for `fused_recurrence` (rows of chunks past a length
-    unwritten)."""
+    unwritten).
+
+    Measured on an H200 (thirteenth session, 35b-a3b heads, 16K tokens): 1.35 ms with 8 warps (3.95 with 4: the
+    conv tiles beside the prep's 64x64 fp32 tiles spill registers) against 0.455 ms for the plain prep kernel plus
+    0.258 ms for the separate split conv kernel, so it is opt-in (`gated_delta_rule.conv_fused`). What it saves,
+    the conv output's round trip through memory (~0.2 ms at 16K), would need the conv tiles staged in shared
+    memory, which Pallas's Triton lowering does not expose."""
     if tuning.inverse != "wide" or not tuning.fused_output:
         raise ValueError("prepare_conv: the conv is fused into the wide prep with the fused output only "
                          f"(got inverse={tuning.inverse!r}, fused_output={tuning.fused_output})")
@@ -626,7 +636,7 @@ def prepare_conv(lengths, mixed, conv_weight, g, beta, *, heads: tuple[int, int]
         in_specs=[_whole(lengths), xk, xv, _GATES, _GATES, xq, wk, wv, wq],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=tuning.params(0),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.conv_prep_warps, num_stages=tuning.num_stages[0]),
         interpret=interpret,
         name="gdn_conv_prep",
     )(lengths, x, x, g, beta, x, w, w, w)
