@@ -107,8 +107,8 @@ def test_conv_in_prep_kernel_equals_separate_conv(rng, hk, hv):
         o2, state2 = chunk_gated_delta_rule_pallas(q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk),
                                                    v.reshape(b, t, hv, dv), g, beta, n)
         err = max(rel_err(o, o2), rel_err(state, state2))
-        print(f"T={t} {hk}/{hv} heads: conv in the prep kernel vs the separate conv kernel {err:.2e} (bound 4e-3)")
-        assert err <= 4e-3
+        print(f"T={t} {hk}/{hv} heads: conv in the prep kernel vs the separate conv kernel {err:.2e} (bound 1e-4)")
+        assert err <= 1e-4  # (measured 0: the same arithmetic)
         ref = reference_per_sequence(*conv_split(mixed, weight, hk, hv, dk, dv, jnp.float32), g, beta, lengths, None,
                                      batched=True)
         check_against_reference(o, state, ref, lengths, f"conv prep T={t} {hk}/{hv}", BOUND)

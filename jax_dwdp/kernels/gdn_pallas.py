@@ -32,6 +32,10 @@ prefill from an earlier one's cache.
 
 Tensor-core dot products take bf16 operands with fp32 accumulation (the state is rounded to bf16 only where it
 enters a dot; it is accumulated in fp32), as flash-linear-attention does.
+
+`chunk_gated_delta_rule_conv_pallas` (opt-in) reads q, k, v through Gated DeltaNet's causal conv from the input
+projection inside the prep kernel (`_conv_prep_kernel`); bit-equal to the separate conv kernel, measured slower
+(see `prepare_conv`).
 """
 
 from __future__ import annotations
