@@ -540,9 +540,9 @@ def _check_processes(args) -> None:
         raise UsageError("across processes, --pipeline runs one device per stage and --dwdp / --dep ranks one stage: "
                          "not both yet")
     if args.dwdp > 1 and args.dwdp_backend == "ffi" and not joined:
-        from jax_dwdp.distributed import _visible_gpus
+        from jax_dwdp.distributed import visible_gpus
 
-        if not _visible_gpus():  # (a joined process finds out from its own devices, in _build_runner)
+        if not visible_gpus():  # (a joined process finds out from its own devices, in _build_runner)
             raise UsageError("--dwdp-backend ffi across processes needs a CUDA GPU per process; none is visible "
                              "(use --dwdp-backend xla)")
     if args.prefill_chunk is not None:

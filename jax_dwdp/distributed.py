@@ -113,7 +113,7 @@ def reserve_port() -> socket.socket:
         raise
 
 
-def _visible_gpus() -> list[str]:
+def visible_gpus() -> list[str]:
     """The GPUs the processes may take, without starting JAX (the launcher must not hold a device): none when
     JAX_PLATFORMS leaves out CUDA; the entries of CUDA_VISIBLE_DEVICES when it is set; else nvidia-smi's count."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
@@ -157,7 +157,7 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
     """Runs `jax-dwdp ARGV --process-id I --coordinator 127.0.0.1:PORT` for I in [0, N); returns the exit code:
     0 when all succeed, else the first failure's (the others stopped). `status(text)` reports progress (stderr)."""
     status = status or (lambda text: print(text, file=sys.stderr, flush=True))
-    gpus = _visible_gpus()
+    gpus = visible_gpus()
     if gpus and len(gpus) < num_processes:
         status(f"error: --num-processes {num_processes} needs a GPU per process; {len(gpus)} are visible")
         return EXIT_RUNTIME

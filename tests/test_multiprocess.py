@@ -248,20 +248,26 @@ def test_json_output_is_one_object():
 
 def _launch_ids(n: int = 2) -> list[str]:
     """Each process of a fresh CPU launch of n processes: jax_dwdp's initialize, then its launch_id."""
-    import socket
+    from jax_dwdp.distributed import reserve_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     code = ("import sys; from jax_dwdp.distributed import initialize, launch_id; "
             "initialize(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), timeout_s=60); print('ID', launch_id())")
-    procs = [subprocess.Popen([sys.executable, "-c", code, f"127.0.0.1:{port}", str(n), str(i)], env=_env(),
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-    ids = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-2000:]
-        ids += [line.split()[1] for line in out.splitlines() if line.startswith("ID ")]
+    with reserve_port() as held:  # the coordinator's port, held until the launch ends
+        port = held.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, "-c", code, f"127.0.0.1:{port}", str(n), str(i)], env=_env(),
+                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(n)]
+        ids = []
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=120)
+                assert p.returncode == 0, err[-2000:]
+                ids += [line.split()[1] for line in out.splitlines() if line.startswith("ID ")]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return ids
 
 

@@ -228,7 +228,7 @@ def test_restore_reads_only_own_bytes(hf_dir, orbax_dir):
     jax.distributed, one CPU device each) reads 1/4 of a layer's expert bytes plus the replicated non-expert
     tensors, far from a full restore, and gets exactly its own experts. Checking the checksums reads the same
     files once more: a rank checks only its own experts' chunks."""
-    import socket
+    from jax_dwdp.distributed import reserve_port
 
     layer, ranks = 2, 4
     expert, other = _layer_bytes(orbax_dir, layer)
@@ -250,25 +250,25 @@ def test_restore_reads_only_own_bytes(hf_dir, orbax_dir):
     stage = _rchar() - before
     assert sum(sizes) <= stage <= sum(sizes) + 2 * slack + marker, (stage, sizes)  # 2 items; one more layer: +290 KB
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK_WORKER, str(r), str(ranks), str(port), str(orbax_dir),
-                               str(layer)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(ranks)]
     results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:  # a failed rank leaves the others waiting in jax.distributed
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with reserve_port() as held:  # the coordinator's port, held until the launch ends
+        port = held.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, "-c", _RANK_WORKER, str(r), str(ranks), str(port),
+                                   str(orbax_dir), str(layer)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+                 for r in range(ranks)]
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=240)
+                assert proc.returncode == 0, err[-3000:]
+                results.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for proc in procs:  # a failed rank leaves the others waiting in jax.distributed
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     ref, _ = load_hf_checkpoint(hf_dir, dtype=jnp.float32, start_layer=layer, end_layer=layer + 1)
     block = CFG.num_experts // ranks
     for res in results:

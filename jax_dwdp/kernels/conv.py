@@ -62,26 +62,36 @@ def _range_supported(c0: int, c1: int, c: int, kernel: int) -> bool:
     return 0 <= c0 < c1 <= c and supported(c1 - c0, kernel) and c0 % _block_c(c1 - c0) == 0
 
 
+def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offset: int):
+    """Inside a Pallas Triton kernel: silu(causal conv) of rows [start, start + rows) of x_ref [T(+padding), BC]
+    with taps w_ref [K, BC], in fp32, and those rows' indices ([rows, BC], to mask what is stored). Rows before 0
+    and past T are masked loads: no memory is read there. `offset` > 0 only in interpret mode, where x is
+    left-padded (the interpreter clamps out-of-range slices instead of masking them). Shared by this kernel and the
+    GDN prep kernel that computes the conv itself (`gdn_pallas.prepare_conv`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    w = w_ref[...].astype(_F32)  # [K, BC]
+    tap = lax.broadcasted_iota(jnp.int32, w.shape, 0)
+    shape = (rows, x_ref.shape[-1])
+    row = start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    acc = jnp.zeros(shape, _F32)
+    for j in range(kernel):
+        shift = kernel - 1 - j
+        src = row - shift
+        xs = plgpu.load(x_ref.at[pl.ds(start - shift + offset, rows), :], mask=(src >= 0) & (src < t),
+                        other=jnp.zeros((), x_ref.dtype))
+        acc = acc + xs.astype(_F32) * jnp.sum(jnp.where(tap == j, w, 0.0), axis=0)[None, :]
+    return acc * jax.nn.sigmoid(acc), row
+
+
 def _conv_kernel(x_ref, w_ref, *refs, t: int, kernel: int, offset: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     o_ref = refs[-1]  # (refs[0] is the aliased output buffer when one is given)
-    n = pl.program_id(1)
-    bt, bc = o_ref.shape
-    w = w_ref[...].astype(_F32)  # [K, BC]
-    tap = lax.broadcasted_iota(jnp.int32, w.shape, 0)
-    row = n * bt + lax.broadcasted_iota(jnp.int32, (bt, bc), 0)
-    acc = jnp.zeros((bt, bc), _F32)
-    for j in range(kernel):
-        shift = kernel - 1 - j
-        src = row - shift
-        # Rows before 0 (and past T) are masked: no memory is read there. `offset` > 0 only in interpret mode,
-        # where x is left-padded (the interpreter clamps out-of-range slices instead of masking them).
-        xs = plgpu.load(x_ref.at[pl.ds(n * bt - shift + offset, bt), :], mask=(src >= 0) & (src < t),
-                        other=jnp.zeros((), x_ref.dtype))
-        acc = acc + xs.astype(_F32) * jnp.sum(jnp.where(tap == j, w, 0.0), axis=0)[None, :]
-    out = acc * jax.nn.sigmoid(acc)
+    bt = o_ref.shape[0]
+    out, row = conv_silu_rows(x_ref, w_ref, pl.program_id(1) * bt, bt, t=t, kernel=kernel, offset=offset)
     plgpu.store(o_ref.at[pl.ds(0, bt), :], out.astype(o_ref.dtype), mask=row < t)
 
 

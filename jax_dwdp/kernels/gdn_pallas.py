@@ -49,6 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_dwdp.kernels.conv import conv_silu_rows
+
 CHUNK = 64
 SUB = 16  # sub-block of the triangular solve
 EPS = 1e-6  # l2 norm epsilon, as the reference
@@ -166,20 +168,9 @@ def _scores(q, k, cum, scale: float):
 
 def _conv_tile(x_ref, w_ref, n, *, t: int, kernel: int, offset: int):
     """silu(causal depthwise conv) of chunk n's rows of x_ref [T, d] (channels of the input projection) with w_ref
-    [K, d]: the arithmetic of `conv.causal_conv_silu_pallas` (fp32, taps in order, rounded to x's dtype), zeros
-    before t = 0 and at and past t. `offset`: the left padding of x in interpret mode (see conv.py)."""
-    w = w_ref[...].astype(_F32)
-    tap = _iota(w.shape, 0)
-    shape = (CHUNK, x_ref.shape[-1])
-    row = n * CHUNK + _iota(shape, 0)
-    acc = jnp.zeros(shape, _F32)
-    for j in range(kernel):
-        shift = kernel - 1 - j
-        src = row - shift
-        xs = plgpu.load(x_ref.at[pl.ds(n * CHUNK - shift + offset, CHUNK), :], mask=(src >= 0) & (src < t),
-                        other=jnp.zeros((), x_ref.dtype))
-        acc = acc + xs.astype(_F32) * jnp.sum(jnp.where(tap == j, w, 0.0), axis=0)[None, :]
-    out = acc * jax.nn.sigmoid(acc)
+    [K, d]: the arithmetic of `conv.causal_conv_silu_pallas` (the same code), rounded to x's dtype, zeros before
+    t = 0 and at and past t. `offset`: the left padding of x in interpret mode (see conv.py)."""
+    out, row = conv_silu_rows(x_ref, w_ref, n * CHUNK, CHUNK, t=t, kernel=kernel, offset=offset)
     return jnp.where(row < t, out, 0.0).astype(x_ref.dtype)
 
 
