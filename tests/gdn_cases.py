@@ -66,8 +66,6 @@ def poisoned(b, t, hv, dv, dtype=jnp.bfloat16):
     return jnp.full((b, t, hv, dv), jnp.nan, dtype)
 
 
-
-
 def conv_gdn_inputs(rng, b, t, hk, hv, dk, dv, kernel=4, dtype=jnp.bfloat16):
     """Gated DeltaNet's input projection mixed [B, T, 2 HK dk + HV dv] (q's, k's, v's channels), its conv weight
     [C, 1, K] and gates g, beta [B, T, HV] as `gdn_inputs` makes them; fresh from `rng`."""

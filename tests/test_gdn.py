@@ -153,7 +153,8 @@ def test_conv_in_prep_kernel_choice(monkeypatch):
     assert not gdr.conv_fused(jnp.bfloat16, c, 4, heads, dims)  # the default: the separate conv
     monkeypatch.setenv(gdr.ENV_CONV, "fused")
     monkeypatch.delenv(gdr.ENV_IMPLEMENTATION)
-    assert not gdr.conv_fused(jnp.bfloat16, c, 4, heads, dims)  # the CPU: XLA's gated delta rule
+    monkeypatch.setattr(gdr, "on_gpu", lambda: False)
+    assert not gdr.conv_fused(jnp.bfloat16, c, 4, heads, dims)  # on the CPU: XLA's gated delta rule
     monkeypatch.setenv(gdr.ENV_IMPLEMENTATION, "pallas")
     assert gdr.conv_fused(jnp.bfloat16, c, 4, heads, dims)
     assert not gdr.conv_fused(jnp.float32, c, 4, heads, dims)
@@ -177,7 +178,7 @@ def test_conv_in_prep_kernel_choice(monkeypatch):
 
 @pytest.mark.parametrize("mode,cached,want", [("fused", False, "gdn_conv_prep"), ("", False, "gdn_prep"),
                                               ("fused", True, "gdn_prep")])
-def test_gdn_mixer_lowered_for_cuda_takes_the_conv_prep_kernel(rng, monkeypatch, mode, cached, want):
+def test_gdn_mixer_lowered_for_cuda_chooses_its_prep_kernel(rng, monkeypatch, mode, cached, want):
     """The Gated DeltaNet mixer lowered for CUDA with the Pallas gated delta rule: the separate conv and the plain
     prep kernel by default; the conv inside the prep kernel with $JAX_DWDP_GDN_CONV=fused, but not when a cache's
     inputs precede t = 0."""

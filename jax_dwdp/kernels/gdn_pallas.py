@@ -579,8 +579,9 @@ def pad_inputs(q, k, v, g, beta, lengths):
 
 
 def conv_supported(conv_dim: int, kernel: int, hk: int, hv: int, dk: int, dv: int) -> bool:
-    """`chunk_gated_delta_rule_conv_pallas` takes these shapes: the kernels' head dims, a power-of-two conv width,
-    the input projection laid out [q | k | v] (HK*dk, HK*dk, HV*dv channels) with v starting at a whole head."""
+    """`chunk_gated_delta_rule_conv_pallas` takes these shapes: the kernels' head dims, a power-of-two conv width
+    of at least 2 (Triton tiles of the taps), the input projection laid out [q | k | v] (HK*dk, HK*dk, HV*dv
+    channels) with v starting at a whole head."""
     key_dim = hk * dk
     return (supported(dk, dv) and kernel >= 2 and kernel & (kernel - 1) == 0 and hv % hk == 0
             and conv_dim == 2 * key_dim + hv * dv and (2 * key_dim) % dv == 0)

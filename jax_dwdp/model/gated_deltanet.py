@@ -71,7 +71,8 @@ class GatedDeltaNet(nnx.Module):
         g, beta = self._gates(x)
         heads, head_dims = (self.num_k_heads, self.num_v_heads), (self.head_k_dim, self.head_v_dim)
         weight = self.conv1d.weight[...]
-        if cache is None and kernels.conv_fused(mixed.dtype, mixed.shape[-1], self.conv_kernel, heads, head_dims):
+        fused = kernels.conv_fused(mixed.dtype, mixed.shape[-1], self.conv_kernel, heads, head_dims)  # (checks env)
+        if cache is None and fused:
             # Opt-in: the conv inside the gated delta rule's prep kernel (measured slower, see conv_fused).
             core, state = kernels.conv_chunk_gated_delta_rule(mixed, weight, g, beta, heads=heads,
                                                               head_dims=head_dims, lengths=lengths)
