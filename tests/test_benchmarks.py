@@ -30,8 +30,8 @@ def load(name):
 def ratio(a, b, places: int = 2):
     """a / b as the scripts compute it: from the unrounded times, which they save rounded to `places` (2 for most
     times: 0.01 ms), then rounded to 3 places. The tolerance is what those roundings allow: half a unit of each
-    saved time, relative to it, plus half a unit of the ratio's own rounding (a fixed 2e-3 failed on CI when a
-    time of ~1 ms was saved to 0.01 ms)."""
+    saved time, relative to it, plus half a unit of the ratio's own rounding (a fixed 2e-3 was too tight for
+    times near 1 ms)."""
     half = 0.5 * 10.0**-places
     return pytest.approx(a / b, rel=0, abs=(a / b) * (half / a + half / b) * 1.01 + 5e-4 + 1e-9)
 
