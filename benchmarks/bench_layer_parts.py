@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         o, _ = core(qg, kg, vg, g, beta, lengths)
         record(t, "GDN: core (gated delta rule)", lambda: core(qg, kg, vg, g, beta, lengths), "gdn")
         heads, dims = (ga.num_k_heads, ga.num_v_heads), (ga.head_k_dim, ga.head_v_dim)
-        with _environment({"JAX_DWDP_GDN_CONV": "fused"}):
+        with _environment(VARIANTS["gdn_conv"][1]):
             fusable = kernels.conv_fused(mixed.dtype, mixed.shape[-1], ga.conv_kernel, heads, dims)
         if fusable:
             conv_core = jit_method(linear, lambda m, y, g, b, n: kernels.conv_chunk_gated_delta_rule(

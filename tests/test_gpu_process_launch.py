@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 
+from jax_dwdp.distributed import reserve_port
 from tests.process_store_worker import BATCH, _pipeline, _tokens
 
 pytestmark = [
@@ -32,12 +32,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gpus() -> list[str]:
@@ -56,7 +50,8 @@ def test_two_processes_run_the_pipeline_over_the_process_store(tmp_path, source)
 
         source = str(write_hf(tmp_path / "hf", ModelConfig.preset("tiny").replace(num_hidden_layers=3), seed=5))
     gpus = _gpus()
-    coordinator = f"127.0.0.1:{_free_port()}"
+    port = reserve_port()  # held until the processes end (no other program can take it in between)
+    coordinator = f"127.0.0.1:{port.getsockname()[1]}"
     procs = []
     for pid in range(2):
         # As the launcher does: every GPU visible, the process's own named by JAX_DWDP_LOCAL_DEVICE (on one GPU
@@ -77,6 +72,7 @@ def test_two_processes_run_the_pipeline_over_the_process_store(tmp_path, source)
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        port.close()
     for pid, (p, text) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"process {pid} exited with {p.returncode}:\n{text[-4000:]}"
 

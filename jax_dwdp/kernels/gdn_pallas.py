@@ -420,6 +420,18 @@ def _whole(lengths) -> pl.BlockSpec:
     return pl.BlockSpec(lengths.shape, lambda *_: (0,))
 
 
+def _prep_outputs(b: int, hv: int, tp: int, dk: int, dv: int, dtype, fused: bool):
+    """The prep kernels' (out_specs, out_shape): w, u, kg [B, HV, T', d] in `dtype`, cum [B, HV, T'] fp32; fused
+    (for `fused_recurrence`), also the scores [B, HV, T', CHUNK] in `dtype` and q's row factors [B, HV, T'] fp32."""
+    specs = [_per_chunk(dk), _per_chunk(dv), _per_chunk(dk), _GATES]
+    shapes = [jax.ShapeDtypeStruct((b, hv, tp, d), dtype) for d in (dk, dv, dk)] + [
+        jax.ShapeDtypeStruct((b, hv, tp), _F32)]
+    if fused:
+        specs += [_per_chunk(CHUNK), _GATES]
+        shapes += [jax.ShapeDtypeStruct((b, hv, tp, CHUNK), dtype), jax.ShapeDtypeStruct((b, hv, tp), _F32)]
+    return specs, shapes
+
+
 def prepare(lengths, k, v, g, beta, q=None, *, rep: int, tuning: Tuning = Tuning(), interpret: bool = False):
     """Kernel 1. k [B, T, HK, dk], v [B, T, HV, dv] (any T: the last chunk's loads are masked); g, beta [B, HV, T']
     fp32 (T' = T rounded up to CHUNK) with padded steps zeroed. Returns w, u, kg [B, HV, T', d] in v's dtype and the
@@ -432,14 +444,10 @@ def prepare(lengths, k, v, g, beta, q=None, *, rep: int, tuning: Tuning = Tuning
     fused = q is not None
     values = pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
     in_specs = [_whole(lengths), _key_chunk(dk, rep), values, _GATES, _GATES]
-    out_specs = [_per_chunk(dk), _per_chunk(dv), _per_chunk(dk), _GATES]
-    out_shape = [jax.ShapeDtypeStruct((b, hv, tp, d), v.dtype) for d in (dk, dv, dk)] + [
-        jax.ShapeDtypeStruct((b, hv, tp), _F32)]
+    out_specs, out_shape = _prep_outputs(b, hv, tp, dk, dv, v.dtype, fused)
     args = [lengths, k, v, g, beta]
     if fused:
         in_specs.append(_key_chunk(dk, rep))
-        out_specs += [_per_chunk(CHUNK), _GATES]
-        out_shape += [jax.ShapeDtypeStruct((b, hv, tp, CHUNK), v.dtype), jax.ShapeDtypeStruct((b, hv, tp), _F32)]
         args.append(q)
     return pl.pallas_call(
         functools.partial(_prep_kernel, inverse=tuning.inverse, merge_precision=tuning.merge_precision, fused=fused,
@@ -620,11 +628,9 @@ def prepare_conv(lengths, mixed, conv_weight, g, beta, *, heads: tuple[int, int]
 
     (xq, wq), (xk, wk), (xv, wv) = (channels(dk, lambda h: h // rep), channels(dk, lambda h: hk + h // rep),
                                     channels(dv, lambda h: v_first + h))
-    out_specs = [_per_chunk(dk), _per_chunk(dv), _per_chunk(dk), _GATES, _per_chunk(CHUNK), _GATES,
-                 _key_chunk(dk, rep)]
-    out_shape = [jax.ShapeDtypeStruct((b, hv, tp, d), mixed.dtype) for d in (dk, dv, dk)] + [
-        jax.ShapeDtypeStruct((b, hv, tp), _F32), jax.ShapeDtypeStruct((b, hv, tp, CHUNK), mixed.dtype),
-        jax.ShapeDtypeStruct((b, hv, tp), _F32), jax.ShapeDtypeStruct((b, t, hk, dk), mixed.dtype)]
+    out_specs, out_shape = _prep_outputs(b, hv, tp, dk, dv, mixed.dtype, fused=True)
+    out_specs.append(_key_chunk(dk, rep))  # the conv'd q
+    out_shape.append(jax.ShapeDtypeStruct((b, t, hk, dk), mixed.dtype))
     return pl.pallas_call(
         functools.partial(_conv_prep_kernel, merge_precision=tuning.merge_precision, scale=dk**-0.5, t=t, rep=rep,
                           kernel=kernel, offset=offset),

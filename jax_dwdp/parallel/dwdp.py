@@ -99,17 +99,16 @@ class Placement:
         slots = layout.slots_per_rank
         from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore
 
-        if isinstance(self.store, ProcessExpertStore):  # one process per device: this process's rank only
-            device, rank = self.store.devices[0], self.store.rank
+        one_rank = isinstance(self.store, ProcessExpertStore)  # one process per device: this process's rank only
+        ranks = [(self.store.rank, self.store.devices[0])] if one_rank else enumerate(self.mesh.devices.flat)
+        for rank, device in ranks:
             block, copied = own_block(padded, rank, slots, device)
-            self.store.fill(layer, weight, block)
+            if one_rank:
+                self.store.fill(layer, weight, block)
+            else:
+                self.store.fill(layer, weight, rank, block)
             if copied:
                 block.delete()
-            return
-        for rank, device in enumerate(self.mesh.devices.flat):
-            block = jax.device_put(padded[rank * slots:(rank + 1) * slots], device)
-            self.store.fill(layer, weight, rank, block)
-            block.delete()
 
 
 def own_block(padded, rank: int, slots: int, device) -> tuple[jax.Array, bool]:
