@@ -19,6 +19,7 @@ annotation would only keep XLA from inlining the call.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import jax
@@ -41,7 +42,17 @@ def side(fn, *args):
     """fn(*args), on the second stream when `enabled()` (see the module's docstring), else inline."""
     if not enabled():
         return fn(*args)
-    from jax.experimental.compute_on import compute_on
+    from jax.experimental import compute_on as api
 
-    with compute_on(SIDE_STREAM):
+    if "out_memory_spaces" in inspect.signature(api.compute_on).parameters:
+        # jax >= 0.11.1: a transform that traces fn into its own annotated computation
+        device = jax.memory.Space.Device if hasattr(jax, "memory") else _core_device_space()
+        return api.compute_on(fn, compute_type=SIDE_STREAM, out_memory_spaces=device)(*args)
+    with api.compute_on(SIDE_STREAM):  # through jax 0.11.0: a context manager around a jitted call
         return jax.jit(fn)(*args)
+
+
+def _core_device_space():
+    from jax._src import core
+
+    return core.MemorySpace.Device
