@@ -52,19 +52,18 @@ def test_two_processes_run_the_pipeline_over_the_process_store(tmp_path, source)
     gpus = _gpus()
     port = reserve_port()  # held until the processes end (no other program can take it in between)
     coordinator = f"127.0.0.1:{port.getsockname()[1]}"
-    procs = []
-    for pid in range(2):
-        # As the launcher does: every GPU visible, the process's own named by JAX_DWDP_LOCAL_DEVICE (on one GPU
-        # both processes drive it)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=",".join(gpus),
-                   JAX_DWDP_LOCAL_DEVICE=str(pid % len(gpus)), XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        env.pop("JAX_PLATFORMS", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.process_store_worker", coordinator, str(pid),
-                                       str(tmp_path), source],
-                                      env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
+    procs, outputs = [], []
+    try:  # from the first Popen on: a failed start still kills the started workers and frees the port
+        for pid in range(2):
+            # As the launcher does: every GPU visible, the process's own named by JAX_DWDP_LOCAL_DEVICE (on one GPU
+            # both processes drive it)
+            env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=",".join(gpus),
+                       JAX_DWDP_LOCAL_DEVICE=str(pid % len(gpus)), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+            env.pop("JAX_PLATFORMS", None)
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.process_store_worker", coordinator, str(pid),
+                                           str(tmp_path), source],
+                                          env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         for p in procs:
             outputs.append(p.communicate(timeout=400)[0])
     finally:

@@ -48,7 +48,7 @@ def _worker(job: str, rank: int, world: int, layers: int, queue, gone=None, shap
             slots = store.layout.slots_per_rank
             for layer in range(layers):
                 for w in range(2):
-                    store.fill(layer, w, jax.device_put(_block(rank, layer, w, slots) if shapes == SHAPES else
+                    store.fill(layer, w, rank, jax.device_put(_block(rank, layer, w, slots) if shapes == SHAPES else
                                                         np.ones((slots, *shapes[w]), np.float32), dev))
             try:
                 store.connect(fx)
@@ -150,6 +150,8 @@ def test_process_store_bad_arguments():
             store.connect(fx)
         with pytest.raises(StoreError, match="connect.exchange. first"):
             store.prefetch(jnp.ones(2), 0)
+        with pytest.raises(ValueError, match=r"rank 1: this store fills the blocks of rank\(s\) \[0\] only"):
+            store.fill(0, 0, 1, jax.device_put(_block(1, 0, 0, store.layout.slots_per_rank), dev))
         with pytest.raises(TypeError, match="holds one rank's blocks"):
             ProcessExpertStore.from_sharded([], 4)
         from jax_dwdp.parallel.dwdp_ffi import ExpertStore
@@ -209,7 +211,7 @@ def _cycles_worker(job: str, rank: int, world: int, cycles: int, queue) -> None:
                 try:
                     for layer in range(layers):
                         for w in range(2):
-                            store.fill(layer, w, jax.device_put(block(rank, layer, w), dev))
+                            store.fill(layer, w, rank, jax.device_put(block(rank, layer, w), dev))
                     store.connect(fx)
                     for layer in range(layers):
                         got = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(

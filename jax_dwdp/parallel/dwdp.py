@@ -96,17 +96,10 @@ class Placement:
         return placed
 
     def _fill(self, layer, weight, padded, layout):
-        slots = layout.slots_per_rank
-        from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore
-
-        one_rank = isinstance(self.store, ProcessExpertStore)  # one process per device: this process's rank only
-        ranks = [(self.store.rank, self.store.devices[0])] if one_rank else enumerate(self.mesh.devices.flat)
-        for rank, device in ranks:
-            block, copied = own_block(padded, rank, slots, device)
-            if one_rank:
-                self.store.fill(layer, weight, block)
-            else:
-                self.store.fill(layer, weight, rank, block)
+        # each rank this process fills (one process per device: its own rank only)
+        for rank, device in self.store.own_ranks():
+            block, copied = own_block(padded, rank, layout.slots_per_rank, device)
+            self.store.fill(layer, weight, rank, block)
             if copied:
                 block.delete()
 

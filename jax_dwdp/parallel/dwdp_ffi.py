@@ -144,15 +144,25 @@ class ExpertStore:
         return sizes, int(timing) | (2 if poison else 0) | (4 if delay_copies else 0)
 
     # ---- filling ---------------------------------------------------------------------------------------------
+    def own_ranks(self) -> list[tuple[int, object]]:
+        """(rank, device) of each rank whose blocks this process fills: every rank (one process drives them all)."""
+        return list(enumerate(self.devices))
+
     def fill(self, layer: int, weight: int, rank: int, block: jax.Array) -> None:
-        """Copies rank `rank`'s block ([ceil(E/N), *shape], on devices[rank]) into the store."""
+        """Copies rank `rank`'s block ([ceil(E/N), *shape], on that rank's device alone) into the store; `rank` is
+        one of `own_ranks()`."""
+        self.check_open()
+        own = dict(self.own_ranks())
+        if rank not in own:
+            raise ValueError(f"expert block for layer {layer} weight {weight} rank {rank}: this store fills the "
+                             f"blocks of rank(s) {sorted(own)} only")
         want = (self.layout.slots_per_rank, *self.shapes[weight])
         if block.shape != want or block.dtype != self.dtype:
             raise ValueError(f"expert block for layer {layer} weight {weight} rank {rank}: got {block.shape} "
                              f"{block.dtype}, expected {want} {self.dtype}")
         shard = block.addressable_shards[0]
-        if len(block.addressable_shards) != 1 or shard.device != self.devices[rank]:
-            raise ValueError(f"expert block for rank {rank} must live on {self.devices[rank]} alone")
+        if len(block.addressable_shards) != 1 or shard.device != own[rank]:
+            raise ValueError(f"expert block for rank {rank} must live on {own[rank]} alone")
         data = shard.data.block_until_ready()
         _check(self.lib, self.lib.dwdp_store_fill(self.id, layer, weight, rank, data.unsafe_buffer_pointer(),
                                                   data.nbytes))
@@ -296,27 +306,22 @@ class ProcessExpertStore(ExpertStore):
 
     @classmethod
     def from_blocks(cls, *args, **kwargs):  # noqa: D102 (the one-process constructors do not apply)
-        raise TypeError("ProcessExpertStore holds one rank's blocks: create it, fill(layer, weight, block) each of "
-                        "its own blocks, then connect(exchange)")
+        raise TypeError("ProcessExpertStore holds one rank's blocks: create it, fill(layer, weight, rank, block) for "
+                        "each of its own blocks, then connect(exchange)")
 
     from_sharded = from_blocks
 
-    def fill(self, layer: int, weight: int, block: jax.Array) -> None:  # type: ignore[override]
-        """Copies this rank's block ([ceil(E/N), *shape], on this process's device alone) into the store; before
-        connect (afterwards the peers may be reading it)."""
+    def own_ranks(self) -> list[tuple[int, object]]:
+        """This process's rank alone, on its device."""
+        return [(self.rank, self.devices[0])]
+
+    def fill(self, layer: int, weight: int, rank: int, block: jax.Array) -> None:
+        """Copies this rank's block (`rank` == self.rank; [ceil(E/N), *shape], on this process's device alone) into
+        the store; before connect (afterwards the peers may be reading it)."""
         self.check_open()
         if self.connected and self.num_ranks > 1:
             raise StoreError("ProcessExpertStore.fill after connect: the peers may be reading the blocks")
-        want = (self.layout.slots_per_rank, *self.shapes[weight])
-        if block.shape != want or block.dtype != self.dtype:
-            raise ValueError(f"expert block for layer {layer} weight {weight} rank {self.rank}: got {block.shape} "
-                             f"{block.dtype}, expected {want} {self.dtype}")
-        shard = block.addressable_shards[0]
-        if len(block.addressable_shards) != 1 or shard.device != self.devices[0]:
-            raise ValueError(f"expert block for rank {self.rank} must live on {self.devices[0]} alone")
-        data = shard.data.block_until_ready()
-        _check(self.lib, self.lib.dwdp_store_fill(self.id, layer, weight, self.rank, data.unsafe_buffer_pointer(),
-                                                  data.nbytes))
+        super().fill(layer, weight, rank, block)
 
     def export(self) -> list[int]:
         """This rank's blocks as new POSIX descriptors, (layer, weight) order; the caller closes them."""
