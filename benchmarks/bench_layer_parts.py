@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-variants", action="store_true",
                     help="today's defaults only: no one-change variants")
     ap.add_argument("--variants", help="comma-separated one-change variants to time (default: all of "
-                    f"{', '.join(VARIANTS)})")
+                    "routing, dispatch, combine, gdn_conv, conv, xla_conv, norm_rope)")
     ap.add_argument("--permute-configs", action="store_true",
                     help="also time the permutation kernels' block shapes")
     ap.add_argument("--conv-configs", action="store_true",
@@ -274,15 +274,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
     " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
-FUSED_CONV, STREAMS = " (conv in GDN prep)", " (second stream)"
+FUSED_CONV = " (conv in GDN prep)"
 DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
 # What each variant's change can reach (the rest would time the defaults again): the routing every MoE layer, the
 # dispatch and combine the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the
 # attention mixer.
 VARIANT_PARTS = {XLA_ROUTING: ("linear", "gdn", "full", "moe"), XLA_DISPATCH: ("linear", "moe"),
                  PALLAS_COMBINE: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
-                 FUSED_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention"),
-                 STREAMS: ("linear", "gdn", "full", "moe")}
+                 FUSED_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention")}
 # name -> (row suffix, environment): each changes one choice of the defaults
 VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla"}),
@@ -290,8 +289,7 @@ VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "gdn_conv": (FUSED_CONV, {"JAX_DWDP_GDN_CONV": "fused"}),  # the conv inside the GDN prep kernel
             "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),  # (the default from 8,192 tokens: a no-op there)
             "xla_conv": (XLA_CONV, {"JAX_DWDP_CONV": "xla"}),  # (the default below 8,192 tokens)
-            "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"}),
-            "streams": (STREAMS, {"JAX_DWDP_STREAMS": "1"})}  # shared expert and GDN's z on a second stream
+            "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"})}
 
 
 @contextlib.contextmanager

@@ -232,12 +232,8 @@ def deinterleave_gate_up(w):
 
 
 def swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
-    """silu(gate) * up in fp32, cast to dtype (the MoE experts' and the shared expert's activation).
-
-    silu is written as g * logistic(g), the same operations as jax.nn.silu without its nested jitted call: a call
-    nested inside a stream-annotated one (kernels.streams) does not run on XLA:GPU."""
-    g = gate.astype(jnp.float32)
-    return (g * jax.lax.logistic(g) * up.astype(jnp.float32)).astype(dtype)
+    """silu(gate) * up in fp32, cast to dtype (the MoE experts' and the shared expert's activation)."""
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
 
 
 def swiglu_of_interleaved(y: jax.Array, dtype) -> jax.Array:

@@ -13,7 +13,6 @@ from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.kernels import streams
 from jax_dwdp.kernels.conv import causal_conv_silu, causal_conv_silu_xla
 from jax_dwdp.model.layers import GatedRMSNorm, Linear, normal_init
 
@@ -51,11 +50,10 @@ class GatedDeltaNet(nnx.Module):
         k = k.reshape(*lead, self.num_k_heads, self.head_k_dim)
         return q, k, v.reshape(*lead, self.num_v_heads, self.head_v_dim)
 
-    def _output(self, core: jax.Array, x: jax.Array, z: jax.Array | None = None) -> jax.Array:
-        """The gated norm of the core's output and out_proj; z (in_proj_z(x)) is computed here unless given."""
+    def _output(self, core: jax.Array, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
-        z = self.in_proj_z(x) if z is None else z
-        y = self.norm(core.astype(x.dtype), z.reshape(*lead, self.num_v_heads, self.head_v_dim))
+        z = self.in_proj_z(x).reshape(*lead, self.num_v_heads, self.head_v_dim)
+        y = self.norm(core.astype(x.dtype), z)
         return self.out_proj(y.reshape(*lead, self.value_dim))
 
     def __call__(
@@ -68,9 +66,6 @@ class GatedDeltaNet(nnx.Module):
         delta rule starts from the cached state. A sequence with length 0 keeps its cache as it was.
         """
         mixed = self.in_proj_qkv(x)  # [B, T, C]
-        # z is read only by the output norm: on a second stream when asked (kernels.streams), beside the conv and
-        # the gated delta rule.
-        z = streams.side(self.in_proj_z, x)
         history = None if cache is None else jnp.swapaxes(cache[0], 1, 2)  # [B, K-1, C]
         conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1, history)
         g, beta = self._gates(x)
@@ -86,7 +81,7 @@ class GatedDeltaNet(nnx.Module):
             q, k, v = self._split_heads(conv_out)
             core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths,
                                                          initial_state=None if cache is None else cache[1])
-        return self._output(core, x, z), (conv_state, state)
+        return self._output(core, x), (conv_state, state)
 
     def decode(
         self, x: jax.Array, conv_state: jax.Array, state: jax.Array

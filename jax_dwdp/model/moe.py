@@ -14,7 +14,7 @@ from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.kernels import routing, streams
+from jax_dwdp.kernels import routing
 from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK, swiglu
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
 
@@ -134,8 +134,8 @@ class SparseMoe(nnx.Module):
             experts = experts(flat)
         ids, weights = route(flat, self.gate.weight[...], self.top_k)
         interleaved = self.experts.gate_up_interleaved
-        # The shared expert needs only x: on a second stream when asked (kernels.streams), beside the routed path.
-        shared = streams.side(self._shared, flat)
+        shared_gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)).astype(x.dtype)
+        shared = shared_gate * self.shared_expert(flat)
         if hasattr(experts, "routed"):
             out = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved) + shared
         else:
@@ -143,12 +143,6 @@ class SparseMoe(nnx.Module):
                                                                  self.experts.down_proj[...])
             out = routed_experts(flat, ids, weights, gate_up, down, gate_up_interleaved=interleaved, add=shared)
         return out.reshape(*lead, -1)
-
-    def _shared(self, flat: jax.Array) -> jax.Array:
-        """The shared expert's output times its sigmoid gate, [M, H]."""
-        # lax.logistic is jax.nn.sigmoid without its nested jitted call (see kernels.streams)
-        gate = jax.lax.logistic(self.shared_expert_gate(flat).astype(jnp.float32)).astype(flat.dtype)
-        return gate * self.shared_expert(flat)
 
 
 # --- The gate_up weight layout: the checkpoint's, or interleaved for the fused SwiGLU epilogue ---------------------
