@@ -68,9 +68,8 @@ struct Layout {
   }
 };
 
-const GemmConfig* const kConfigs[] = {&kCoop128x256x64C2,    &kPingpong64x128x128C2, &kPingpong128x128x64C2,
-                                      &kCoop128x256x64C1,    &kPingpong64x128x128C1, &kPingpong128x128x64C1,
-                                      &kCoop128x128x64C1};
+const GemmConfig* const kConfigs[] = {&kCoop128x256x64C2, &kPingpong64x128x128C2, &kPingpong128x128x64C2,
+                                      &kCoop128x256x64C1, &kPingpong64x128x128C1};
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
 const GemmConfig* const kSwigluConfigs[] = {&kCoop128x256x64C1Swiglu, &kPingpong64x128x128C1Swiglu};
 constexpr int kNumSwigluConfigs = sizeof(kSwigluConfigs) / sizeof(kSwigluConfigs[0]);

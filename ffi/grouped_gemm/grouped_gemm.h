@@ -41,8 +41,6 @@ extern const GemmConfig kPingpong64x128x128C2;
 extern const GemmConfig kPingpong128x128x64C2;
 extern const GemmConfig kCoop128x256x64C1;
 extern const GemmConfig kPingpong64x128x128C1;
-extern const GemmConfig kPingpong128x128x64C1;
-extern const GemmConfig kCoop128x128x64C1;
 // The same tiles with the fused SwiGLU epilogue (out has N / 2 columns; swiglu_epilogue.cuh).
 extern const GemmConfig kCoop128x256x64C1Swiglu;
 extern const GemmConfig kPingpong64x128x128C1Swiglu;
