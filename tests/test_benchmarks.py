@@ -396,6 +396,23 @@ def test_gpu_session_scripts_call_scripts_and_subcommands_that_exist():
     assert {"bench_dwdp", "bench_pipeline", "bench_grouped_matmul", "calls", "fusion"} <= seen
 
 
+def test_gmm_configs_summary_orders_each_case_fastest_first():
+    """benchmarks/gpu/gmm_configs_summary.py on the fifteenth session's committed run: one line per case, the
+    automatic choice named, the configs in increasing time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gmm_configs_summary", BENCHMARKS / "gpu" / "gmm_configs_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    results = json.loads((BENCHMARKS / "results" / "grouped_matmul_h200_2026-12-02_fifteenth_c.json").read_text())
+    lines = mod.lines(results)
+    assert len(lines) == len(results["rows"]) == 12
+    for line, row in zip(lines, results["rows"]):
+        assert line.startswith(f"{row['model']:9} {row['proj']:7}") and f"({row['cutlass_auto_config']})" in line
+        times = [float(cell.split("=")[1]) for cell in line.split("| ")[1].split()]
+        assert times == sorted(times) and len(times) == 7
+
+
 def test_layer_kernel_probe_names_each_fusion(tmp_path):
     """probe_layer_kernels on the tiny preset: both layer types traced (host events on the CPU), their optimized HLO
     written, and every fusion of the HLO described by its ops (a multi-output fusion's tuple shape too)."""
