@@ -163,7 +163,7 @@ ffi::Error cuda_error(const std::string& who, const char* what, cudaError_t e) {
 
 // kSwiglu: out [M, N / 2] = silu(gate) * up from w's interleaved gate/up rows (N % 16 == 0).
 template <bool kSwiglu>
-ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+ffi::Error grouped_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::BF16> out,
                              ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
   const std::string who = kSwiglu ? "JaxDwdpGroupedGemmSwiglu" : "JaxDwdpGroupedGemm";
@@ -195,11 +195,12 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
     if (reinterpret_cast<uintptr_t>(p) % 16)
       return ffi::Error::InvalidArgument(who + ": x, w and out must be 16-byte aligned");
 
-  // The stream's device, and make it current (kernels and cudaFuncSetAttribute act on the current device).
-  int device = 0, current = 0;
-  cudaError_t e = cudaStreamGetDevice(stream, &device);
-  if (e != cudaSuccess) return cuda_error(who, "cudaStreamGetDevice", e);
-  if ((e = cudaGetDevice(&current)) != cudaSuccess) return cuda_error(who, "cudaGetDevice", e);
+  // XLA's device for this call (its FFI context, not cudaStreamGetDevice: that call is refused while XLA records the
+  // stream into a command buffer, cudaErrorStreamCaptureUnsupported), made current (kernels and
+  // cudaFuncSetAttribute act on the current device).
+  int current = 0;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) return cuda_error(who, "cudaGetDevice", e);
   if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error(who, "cudaSetDevice", e);
   const int sm_count = sm_count_of(device);
   if (sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
@@ -271,6 +272,7 @@ JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i);
 #define JAX_DWDP_GMM_BINDING                                 \
   ffi::Ffi::Bind()                                           \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()              \
+      .Ctx<ffi::DeviceOrdinal>()                             \
       .Arg<ffi::Buffer<ffi::BF16>>() /* x [M, K] */          \
       .Arg<ffi::Buffer<ffi::BF16>>() /* w [G, N, K] */       \
       .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [G] */   \
