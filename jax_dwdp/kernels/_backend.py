@@ -11,14 +11,23 @@ IMPLEMENTATIONS = ("xla", "pallas")
 
 
 def default_platform() -> str:
-    """The platform of the default backend ('cpu', 'gpu', 'tpu'). The grouped matmul, the gated delta rule and
-    attention decide by it at trace time (their GPU paths cannot be traced for the CPU: cuDNN's checks, the CUTLASS
-    library); the Pallas kernels chosen by `by_platform` decide at lowering instead."""
+    """The platform of the default backend ('cpu', 'gpu', 'tpu'). Whether the GPU kernels are traced at all depends
+    on it (their GPU paths cannot be traced without a GPU: cuDNN's checks, the CUTLASS library); which of a kernel's
+    forms runs is decided at lowering (`on_cuda`, `by_platform`), so a computation placed on the CPU of a GPU host
+    takes the XLA forms."""
     return jax.default_backend()
 
 
 def on_gpu() -> bool:
     return default_platform() == "gpu"
+
+
+def on_cuda(gpu_fn, other_fn, *args):
+    """gpu_fn(*args) where the computation is lowered for a CUDA GPU, other_fn(*args) elsewhere: both are traced and
+    the choice is made at lowering (`lax.platform_dependent`). Without a GPU backend gpu_fn is not traced at all."""
+    if not on_gpu():
+        return other_fn(*args)
+    return lax.platform_dependent(*args, cuda=gpu_fn, default=other_fn)
 
 
 def pow2(n: int) -> int:

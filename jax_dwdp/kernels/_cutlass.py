@@ -10,8 +10,11 @@ Switches (read at trace time):
   average rows per group (`pick_config`: the cooperative 128x256 tile without a cluster from 64 rows per group).
   The fused SwiGLU kernel is built for two of those tiles (`swiglu_config_names()`); for it, a forced name it lacks
   keeps the automatic choice, with a warning. (The `config=` argument indexes the function's own list.)
-- $JAX_DWDP_GMM_CMD_BUFFER=1: register the handler with the command-buffer (CUDA graph) trait (off by default:
-  inside XLA command buffers the launch failed with cudaErrorStreamCaptureUnsupported on an H200, 2026-11-30).
+- $JAX_DWDP_GMM_CMD_BUFFER=1: register the handler with the command-buffer (CUDA graph) trait, so that XLA records
+  it into its command buffers with the kernels around it. It runs (since the handler takes its device from XLA's FFI
+  context: cudaStreamGetDevice is refused during stream capture) but measured no faster over the 40-layer 35b-a3b
+  prefill on an H200 (66.0 vs 66.8 ms at 4K, 232.3 vs 232.3 at 16K, 528.5 vs 527.4 at 32K) with more host time per
+  call (benchmarks/RESULTS.md, fifteenth session run E), so it stays off by default.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _register() -> None:
         raise CutlassUnavailable(
             f"the CUTLASS grouped matmul needs a CUDA GPU (JAX's default backend is {jax.default_backend()!r})"
         )
-    graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # capture failed on H200 (cudaErrorStreamCaptureUnsupported)
+    graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # opt-in: no faster (see the module's docstring)
     suffix = "" if graphs else "NoGraph"
     LIBRARY.register({TARGET: "JaxDwdpGroupedGemm" + suffix, SWIGLU_TARGET: "JaxDwdpGroupedGemmSwiglu" + suffix})
 

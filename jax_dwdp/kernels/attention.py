@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dwdp.kernels._backend import on_gpu
+from jax_dwdp.kernels._backend import on_cuda
+
+HALF = (jnp.bfloat16, jnp.float16)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) -> jax.Array:
@@ -15,11 +17,15 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) 
     Right-padded batches need no extra mask: a valid position only sees earlier positions, and positions past a
     sequence's length are discarded by the caller.
 
-    On the GPU with 16-bit inputs this is cuDNN flash attention (torch SDPA's speed, see gpu_facts.md); elsewhere
-    XLA's reference lowering, which materialises [B, Hq, T, T] logits and is meant for the CPU and for tests.
+    Lowered for a CUDA GPU with 16-bit inputs this is cuDNN flash attention (torch SDPA's speed, see gpu_facts.md);
+    elsewhere XLA's reference lowering, which materialises [B, Hq, T, T] logits and is meant for the CPU and for tests.
     """
-    impl = "cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
+    def attend(impl):
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
+
+    if q.dtype not in HALF:
+        return attend("xla")(q, k, v)
+    return on_cuda(attend("cudnn"), attend("xla"), q, k, v)
 
 
 def cached_attention(
@@ -28,12 +34,18 @@ def cached_attention(
     """Queries at positions q_positions [B, T] against a KV cache [B, S, Hkv, D] that already holds their own keys:
     query (b, t) attends to cache positions <= q_positions[b, t] (a prefill that continues an earlier one).
 
-    q: [B, T, Hq, D]. The mask is explicit ([B, 1, T, S]); JAX picks cuDNN where it takes such a mask, else XLA.
+    q: [B, T, Hq, D]. The mask is explicit ([B, 1, T, S]); lowered for a CUDA GPU with 16-bit inputs JAX picks cuDNN
+    where it takes such a mask, else XLA.
     """
     mask = jnp.arange(k_cache.shape[1])[None, None, :] <= q_positions[:, :, None]
-    impl = None if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
-    return jax.nn.dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask=mask[:, None],
-                                        scale=scale, implementation=impl)
+
+    def attend(impl):
+        return lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=impl)
+
+    args = (q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask[:, None])
+    if q.dtype not in HALF:
+        return attend("xla")(*args)
+    return on_cuda(attend(None), attend("xla"), *args)
 
 
 def decode_attention(

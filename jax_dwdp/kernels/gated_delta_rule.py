@@ -78,20 +78,29 @@ def chunk_gated_delta_rule(
     if lengths is None:
         lengths = jnp.full((b,), t, jnp.int32)
     impl = implementation or default_implementation(v.dtype, dk, dv)
-    if impl == "pallas":
-        from jax_dwdp.kernels import gdn_pallas
-
-        if not gdn_pallas.supported(dk, dv):
-            raise ValueError(f"chunk_gated_delta_rule: the pallas kernel needs power-of-two dk, dv >= 16, got {dk}, {dv}")
-        return gdn_pallas.chunk_gated_delta_rule_pallas(q, k, v, g, beta, lengths, initial_state)
-    if impl != "xla":
+    if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown gated delta rule implementation {impl!r}; one of {IMPLEMENTATIONS}")
-    valid = jnp.arange(t)[None, :, None] < lengths[:, None, None]
-    g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
-    rep = hv // hk
-    q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
-    o, state = chunk_gated_delta_rule_xla(q, k, v, g, beta, initial_state=initial_state)
-    return o.astype(v.dtype), state
+
+    def xla(q, k, v, g, beta, lengths, initial_state):
+        valid = jnp.arange(t)[None, :, None] < lengths[:, None, None]
+        g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+        rep = hv // hk
+        q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+        o, state = chunk_gated_delta_rule_xla(q, k, v, g, beta, initial_state=initial_state)
+        return o.astype(v.dtype), state.astype(jnp.float32)
+
+    args = (q, k, v, g, beta, lengths, initial_state)
+    if impl == "xla":
+        return xla(*args)
+    from jax_dwdp.kernels import gdn_pallas
+
+    if not gdn_pallas.supported(dk, dv):
+        raise ValueError(f"chunk_gated_delta_rule: the pallas kernel needs power-of-two dk, dv >= 16, got {dk}, {dv}")
+    if implementation == "pallas":  # asked for by name (tests, benchmarks): the kernel, wherever it is lowered
+        return gdn_pallas.chunk_gated_delta_rule_pallas(*args)
+    # the default or $JAX_DWDP_GDN: the kernel where lowered for a CUDA GPU, XLA elsewhere (a bf16 model placed on
+    # the CPU of a GPU host); the kernel traces on any machine, so a CPU-only one can lower it for CUDA too
+    return jax.lax.platform_dependent(*args, cuda=gdn_pallas.chunk_gated_delta_rule_pallas, default=xla)
 
 
 ENV_CONV = "JAX_DWDP_GDN_CONV"

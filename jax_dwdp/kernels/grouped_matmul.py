@@ -32,7 +32,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_dwdp.kernels._backend import on_gpu
+from jax_dwdp.kernels._backend import on_cuda, on_gpu
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())),
@@ -117,7 +117,7 @@ def _group_loop(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array
 
 
 def _xla(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return _ragged_dot(x, w, group_sizes) if on_gpu() else _group_loop(x, w, group_sizes)
+    return on_cuda(_ragged_dot, _group_loop, x, w, group_sizes)
 
 
 def _mosaic_config(n: int, k: int) -> dict[str, int]:
@@ -196,6 +196,10 @@ def grouped_matmul(
     except KeyError:
         raise ValueError(f"unknown grouped matmul implementation {impl!r}; one of {sorted(IMPLEMENTATIONS)}") from None
     with jax.named_scope(f"grouped_matmul_{impl}"):
+        if implementation is None and impl != "xla":
+            # a GPU kernel chosen by default or $JAX_DWDP_GROUPED_MATMUL: where lowered for a CUDA GPU (XLA's loop
+            # where a half-type model is placed on the CPU of a GPU host)
+            return on_cuda(fn, _xla, x, w.astype(x.dtype), group_sizes)
         return fn(x, w.astype(x.dtype), group_sizes)
 
 
@@ -264,5 +268,8 @@ def grouped_matmul_swiglu(
         from jax_dwdp.kernels import _cutlass as cutlass
 
         with jax.named_scope("grouped_matmul_swiglu_cutlass"):
+            if implementation is None:  # chosen by default: where lowered for a CUDA GPU (as in grouped_matmul)
+                unfused = lambda x, w, s: swiglu_of_interleaved(_xla(x, w, s), x.dtype)  # noqa: E731
+                return on_cuda(cutlass.grouped_matmul_swiglu, unfused, x, w.astype(x.dtype), group_sizes)
             return cutlass.grouped_matmul_swiglu(x, w.astype(x.dtype), group_sizes)
-    return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=impl), x.dtype)
+    return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=implementation), x.dtype)
