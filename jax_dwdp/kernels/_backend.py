@@ -24,7 +24,9 @@ def on_gpu() -> bool:
 
 def on_cuda(gpu_fn, other_fn, *args):
     """gpu_fn(*args) where the computation is lowered for a CUDA GPU, other_fn(*args) elsewhere: both are traced and
-    the choice is made at lowering (`lax.platform_dependent`). Without a GPU backend gpu_fn is not traced at all."""
+    the choice is made at lowering (`lax.platform_dependent`). Without a GPU backend gpu_fn is not traced at all.
+    The choice follows the placement inside jit (the model's programs are always jitted); called eagerly, JAX picks
+    by the default backend instead."""
     if not on_gpu():
         return other_fn(*args)
     return lax.platform_dependent(*args, cuda=gpu_fn, default=other_fn)

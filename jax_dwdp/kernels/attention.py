@@ -34,18 +34,13 @@ def cached_attention(
     """Queries at positions q_positions [B, T] against a KV cache [B, S, Hkv, D] that already holds their own keys:
     query (b, t) attends to cache positions <= q_positions[b, t] (a prefill that continues an earlier one).
 
-    q: [B, T, Hq, D]. The mask is explicit ([B, 1, T, S]); lowered for a CUDA GPU with 16-bit inputs JAX picks cuDNN
-    where it takes such a mask, else XLA.
+    q: [B, T, Hq, D]. The mask is explicit ([B, 1, T, S]). XLA's attention on every platform (it materialises
+    [B, Hq, T, S] logits): JAX's `implementation=None`, which this called before, is XLA too (jax 0.10-0.11), and
+    cuDNN with such a mask has not been measured here.
     """
     mask = jnp.arange(k_cache.shape[1])[None, None, :] <= q_positions[:, :, None]
-
-    def attend(impl):
-        return lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=impl)
-
-    args = (q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask[:, None])
-    if q.dtype not in HALF:
-        return attend("xla")(*args)
-    return on_cuda(attend(None), attend("xla"), *args)
+    return jax.nn.dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask=mask[:, None],
+                                        scale=scale, implementation="xla")
 
 
 def decode_attention(

@@ -35,7 +35,9 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 def default_implementation(dtype, dk: int, dv: int) -> str:
     """"xla" on the CPU and for fp32 inputs (the reference precision); on the GPU "pallas" for bf16/fp16 inputs with
-    power-of-two head dims >= 16. $JAX_DWDP_GDN forces either (an unsupported shape still raises)."""
+    power-of-two head dims >= 16. $JAX_DWDP_GDN chooses either (an unsupported shape still raises); "pallas", from
+    the default or $JAX_DWDP_GDN, means the kernel where the program is lowered for a CUDA GPU and XLA elsewhere
+    (`chunk_gated_delta_rule(..., implementation="pallas")` runs the kernel wherever it is lowered)."""
     env = os.environ.get(ENV_IMPLEMENTATION)
     if env:
         if env not in IMPLEMENTATIONS:
@@ -113,7 +115,8 @@ def conv_fused(dtype, conv_dim: int, kernel: int, heads: tuple[int, int], head_d
     on request ($JAX_DWDP_GDN_CONV=fused), where the Pallas implementation is chosen and the shapes fit. Measured
     slower on an H200 (thirteenth session, benchmarks/RESULTS.md: conv + core 1.87 vs 1.23 ms at 16K tokens, the
     prep kernel's registers). Prefill from a cache (the conv reads cached inputs before t = 0) always takes the
-    separate conv."""
+    separate conv. Unlike the default path this choice is made when tracing, not at lowering: with the opt-in on,
+    a half-type model placed on the CPU of a GPU host would lower the fused kernel for the CPU and fail."""
     env = os.environ.get(ENV_CONV) or "separate"
     if env not in CONV_MODES:
         raise ValueError(f"{ENV_CONV}={env!r} is none of {CONV_MODES}")

@@ -199,7 +199,7 @@ def grouped_matmul(
         if implementation is None and impl != "xla":
             # a GPU kernel chosen by default or $JAX_DWDP_GROUPED_MATMUL: where lowered for a CUDA GPU (XLA's loop
             # where a half-type model is placed on the CPU of a GPU host)
-            return on_cuda(fn, _xla, x, w.astype(x.dtype), group_sizes)
+            return on_cuda(fn, _group_loop, x, w.astype(x.dtype), group_sizes)
         return fn(x, w.astype(x.dtype), group_sizes)
 
 
@@ -269,7 +269,7 @@ def grouped_matmul_swiglu(
 
         with jax.named_scope("grouped_matmul_swiglu_cutlass"):
             if implementation is None:  # chosen by default: where lowered for a CUDA GPU (as in grouped_matmul)
-                unfused = lambda x, w, s: swiglu_of_interleaved(_xla(x, w, s), x.dtype)  # noqa: E731
+                unfused = lambda x, w, s: swiglu_of_interleaved(_group_loop(x, w, s), x.dtype)  # noqa: E731
                 return on_cuda(cutlass.grouped_matmul_swiglu, unfused, x, w.astype(x.dtype), group_sizes)
             return cutlass.grouped_matmul_swiglu(x, w.astype(x.dtype), group_sizes)
     return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=implementation), x.dtype)
