@@ -308,6 +308,9 @@ def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
     order = []
 
     class Store:
+        def own_ranks(self):  # one process drives every rank, as an ExpertStore does
+            return list(enumerate(devices))
+
         def fill(self, layer, weight, rank, block):
             assert block.devices() == {devices[rank]} and block.shape[0] == 2
             order.append((layer, weight, rank, np.asarray(block)))
