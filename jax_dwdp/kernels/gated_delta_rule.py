@@ -22,7 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_dwdp.kernels._backend import on_gpu
+from jax_dwdp.kernels._backend import by_platform, on_gpu
 
 _HI = jax.lax.Precision.HIGHEST  # fp32 state math: never let the GPU drop these matmuls to TF32.
 ENV_IMPLEMENTATION = "JAX_DWDP_GDN"
@@ -98,11 +98,10 @@ def chunk_gated_delta_rule(
 
     if not gdn_pallas.supported(dk, dv):
         raise ValueError(f"chunk_gated_delta_rule: the pallas kernel needs power-of-two dk, dv >= 16, got {dk}, {dv}")
-    if implementation == "pallas":  # asked for by name (tests, benchmarks): the kernel, wherever it is lowered
-        return gdn_pallas.chunk_gated_delta_rule_pallas(*args)
-    # the default or $JAX_DWDP_GDN: the kernel where lowered for a CUDA GPU, XLA elsewhere (a bf16 model placed on
-    # the CPU of a GPU host); the kernel traces on any machine, so a CPU-only one can lower it for CUDA too
-    return jax.lax.platform_dependent(*args, cuda=gdn_pallas.chunk_gated_delta_rule_pallas, default=xla)
+    # asked for by name (tests, benchmarks): the kernel wherever it is lowered; from the default or $JAX_DWDP_GDN: the
+    # kernel where lowered for a CUDA GPU, XLA elsewhere (a bf16 model placed on the CPU of a GPU host)
+    return by_platform(xla, gdn_pallas.chunk_gated_delta_rule_pallas, *args, implementation=implementation,
+                       env=ENV_IMPLEMENTATION, default=impl, what="chunk_gated_delta_rule")
 
 
 ENV_CONV = "JAX_DWDP_GDN_CONV"
