@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "routing, dispatch, combine, gdn_conv, conv, xla_conv, norm_rope)")
     ap.add_argument("--permute-configs", action="store_true",
                     help="also time the permutation kernels' block shapes")
+    ap.add_argument("--routing-configs", action="store_true",
+                    help="also time the routing kernels (top-k softmax, counting sort) at other tile rows x warps")
     ap.add_argument("--conv-configs", action="store_true",
                     help="also time the GDN mixer with the Pallas conv at other tile rows x warps")
     ap.add_argument("--out", type=Path)
@@ -189,6 +191,28 @@ def main(argv: list[str] | None = None) -> dict:
                 c = jax.jit(lambda y, i, w, a, kw=cfg_kw: permute.combine_rows_pallas(y, i, w, a, **kw))
                 record(t, f"combine+add pallas {bt}x{bw} w{nw}",
                        lambda: c(down, inverse, w_bf16, shared_out), "permute")
+        if args.routing_configs:  # the routing kernels' tokens per program and warps; each checked against default
+            logits = jax.jit(lambda f: jnp.einsum("mh,eh->me", f, mlp.gate.weight[...]))(flat)
+            want_topk = jax.jit(lambda g: routing.topk_softmax_pallas(g, k))(logits)
+            want_perm = jax.jit(lambda i: routing.expert_permutation_pallas(i, e))(want_topk[0])
+            for bm, nw in ((None, None), (16, 4), (64, 4), (64, 8), (128, 8), (128, 16), (16, 2), (32, 8)):
+                tile = dict(block_rows=bm, num_warps=nw)
+                name = "default" if bm is None else f"{bm} rows w{nw}"
+                topk = jax.jit(lambda g, kw=tile: routing.topk_softmax_pallas(g, k, **kw))
+                perm = jax.jit(lambda i, kw=tile: routing.expert_permutation_pallas(i, e, **kw))
+                try:
+                    same = all(bool(jnp.array_equal(a, b)) for a, b in zip(topk(logits), want_topk)) and all(
+                        bool(jnp.array_equal(a, b)) for a, b in zip(perm(want_topk[0]), want_perm))
+                except Exception as exc:  # noqa: BLE001 (a tile Triton cannot compile: say so, go on)
+                    print(f"  routing {name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                    continue
+                if not same:
+                    print(f"  routing {name}: OUTPUTS DIFFER from the default tile's (not timed)", flush=True)
+                    rows.append({"tokens": t, "group": "routing", "part": f"routing {name}", "ms": None,
+                                 "error": "outputs differ"})
+                    continue
+                record(t, f"top-k softmax kernel, {name}", lambda: topk(logits), "routing")
+                record(t, f"counting sort + inverse, {name}", lambda: perm(want_topk[0]), "routing")
         if None not in (moe_ms, gate_up_ms, down_ms, shared_ms):
             floor = gate_up_ms + down_ms + shared_ms
             ratio = moe_ms / floor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -72,6 +73,12 @@ def _model_and_prompt(rng, lengths, t):
     return model, tokens
 
 
+# fp32 rounding through five layers. On a GPU (JAX_DWDP_TEST_GPU=1) cuBLAS picks other fp32 GEMM algorithms for the
+# pieces' shapes than for the whole prompt's, whose sums round in another order: one sequence at 1.27e-5 (the others
+# 5.6e-6 to 9.5e-6) on an H200 (2026-12-02, fifteenth session, run F; benchmarks/RESULTS.md).
+PIECES_TOL = 1e-5 if jax.default_backend() == "cpu" else 3e-5
+
+
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_prefill_in_pieces_equals_one_prefill(rng, layerwise):
     """Three pieces (cut at 50 and 97; one sequence ends in the first piece) continue each other's caches,
@@ -92,14 +99,14 @@ def test_prefill_in_pieces_equals_one_prefill(rng, layerwise):
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
     for i, n in enumerate(lengths):
         err = rel_err(logits[i, :n], whole_logits[i, :n])
-        print(f"seq {i} (len {n}): logits {err:.2e}")
-        assert err <= 1e-5
+        print(f"seq {i} (len {n}): logits {err:.2e} (bound {PIECES_TOL:.0e})")
+        assert err <= PIECES_TOL
     for name in ("key", "value", "conv", "recurrent"):
         got, want = getattr(cache, name), getattr(whole_cache, name)
         errs = [rel_err(got[:, i, :n] if name in ("key", "value") else got[:, i],
                         want[:, i, :n] if name in ("key", "value") else want[:, i]) for i, n in enumerate(lengths)]
         print(f"cache {name}: {max(errs):.2e}")
-        assert max(errs) <= 1e-5, name
+        assert max(errs) <= PIECES_TOL, name
 
 
 def test_continuing_a_cache_checks_its_room(rng):

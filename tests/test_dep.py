@@ -4,6 +4,7 @@ what a rank keeps in memory, on CPU devices. fp32 against one device: <= 1e-5 (p
 from __future__ import annotations
 
 import gc
+import re
 
 import jax
 import jax.numpy as jnp
@@ -308,6 +309,8 @@ def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
     order = []
 
     class Store:
+        num_ranks = 4
+
         def own_ranks(self):  # one process drives every rank, as an ExpertStore does
             return list(enumerate(devices))
 
@@ -330,3 +333,27 @@ def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
     assert experts.gate_up_proj[...].shape == experts.down_proj[...].shape == ()
     router = stage.layers[1].mlp.gate.weight[...]
     assert len(router.addressable_shards) == 4 and router.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("case", ["order", "count", "process"])
+def test_store_placement_refuses_a_store_not_over_the_mesh(case):
+    """A store whose ranks are not the mesh's (other devices, another order, another count) would hand each rank
+    another rank's experts: Placement refuses it up front, naming the rank and both devices."""
+    from jax_dwdp.parallel.dwdp import Placement
+
+    devices = jax.devices()[:4]
+    mesh = Mesh(np.array(devices), (AXIS,))
+
+    class Store:
+        num_ranks = 3 if case == "count" else 4
+
+        def own_ranks(self):
+            if case == "order":  # an ExpertStore over the mesh's devices, reversed
+                return list(enumerate(devices[::-1]))
+            if case == "process":  # one process per device: rank 2 on a device the mesh gives rank 1
+                return [(2, devices[1])]
+            return list(enumerate(devices))
+
+    with pytest.raises(ValueError, match=re.escape("3 rank(s) for a 'dwdp' mesh of 4") if case == "count" else
+                       "the 'dwdp' mesh puts rank"):
+        Placement(mesh, experts="store", store=Store())

@@ -64,13 +64,18 @@ def test_two_processes_run_the_pipeline_over_the_process_store(tmp_path, source)
                                            str(tmp_path), source],
                                           env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        for p in procs:
-            outputs.append(p.communicate(timeout=400)[0])
-    finally:
+        for pid, p in enumerate(procs):
+            try:
+                outputs.append(p.communicate(timeout=400)[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                pytest.fail(f"process {pid} ran past 400 s:\n{p.communicate()[0][-4000:]}")
+    finally:  # every worker ends, and its pipe is read to the end and closed (no descriptor left open)
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            if p.stdout is not None and not p.stdout.closed:
+                p.communicate()
         port.close()
     for pid, (p, text) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"process {pid} exited with {p.returncode}:\n{text[-4000:]}"

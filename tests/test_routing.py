@@ -69,6 +69,29 @@ def test_counting_sort_is_the_stable_argsort(rng, m, e, k):
         _check_permutation(routing.expert_permutation_xla(ids, e), ids, e, what + " (xla)")
 
 
+@pytest.mark.parametrize("block_rows,num_warps", [(16, 2), (64, 8), (128, 8)])
+def test_other_tiles_give_the_same_routing(rng, block_rows, num_warps):
+    """The tiles a benchmark sweeps (tokens per program, warps): the same experts, weights and permutation as the
+    references, on a token count that is no multiple of the tile (the last program's rows are padding)."""
+    m, e, k = 200, 256, 8
+    logits = jnp.asarray(rng.standard_normal((m, e)) * 2, jnp.bfloat16)
+    tile = dict(block_rows=block_rows, num_warps=num_warps)
+    ids, weights = routing.topk_softmax_pallas(logits, k, interpret=not on_gpu, **tile)
+    _check_topk(ids, weights, logits, k, f"pallas {block_rows} rows w{num_warps}")
+    skewed = jnp.asarray(np.minimum(rng.geometric(0.3, (m, k)) - 1, e - 1), jnp.int32)
+    for what, i in (("top-k ids", ids), ("skewed ids", skewed)):
+        got = routing.expert_permutation_pallas(i, e, interpret=not on_gpu, **tile)
+        _check_permutation(got, i, e, f"{what}, {block_rows} rows w{num_warps}")
+
+
+def test_a_tile_that_is_no_power_of_two_is_refused():
+    for rows in (8, 48):
+        with pytest.raises(ValueError, match=f"block_rows={rows} is not a power of two >= 16"):
+            routing.topk_softmax_pallas(jnp.ones((4, 8)), 2, interpret=True, block_rows=rows)
+        with pytest.raises(ValueError, match=f"block_rows={rows} is not a power of two >= 16"):
+            routing.expert_permutation_pallas(jnp.ones((4, 2), jnp.int32), 8, interpret=True, block_rows=rows)
+
+
 def test_implementation_switch(rng, monkeypatch):
     """By default the platform decides when lowering: lowered for CUDA the program holds the kernels, lowered for
     the CPU it does not (on a GPU host the CPU case failed in the ninth session's run B), and it runs there.

@@ -36,16 +36,27 @@ def _by_platform(xla_fn, pallas_fn, *args, implementation):
                        default="pallas", what="routing")
 
 
-def _triton_params():
+# The kernels' tile: tokens per program from [BM, E] fp32 tiles of about BLOCK_ELEMENTS elements, and warps per
+# program (read at each call, so a benchmark can patch them; `block_rows=` / `num_warps=` set them per call).
+BLOCK_ELEMENTS = 8192
+NUM_WARPS = 4
+
+
+def _triton_params(num_warps: int | None = None):
     """Triton (not Mosaic GPU, which some jax versions default to for pallas_call), with Triton's defaults."""
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.CompilerParams(num_warps=4, num_stages=3)
+    return plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=3)
 
 
-def _block_rows(experts_padded: int) -> int:
-    """Tokens per program: [BM, E] fp32 tiles of about 8K elements (16 <= BM <= 64; the rank matmul needs 16)."""
-    return max(16, min(64, 8192 // experts_padded))
+def _block_rows(experts_padded: int, block_rows: int | None = None) -> int:
+    """Tokens per program: `block_rows` if given (a power of two >= 16: the rank matmul needs 16), else [BM, E] fp32
+    tiles of about BLOCK_ELEMENTS elements (16 <= BM <= 64)."""
+    if block_rows is not None:
+        if block_rows < 16 or block_rows & (block_rows - 1):
+            raise ValueError(f"routing kernels: block_rows={block_rows} is not a power of two >= 16")
+        return block_rows
+    return max(16, min(64, BLOCK_ELEMENTS // experts_padded))
 
 
 # ---- top-k of the softmax -------------------------------------------------------------------------------------
@@ -83,7 +94,8 @@ def _topk_kernel(logits_ref, ids_ref, weights_ref, *, k: int, experts: int):
     weights_ref[...] = weights / jnp.sum(weights, axis=1, keepdims=True)
 
 
-def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False, block_rows: int | None = None,
+                        num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
     from jax.experimental import pallas as pl
 
     m, e = logits.shape
@@ -92,7 +104,7 @@ def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False) -
     if m == 0:
         return jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), _F32)
     ep, kp = pow2(max(e, 16)), pow2(max(k, 2))
-    bm = _block_rows(ep)
+    bm = _block_rows(ep, block_rows)
     mp = -(-m // bm) * bm
     if (mp, ep) != (m, e):  # only for odd shapes: token counts are usually a multiple of the block
         logits = jnp.pad(logits, ((0, mp - m), (0, ep - e)), constant_values=-jnp.inf)
@@ -102,7 +114,7 @@ def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False) -
         in_specs=[pl.BlockSpec((bm, ep), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((bm, kp), lambda i: (i, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((mp, kp), _F32)],
-        compiler_params=None if interpret else _triton_params(),
+        compiler_params=None if interpret else _triton_params(num_warps),
         interpret=interpret,
         name="moe_topk_softmax",
     )(logits)
@@ -153,8 +165,9 @@ def _rank_kernel(ids_ref, rank_ref, hist_ref, *, k: int):
     hist_ref[...] = jnp.sum(counts, axis=0, keepdims=True).astype(jnp.int32)
 
 
-def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *,
-                              interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *, interpret: bool = False,
+                              block_rows: int | None = None,
+                              num_warps: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     from jax.experimental import pallas as pl
 
     m, k = expert_ids.shape
@@ -162,7 +175,7 @@ def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *,
         empty = jnp.zeros((0,), jnp.int32)
         return empty, empty, jnp.zeros((num_experts,), jnp.int32)
     ep, kp = pow2(max(num_experts, 16)), pow2(max(k, 2))
-    bm = _block_rows(ep)
+    bm = _block_rows(ep, block_rows)
     mp = -(-m // bm) * bm
     ids = expert_ids.astype(jnp.int32)
     if (mp, kp) != (m, k):
@@ -174,7 +187,7 @@ def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *,
         in_specs=[pl.BlockSpec((bm, kp), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((bm, kp), lambda i: (i, 0)), pl.BlockSpec((None, 1, ep), lambda i: (i, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct((mp, kp), jnp.int32), jax.ShapeDtypeStruct((blocks, 1, ep), jnp.int32)],
-        compiler_params=None if interpret else _triton_params(),
+        compiler_params=None if interpret else _triton_params(num_warps),
         interpret=interpret,
         name="moe_expert_ranks",
     )(ids)

@@ -78,6 +78,8 @@ class Placement:
             raise ValueError(f"placement of experts {experts!r} with store {store!r}")
         self.mesh, self.experts, self.store, self.owned = mesh, experts, store, owned
         self.split, self.replicated = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+        if store is not None:
+            _check_store_matches_mesh(store, mesh)
 
     def __call__(self, path: tuple, value: jax.Array, layer: int, num_experts: int) -> jax.Array:
         """`value` of the flat state path `path`, of the stage's layer `layer` (position in the stage)."""
@@ -102,6 +104,18 @@ class Placement:
             self.store.fill(layer, weight, rank, block)
             if copied:
                 block.delete()
+
+
+def _check_store_matches_mesh(store, mesh: Mesh) -> None:
+    """The store's ranks are the mesh's: as many, and each rank this process fills on the mesh's device of that
+    rank (a store made over other devices, or in another order, would hand each rank another rank's experts)."""
+    ranks = list(mesh.devices.flat)
+    if store.num_ranks != len(ranks):
+        raise ValueError(f"expert store of {store.num_ranks} rank(s) for a '{AXIS}' mesh of {len(ranks)} device(s)")
+    for rank, device in store.own_ranks():
+        if ranks[rank] != device:
+            raise ValueError(f"expert store rank {rank} is on {device}, but the '{AXIS}' mesh puts rank {rank} on "
+                             f"{ranks[rank]}: make the store over the mesh's devices, in mesh order")
 
 
 def own_block(padded, rank: int, slots: int, device) -> tuple[jax.Array, bool]:

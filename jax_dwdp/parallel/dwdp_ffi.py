@@ -115,6 +115,7 @@ class ExpertStore:
         `delay_copies` (tests) holds the copy stream 20 ms before each prefetch, so that a read of the experts that
         does not wait for their copy sees the poison."""
         self.devices = list(devices)
+        self.num_ranks = len(self.devices)
         require_gpus(self.devices)
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"an expert store needs distinct devices, got {self.devices}")
