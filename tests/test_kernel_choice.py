@@ -46,9 +46,10 @@ def _inputs(rng):
     return (jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 24)), jnp.int32), jnp.asarray([24, 17], jnp.int32))
 
 
-def _pretend_no_gpu(monkeypatch):
+def _pretend_gpu(monkeypatch, present: bool):
+    """Every module that asks whether a GPU backend exists hears `present`."""
     for module in (_backend, gm, gdr):
-        monkeypatch.setattr(module, "on_gpu", lambda: False)
+        monkeypatch.setattr(module, "on_gpu", lambda: present)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="pretends a GPU host on a CPU-only machine")
@@ -61,8 +62,7 @@ def test_half_model_on_a_gpu_host_lowers_kernels_for_cuda_and_xla_for_the_cpu(rn
 
     monkeypatch.setattr(cudnn_checks, "check_cudnn_version", lambda *a, **k: None)
     monkeypatch.setattr(cudnn_checks, "check_compute_capability", lambda *a, **k: True)
-    for module in (_backend, gm, gdr):
-        monkeypatch.setattr(module, "on_gpu", lambda: True)
+    _pretend_gpu(monkeypatch, True)
     monkeypatch.setenv(gm.ENV_IMPLEMENTATION, "mosaic")
     fn = program()
     traced = fn.trace(state, tokens, lengths)
@@ -93,7 +93,7 @@ def test_half_model_placed_on_the_cpu_of_a_gpu_host_runs_xla(rng, monkeypatch, f
     state_c, tokens_c, lengths_c = jax.device_put((state, tokens, lengths), cpu)
     got = program()(state_c, tokens_c, lengths_c)
     assert got.devices() == {cpu}
-    _pretend_no_gpu(monkeypatch)
+    _pretend_gpu(monkeypatch, False)
     ref = program()(state_c, tokens_c, lengths_c)
     got, ref = np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
     assert np.isfinite(got).all()
@@ -116,8 +116,7 @@ def test_fused_swiglu_on_a_gpu_host_lowers_the_epilogue_kernel_for_cuda_and_the_
     ref = np.asarray(gm.grouped_matmul_swiglu(x, w, sizes).astype(jnp.float32))  # a CPU machine: XLA
     assert np.isfinite(ref).all() and np.abs(ref[:17]).max() > 0
 
-    for module in (_backend, gm, gdr):
-        monkeypatch.setattr(module, "on_gpu", lambda: True)
+    _pretend_gpu(monkeypatch, True)
     monkeypatch.delenv(gm.ENV_IMPLEMENTATION, raising=False)
     monkeypatch.setattr(cutlass, "available", lambda: True)
     monkeypatch.setattr(cutlass, "_call", lambda target, names, n_out, x, w, s, config: jax.ffi.ffi_call(
