@@ -5,6 +5,7 @@
         --print-units base --log-file ncu.csv python3 benchmarks/bench_grouped_matmul.py kernels run --plan plan.json
     python3 benchmarks/bench_grouped_matmul.py kernels report --plan plan.json --csv ncu.csv [--out kernels.json]
     python3 benchmarks/bench_grouped_matmul.py fusion --out fusion.json [--breakdown] [--no-block]
+    python3 benchmarks/bench_grouped_matmul.py gather --out gather.json [--presets ...] [--tokens ...]
 
 calls: whole calls of the CUTLASS FFI kernel (the automatic config and every config) vs Mosaic (ragged_dot_mgpu,
   its default and a small sweep), torch._grouped_mm and a dense matmul of the same FLOPs, on the Qwen3.5-MoE expert
@@ -26,6 +27,12 @@ fusion: the fused SwiGLU epilogue: the gate_up projection + SiLU(gate) * up, "fu
   as bf16 elements, with promise_in_bounds, and as 32-bit words (what `routed_experts` uses); the down projection;
   the un-permute (gather, routing-weight scale, top-k sum). (Candidates measured and dropped, RESULTS.md, MoE
   block: a keys-only sort of packed keys, a 32-bit un-permute gather, the gather inside the GEMM's A loads.)
+
+gather: the gate_up projection reading the tokens itself (`grouped_matmul_gather`, the CUTLASS gather kernel:
+  cp.async from a producer warpgroup) vs the two steps it replaces (the 32-bit row gather `gather_rows`, then the
+  TMA grouped GEMM) and vs that GEMM alone on pre-gathered rows (its floor); and the whole routed-expert block
+  (`routed_experts`, routing permutation to weighted un-permute) with gather=True vs gather=False (the Pallas
+  dispatch, then the GEMM). The gather kernel's output is checked against the two-step result before timing.
 
 A missing implementation (no library, no torch, no GPU, a kernel that fails) is reported as 'n/a' with the reason in
 the row's "notes", and the run goes on: on a CPU only the dense matmul and the XLA paths are timed. Without a
@@ -549,7 +556,83 @@ def bench_fusion(args) -> dict:
     return results
 
 
-COMMANDS = ("calls", "kernels", "fusion")
+def bench_gather(args) -> dict:
+    t_start = time.perf_counter()
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}, jax {jax.__version__}", flush=True)
+    results = dict(device=dev.device_kind, jax=jax.__version__, rows=[])
+    rng = np.random.default_rng(0)
+    header = (f"{'model':10} {'tokens':>6} {'routing':8} | {'gather':>8} {'2-step':>8} {'gemm':>8} | "
+              f"{'2-step/g':>8} {'g/gemm':>7} {'diff':>8} | {'block g':>8} {'block d':>8} {'d/g':>6}")
+    print(header)
+    print("-" * len(header), flush=True)
+    gather_k = jax.jit(lambda x, t, w, s: gm.grouped_matmul_gather(x, t, w, s, implementation="cutlass"))
+    two_step = jax.jit(lambda x, t, w, s: gm.grouped_matmul(gather_rows(x, t), w, s, implementation="cutlass"))
+    gemm = jax.jit(lambda a, w, s: gm.grouped_matmul(a, w, s, implementation="cutlass"))
+    blk = jax.jit(lambda t, a, b, c, d, g: routed_experts(t, a, b, c, d, gather=g), static_argnums=5)
+    for preset in args.presets:
+        cfg = ModelConfig.preset(preset)
+        h, i, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+        w = (jax.random.normal(jax.random.key(2), (e, 2 * i, h), jnp.float32) * h**-0.5).astype(jnp.bfloat16)
+        down = (jax.random.normal(jax.random.key(3), (e, h, i), jnp.float32) * i**-0.5).astype(jnp.bfloat16)
+        for tokens in args.tokens:
+            xt = jax.random.normal(jax.random.key(4), (tokens, h), jnp.bfloat16)
+            for routing in args.routing:
+                ids, weights, counts = routing_for(rng, tokens, e, k, routing)
+                gs = jnp.asarray(counts)
+                tok = jnp.asarray((np.argsort(ids.reshape(-1), kind="stable") // k).astype(np.int32))
+                rows_x = jax.block_until_ready(gather_rows(xt, tok))
+                row = dict(model=preset, tokens=tokens, rows=tokens * k, routing=routing, times_ms={}, notes={})
+
+                def record(name, fn):
+                    try:
+                        row["times_ms"][name] = timed(fn, args.iters) * 1e3
+                    except Exception as ex:  # noqa: BLE001
+                        row["notes"][name] = reason(ex)
+
+                try:
+                    a = np.asarray(gather_k(xt, tok, w, gs), np.float32)
+                    b = np.asarray(two_step(xt, tok, w, gs), np.float32)
+                    row["rel_diff_gather_vs_two_step"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                    row["identical"] = bool(np.array_equal(a, b))
+                    del a, b
+                    if row["rel_diff_gather_vs_two_step"] > 1e-3:
+                        raise AssertionError(f"gather kernel differs: {row['rel_diff_gather_vs_two_step']:.2e}")
+                except Exception as ex:  # noqa: BLE001
+                    row["notes"]["compare"] = reason(ex)
+                if "compare" not in row["notes"]:
+                    record("gather", lambda: gather_k(xt, tok, w, gs))
+                record("two-step", lambda: two_step(xt, tok, w, gs))
+                record("gemm", lambda: gemm(rows_x, w, gs))
+                if not args.no_block:
+                    jids, jw = jnp.asarray(ids), jnp.asarray(weights, jnp.bfloat16)
+                    if "compare" not in row["notes"]:
+                        record("block gather", lambda: blk(xt, jids, jw, w, down, True))
+                    record("block dispatch", lambda: blk(xt, jids, jw, w, down, False))
+                tm = row["times_ms"]
+
+                def c(name):
+                    return f"{tm[name]:.3f}" if name in tm else "n/a"
+
+                def r(num, den):
+                    return f"{tm[num] / tm[den]:.2f}x" if num in tm and den in tm else "n/a"
+
+                diff = row.get("rel_diff_gather_vs_two_step")
+                print(f"{preset:10} {tokens:>6} {routing:8} | {c('gather'):>8} {c('two-step'):>8} {c('gemm'):>8} | "
+                      f"{r('two-step', 'gather'):>8} {r('gather', 'gemm'):>7} "
+                      f"{(f'{diff:.1e}' if diff is not None else 'n/a'):>8} | {c('block gather'):>8} "
+                      f"{c('block dispatch'):>8} {r('block dispatch', 'block gather'):>6}", flush=True)
+                for name, note in row["notes"].items():
+                    print(f"    n/a {name}: {note}", flush=True)
+                results["rows"].append(row)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(results, f, indent=1)
+    print(f"done in {time.perf_counter() - t_start:.0f} s (times in ms)")
+    return results
+
+
+COMMANDS = ("calls", "kernels", "fusion", "gather")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -573,6 +656,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-block", action="store_true", help="skip the whole routed-expert block")
     p.add_argument("--breakdown", action="store_true", help="also time the block's parts alone")
     p.add_argument("--out", default=None, help="JSON results path")
+    p = sub.add_parser("gather", help="the gate_up GEMM gathering the tokens itself vs gather + GEMM; the block")
+    case_args(p, iters=10)
+    p.add_argument("--no-block", action="store_true", help="skip the whole routed-expert block")
+    p.add_argument("--out", default=None, help="JSON results path")
     return ap
 
 
@@ -587,6 +674,8 @@ def main(argv=None):
         return bench_calls(args)
     if args.command == "fusion":
         return bench_fusion(args)
+    if args.command == "gather":
+        return bench_gather(args)
     if args.step == "run":
         return kernels_run(args.plan)
     if not args.csv:

@@ -145,6 +145,67 @@ __global__ void zero_tail_rows_kernel(const long long* total_rows, long long m, 
     o[i] = make_uint4(0, 0, 0, 0);
 }
 
+// The gather GEMM's per-group table: first row, rows (clipped to M, negative sizes as 0) and first M tile of each
+// group, tile_start[groups] = the tile count, and the rows covered (for zero_tail_rows_kernel).
+__global__ void __launch_bounds__(kSetupThreads)
+    setup_gather_kernel(const int32_t* __restrict__ group_sizes, int groups, long long m, int tile_rows,
+                        int32_t* row_start, int32_t* rows_out, int32_t* tile_start, long long* total_rows) {
+  __shared__ long long warp_sums[32];
+  __shared__ long long carry_rows, carry_tiles;
+  if (threadIdx.x == 0) carry_rows = carry_tiles = 0;
+  __syncthreads();
+  for (int base = 0; base < groups; base += kSetupThreads) {
+    const int g = base + threadIdx.x;
+    const long long size = g < groups ? max(group_sizes[g], 0) : 0;
+    const long long incl = block_inclusive_scan(size, warp_sums);
+    const long long cr = carry_rows;
+    const long long start = min(cr + incl - size, m);
+    const long long rows = min(cr + incl, m) - start;
+    const long long tiles = (rows + tile_rows - 1) / tile_rows;
+    const long long tincl = block_inclusive_scan(tiles, warp_sums);
+    const long long ct = carry_tiles;
+    if (g < groups) {
+      row_start[g] = static_cast<int32_t>(start);
+      rows_out[g] = static_cast<int32_t>(rows);
+      tile_start[g] = static_cast<int32_t>(ct + tincl - tiles);
+    }
+    __syncthreads();
+    if (threadIdx.x == kSetupThreads - 1) {
+      carry_rows = cr + incl;
+      carry_tiles = ct + tincl;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    tile_start[groups] = static_cast<int32_t>(carry_tiles);
+    *total_rows = min(carry_rows, m);
+  }
+}
+
+// The gather GEMM's workspace: row_start, rows, tile_start and the covered-row count.
+struct GatherLayout {
+  size_t row_start, rows, tile_start, total, bytes;
+  static GatherLayout make(int groups) {
+    GatherLayout l{};
+    size_t off = 0;
+    auto take = [&](size_t n) {
+      size_t at = off;
+      off = round_up(off + n, kAlign);
+      return at;
+    };
+    const size_t g = static_cast<size_t>(std::max(groups, 1));
+    l.row_start = take(g * 4);
+    l.rows = take(g * 4);
+    l.tile_start = take((g + 1) * 4);
+    l.total = take(sizeof(long long));
+    l.bytes = off + kAlign;
+    return l;
+  }
+};
+
+const GatherConfig* const kGatherConfigs[] = {&kGatherCoop128x256x64};
+constexpr int kNumGatherConfigs = sizeof(kGatherConfigs) / sizeof(kGatherConfigs[0]);
+
 int sm_count_of(int device) {
   static std::array<std::atomic<int>, 64> cache{};
   if (device >= 0 && device < static_cast<int>(cache.size())) {
@@ -253,6 +314,84 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// out [M, N] = x[row_token] @ w[g]^T per group: the gate_up projection reading the tokens where they are.
+ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
+                            ffi::Buffer<ffi::S32> row_token, ffi::Buffer<ffi::BF16> w,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::BF16> out,
+                            ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
+  const std::string who = "JaxDwdpGatherGroupedGemm";
+  auto xd = x.dimensions(), td = row_token.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions(),
+       od = out->dimensions();
+  if (xd.size() != 2 || td.size() != 1 || wd.size() != 3 || gd.size() != 1 || od.size() != 2)
+    return ffi::Error::InvalidArgument(who + ": expects x [T, K], row_token [M], w [G, N, K], group_sizes [G], "
+                                       "out [M, N]");
+  const long long tokens = xd[0], k = xd[1], m = td[0], groups = wd[0], n = wd[1];
+  if (k % 8 || n % 8 || k <= 0 || n <= 0)
+    return ffi::Error::InvalidArgument(who + ": K and N must be positive multiples of 8 (16-byte rows), got K=" +
+                                       std::to_string(k) + " N=" + std::to_string(n));
+  if (wd[2] != k || gd[0] != groups || od[0] != m || od[1] != n)
+    return ffi::Error::InvalidArgument(who + ": shapes do not fit x [T, K], row_token [M], w [G, N, K], "
+                                       "group_sizes [G], out [M, N]");
+  if (k > INT32_MAX || n > INT32_MAX || m > INT32_MAX || tokens > INT32_MAX || groups > INT32_MAX)
+    return ffi::Error::InvalidArgument(who + ": dimensions exceed int32");
+  if (config < 0 || config >= kNumGatherConfigs)
+    return ffi::Error::InvalidArgument(who + ": unknown config " + std::to_string(config));
+  if (m == 0) return ffi::Error::Success();
+  auto* out_ptr = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
+  if (groups == 0 || tokens == 0) {  // no group, or no token to read: every row is zeros
+    cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n * 2, stream);
+    return e == cudaSuccess ? ffi::Error::Success() : cuda_error(who, "cudaMemsetAsync", e);
+  }
+  for (const void* p : {static_cast<const void*>(x.untyped_data()), static_cast<const void*>(w.untyped_data()),
+                        static_cast<const void*>(out_ptr)})
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+      return ffi::Error::InvalidArgument(who + ": x, w and out must be 16-byte aligned");
+  int current = 0;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) return cuda_error(who, "cudaGetDevice", e);
+  if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error(who, "cudaSetDevice", e);
+  const int sm_count = sm_count_of(device);
+  if (sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
+
+  const GatherConfig& cfg = *kGatherConfigs[config];
+  const GatherLayout lay = GatherLayout::make(static_cast<int>(groups));
+  if (workspace->size_bytes() < lay.bytes)
+    return ffi::Error::InvalidArgument(who + ": workspace of " + std::to_string(workspace->size_bytes()) +
+                                       " bytes, needs " + std::to_string(lay.bytes));
+  auto* ws = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uintptr_t>(workspace->untyped_data()), kAlign));
+  GatherArgs a;
+  a.x = x.untyped_data();
+  a.row_token = row_token.typed_data();
+  a.w = w.untyped_data();
+  a.out = out_ptr;
+  a.m = m;
+  a.tokens = static_cast<int>(tokens);
+  a.n = static_cast<int>(n);
+  a.k = static_cast<int>(k);
+  a.groups = static_cast<int>(groups);
+  a.row_start = reinterpret_cast<int32_t*>(ws + lay.row_start);
+  a.rows = reinterpret_cast<int32_t*>(ws + lay.rows);
+  a.tile_start = reinterpret_cast<int32_t*>(ws + lay.tile_start);
+  a.stream = stream;
+  auto* total_rows = reinterpret_cast<long long*>(ws + lay.total);
+
+  setup_gather_kernel<<<1, kSetupThreads, 0, stream>>>(group_sizes.typed_data(), a.groups, m, cfg.tile_rows,
+                                                       const_cast<int32_t*>(a.row_start), const_cast<int32_t*>(a.rows),
+                                                       const_cast<int32_t*>(a.tile_start), total_rows);
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
+  const long long vecs = m * n / 8;
+  const int zero_blocks = static_cast<int>(std::min<long long>((vecs + 255) / 256, 2LL * sm_count));
+  zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, static_cast<int>(n), out_ptr);
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "zero-tail kernel launch", e);
+  if (const char* msg = cfg.run(a)) {
+    cudaError_t last = cudaGetLastError();
+    return ffi::Error::Internal(who + " (" + cfg.name + "): " + msg +
+                                (last != cudaSuccess ? std::string("; CUDA: ") + cudaGetErrorString(last) : ""));
+  }
+  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, cfg.name, e);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_dwdp_gmm
 
@@ -268,6 +407,10 @@ JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmSwiglu(XLA_FFI_CallFrame* c
 JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmSwigluNoGraph(XLA_FFI_CallFrame* call_frame);
 JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGroupedGemmSwigluNumConfigs();
 JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i);
+JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGatherGroupedGemm(XLA_FFI_CallFrame* call_frame);
+JAX_DWDP_GMM_EXPORT size_t JaxDwdpGatherGroupedGemmWorkspaceBytes(int32_t groups);
+JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGatherGroupedGemmNumConfigs();
+JAX_DWDP_GMM_EXPORT const char* JaxDwdpGatherGroupedGemmConfigName(int32_t i);
 
 #define JAX_DWDP_GMM_BINDING                                 \
   ffi::Ffi::Bind()                                           \
@@ -291,6 +434,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwiglu, jax_dwdp_gmm::grouped_ge
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwigluNoGraph, jax_dwdp_gmm::grouped_gemm_impl<true>,
                               JAX_DWDP_GMM_BINDING);
 
+// The gate_up projection with the token gather in its loads (gather_gemm.cuh). Only stream work: recordable.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGatherGroupedGemm, jax_dwdp_gmm::gather_gemm_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>() /* x [T, K] */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* row_token [M] */
+                                  .Arg<ffi::Buffer<ffi::BF16>>() /* w [G, N, K] */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [G] */
+                                  .Ret<ffi::Buffer<ffi::BF16>>() /* out [M, N] */
+                                  .Ret<ffi::Buffer<ffi::U8>>()   /* workspace */
+                                  .Attr<int32_t>("config"));
+
 extern "C" {
 
 // Bytes of the workspace output for `groups` groups on a device with at most `sm_count` SMs (any config).
@@ -311,6 +467,17 @@ int32_t JaxDwdpGroupedGemmSwigluNumConfigs() { return jax_dwdp_gmm::kNumSwigluCo
 
 const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i) {
   return i >= 0 && i < jax_dwdp_gmm::kNumSwigluConfigs ? jax_dwdp_gmm::kSwigluConfigs[i]->name : nullptr;
+}
+
+// Bytes of the gather GEMM's workspace output for `groups` groups. Host-only.
+size_t JaxDwdpGatherGroupedGemmWorkspaceBytes(int32_t groups) {
+  return jax_dwdp_gmm::GatherLayout::make(groups).bytes;
+}
+
+int32_t JaxDwdpGatherGroupedGemmNumConfigs() { return jax_dwdp_gmm::kNumGatherConfigs; }
+
+const char* JaxDwdpGatherGroupedGemmConfigName(int32_t i) {
+  return i >= 0 && i < jax_dwdp_gmm::kNumGatherConfigs ? jax_dwdp_gmm::kGatherConfigs[i]->name : nullptr;
 }
 
 }  // extern "C"

@@ -45,4 +45,29 @@ extern const GemmConfig kPingpong64x128x128C1;
 extern const GemmConfig kCoop128x256x64C1Swiglu;
 extern const GemmConfig kPingpong64x128x128C1Swiglu;
 
+// The gather grouped GEMM (gather_gemm.cuh): out[r] = x[row_token[r]] @ w[g(r)]^T for the rows r of each group.
+struct GatherArgs {
+  const void* x = nullptr;            // [tokens, K] bf16, the tokens in their own order
+  const int32_t* row_token = nullptr; // [M]: the token each sorted row reads (outside [0, tokens): zeros)
+  const void* w = nullptr;            // [G, N, K] bf16
+  void* out = nullptr;                // [M, N] bf16, rows in group order
+  long long m = 0;
+  int tokens = 0;
+  int n = 0;
+  int k = 0;
+  int groups = 0;
+  const int32_t* tile_start = nullptr;  // [G + 1]: the first M tile of each group (device; the setup kernel's)
+  const int32_t* row_start = nullptr;   // [G]: the first row of each group
+  const int32_t* rows = nullptr;        // [G]: the rows of each group (clipped to M)
+  cudaStream_t stream = nullptr;
+};
+
+struct GatherConfig {
+  const char* name;
+  int tile_rows;  // rows per M tile
+  const char* (*run)(const GatherArgs& args);
+};
+
+extern const GatherConfig kGatherCoop128x256x64;
+
 }  // namespace jax_dwdp_gmm

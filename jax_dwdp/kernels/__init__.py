@@ -16,6 +16,7 @@ from jax_dwdp.kernels.grouped_matmul import ROW_MULTIPLE as GROUPED_MATMUL_ROW_M
 from jax_dwdp.kernels.grouped_matmul import (
     deinterleave_gate_up,
     grouped_matmul,
+    grouped_matmul_gather,
     grouped_matmul_swiglu,
     interleave_gate_up,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "recurrent_gated_delta_step",
     "grouped_matmul",
     "grouped_matmul_swiglu",
+    "grouped_matmul_gather",
     "gather_rows",
     "dispatch_rows",
     "combine_rows",

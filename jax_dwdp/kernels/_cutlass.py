@@ -32,6 +32,7 @@ from jax_dwdp.native import NativeLibrary
 
 TARGET = "jax_dwdp_grouped_gemm"
 SWIGLU_TARGET = "jax_dwdp_grouped_gemm_swiglu"
+GATHER_TARGET = "jax_dwdp_gather_grouped_gemm"
 _warned: set[str] = set()
 
 
@@ -49,6 +50,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, prefix + "ConfigName").argtypes = [ctypes.c_int32]
         getattr(lib, prefix)  # the handlers themselves
         getattr(lib, prefix + "NoGraph")
+    lib.JaxDwdpGatherGroupedGemmWorkspaceBytes.restype = ctypes.c_size_t
+    lib.JaxDwdpGatherGroupedGemmWorkspaceBytes.argtypes = [ctypes.c_int32]
+    lib.JaxDwdpGatherGroupedGemmNumConfigs.restype = ctypes.c_int32
+    lib.JaxDwdpGatherGroupedGemmNumConfigs.argtypes = []
+    lib.JaxDwdpGatherGroupedGemmConfigName.restype = ctypes.c_char_p
+    lib.JaxDwdpGatherGroupedGemmConfigName.argtypes = [ctypes.c_int32]
+    lib.JaxDwdpGatherGroupedGemm
 
 
 LIBRARY = NativeLibrary(
@@ -69,6 +77,13 @@ def swiglu_config_names() -> list[str]:
     return [lib.JaxDwdpGroupedGemmSwigluConfigName(i).decode() for i in range(lib.JaxDwdpGroupedGemmSwigluNumConfigs())]
 
 
+def gather_config_names() -> list[str]:
+    """The configurations of the gather grouped GEMM (`grouped_matmul_gather`)."""
+    lib = _lib()
+    return [lib.JaxDwdpGatherGroupedGemmConfigName(i).decode()
+            for i in range(lib.JaxDwdpGatherGroupedGemmNumConfigs())]
+
+
 def _register() -> None:
     if jax.default_backend() != "gpu":
         raise CutlassUnavailable(
@@ -76,7 +91,8 @@ def _register() -> None:
         )
     graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # opt-in: no faster (see the module's docstring)
     suffix = "" if graphs else "NoGraph"
-    LIBRARY.register({TARGET: "JaxDwdpGroupedGemm" + suffix, SWIGLU_TARGET: "JaxDwdpGroupedGemmSwiglu" + suffix})
+    LIBRARY.register({TARGET: "JaxDwdpGroupedGemm" + suffix, SWIGLU_TARGET: "JaxDwdpGroupedGemmSwiglu" + suffix,
+                      GATHER_TARGET: "JaxDwdpGatherGroupedGemm"})
 
 
 def _max_sm_count() -> int:
@@ -163,3 +179,24 @@ def grouped_matmul_swiglu(
     if k % 8 or n % 16:
         raise ValueError(f"cutlass fused SwiGLU grouped matmul needs K % 8 == 0 and 2I % 16 == 0, got K={k} 2I={n}")
     return _call(SWIGLU_TARGET, swiglu_config_names(), n // 2, x, w, group_sizes, config)
+
+
+def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """out[r] = x[row_token[r]] @ w[g]^T for the rows r of each group g (rows in group order), with the gather
+    inside the GEMM's loads: x [T, K] bf16 (tokens in their own order), row_token [M] int32, w [G, N, K] bf16,
+    group_sizes [G] int32 (device). Returns [M, N] bf16. Rows past sum(group_sizes), and rows whose token index is
+    outside [0, T), are zeros. Needs K % 8 == 0 and N % 8 == 0.
+    """
+    (t, k), (m,), (g, n, _) = x.shape, row_token.shape, w.shape
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"cutlass gather grouped matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    if k % 8 or n % 8:
+        raise ValueError(f"cutlass gather grouped matmul needs K % 8 == 0 and N % 8 == 0, got K={k} N={n}")
+    _register()
+    ws = int(_lib().JaxDwdpGatherGroupedGemmWorkspaceBytes(g))
+    out, _ = jax.ffi.ffi_call(
+        GATHER_TARGET,
+        (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+        vmap_method="sequential",
+    )(x, row_token.astype(jnp.int32), w, group_sizes.astype(jnp.int32), config=np.int32(0))
+    return out

@@ -273,3 +273,49 @@ def grouped_matmul_swiglu(
                 return on_cuda(cutlass.grouped_matmul_swiglu, unfused, x, w.astype(x.dtype), group_sizes)
             return cutlass.grouped_matmul_swiglu(x, w.astype(x.dtype), group_sizes)
     return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=implementation), x.dtype)
+
+
+# --- The gate_up projection reading the tokens where they are: the gather inside the GEMM's loads on the GPU -------
+
+
+def gather_token_rows(x: jax.Array, row_token: jax.Array) -> jax.Array:
+    """x[row_token] with rows whose index is outside [0, T) as zeros (`grouped_matmul_gather`'s contract)."""
+    t = x.shape[0]
+    ok = (row_token >= 0) & (row_token < t)
+    rows = x[jnp.clip(row_token, 0, max(t - 1, 0))]
+    return jnp.where(ok[:, None], rows, jnp.zeros((), x.dtype))
+
+
+def grouped_matmul_gather(
+    x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None
+) -> jax.Array:
+    """grouped_matmul(x[row_token], w, group_sizes) without the gathered copy: x [T, K] the tokens in their own
+    order; row_token [M] int32, the token each row (sorted by group) reads; w [G, N, K]; group_sizes [G]. Returns
+    [M, N]. Rows whose token index is outside [0, T) read zeros; rows past sum(group_sizes) are zeros for
+    "cutlass" and "xla".
+
+    "cutlass" gathers inside the GEMM's loads (ffi/grouped_gemm/gather_gemm.cuh: cp.async from a producer
+    warpgroup, CUTLASS's wgmma mainloop): the [M, K] permuted copy is never written. Every other implementation
+    gathers the rows first (`gather_token_rows`) and runs `grouped_matmul`.
+    """
+    if (x.ndim != 2 or row_token.ndim != 1 or w.ndim != 3 or x.shape[1] != w.shape[2]
+            or group_sizes.shape != (w.shape[0],)):
+        raise ValueError(
+            f"grouped_matmul_gather: x {x.shape}, row_token {row_token.shape}, w {w.shape}, group_sizes "
+            f"{group_sizes.shape} do not fit x [T, K], row_token [M], w [G, N, K], group_sizes [G]"
+        )
+    if not jnp.issubdtype(row_token.dtype, jnp.integer):
+        raise ValueError(f"grouped_matmul_gather: row_token must be integer, got {row_token.dtype}")
+    impl = implementation or default_implementation(x.dtype)
+    if impl == "cutlass":
+        from jax_dwdp.kernels import _cutlass as cutlass
+
+        def gathered(x, row_token, w, s):
+            return _group_loop(gather_token_rows(x, row_token), w, s)
+
+        with jax.named_scope("grouped_matmul_gather_cutlass"):
+            if implementation is None:  # chosen by default: where lowered for a CUDA GPU (as in grouped_matmul)
+                return on_cuda(cutlass.grouped_matmul_gather, gathered, x, row_token.astype(jnp.int32),
+                               w.astype(x.dtype), group_sizes)
+            return cutlass.grouped_matmul_gather(x, row_token, w.astype(x.dtype), group_sizes)
+    return grouped_matmul(gather_token_rows(x, row_token), w, group_sizes, implementation=implementation)

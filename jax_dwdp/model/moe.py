@@ -7,6 +7,7 @@ parallel paths (DWDP, EP) can hand it expert weights that came from elsewhere wi
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,23 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
     return order, group_sizes
 
 
+GATHER_ENV = "JAX_DWDP_MOE_GATHER"
+GATHER_DEFAULT = False  # the gate_up projection gathers the tokens itself (see `routed_experts`)
+
+
+def gather_in_gemm(gather: bool | None = None) -> bool:
+    """Whether `routed_experts` reads the tokens inside the gate_up grouped matmul (no dispatched copy): the
+    argument, else $JAX_DWDP_MOE_GATHER (1 / 0), else GATHER_DEFAULT."""
+    if gather is not None:
+        return bool(gather)
+    env = os.environ.get(GATHER_ENV)
+    if env is None or env == "":
+        return GATHER_DEFAULT
+    if env not in ("0", "1"):
+        raise ValueError(f"${GATHER_ENV}={env!r}: use 1 (gather inside the gate_up matmul) or 0 (dispatch first)")
+    return env == "1"
+
+
 def routed_experts(
     x: jax.Array,
     expert_ids: jax.Array,
@@ -47,6 +65,7 @@ def routed_experts(
     gate_up_interleaved: bool = False,
     valid: jax.Array | None = None,
     add: jax.Array | None = None,
+    gather: bool | None = None,
 ) -> jax.Array:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e (+ `add`, e.g. the shared
     expert's output, added in the un-permute's pass: XLA fuses it there). The weights are used in x's dtype.
@@ -55,7 +74,10 @@ def routed_experts(
     `gate_up_interleaved`, in `kernels.interleave_gate_up`'s layout, which lets the GPU kernel fuse SiLU(gate) * up
     into the projection's epilogue); down_proj [E, H, I].
     The (token, slot) pairs are put in expert order (`kernels.dispatch_rows`), pushed through two grouped matmuls,
-    and brought back with the weighted top-k sum (`kernels.combine_rows`).
+    and brought back with the weighted top-k sum (`kernels.combine_rows`). With `gather` (`gather_in_gemm`: the
+    argument, else $JAX_DWDP_MOE_GATHER) the gate_up matmul reads each sorted row's token from x itself
+    (`kernels.grouped_matmul_gather`; on the GPU inside the CUTLASS kernel's loads), so the dispatched [M*k, H]
+    copy is never written; the interleaved (fused SwiGLU) layout keeps the dispatch.
     `valid` [M, k] (DEP, a rank holding a block of the experts): only these slots count; the others must carry an
     id >= E, which sorts them after every group (no kernel computes them) and their rows, unspecified for some
     kernels, are masked out.
@@ -71,11 +93,17 @@ def routed_experts(
                                                       unique_indices=True)
     # Row count padded to the kernels' row multiple; the padded rows belong to no group and are never read back.
     pad = (-m * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
-    rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
     if gate_up_interleaved:
+        rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
         act = kernels.grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
     else:
-        gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
+        if gather_in_gemm(gather):  # sorted row r reads token order[r] // k; the padded rows are in no group
+            row_token = jnp.pad((order // k).astype(jnp.int32), (0, pad))
+            gate_up = kernels.grouped_matmul_gather(x, row_token, gate_up_proj, group_sizes,
+                                                    implementation=grouped_matmul_impl)
+        else:
+            rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
+            gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
         act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
     out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
     if valid is None:

@@ -1,0 +1,217 @@
+// The gate_up grouped GEMM with the token gather in its A loads (issue 15):
+//
+//   out[r, :] = x[row_token[r], :] @ w[g(r)]^T     for the rows r of each group g, in group (expert) order,
+//
+// x [T, K] the tokens in their own order (not permuted), row_token [M] the token each sorted row reads, w [G, N, K],
+// out [M, N]; bf16 in and out, fp32 accumulation. It replaces "dispatch the (token, slot) rows into expert order,
+// then grouped GEMM": the [M, K] permuted copy of the tokens is never written or read back.
+//
+// Why not TMA: a Hopper TMA copy moves a box of a strided tensor, so gathered rows would need one copy per row;
+// one producer warp issuing 128 of them per stage ran 4.2x slower (ffi/grouped_gemm/README.md). Here a whole
+// producer warpgroup issues 16-byte cp.async copies, each thread holding the source addresses of its rows, into
+// the same swizzled shared-memory stages CUTLASS's cp.async warp-specialized mainloop uses; the two consumer
+// warpgroups run that mainloop's wgmma loop (CollectiveMma::mma) unchanged.
+//
+// Work: one CTA per (N tile, M tile of a group). A one-block setup kernel (grouped_gemm.cu) writes each group's
+// first row, row count and first tile; a CTA finds its group by binary search over the tile starts, and CTAs past
+// the last tile exit at once (the grid is sized for the worst case, ceil(M / tile) + G tiles).
+// Epilogue: the accumulators go through shared memory (the mainloop's stages, free once both consumer warpgroups
+// are done) as bf16 and leave as 16-byte row-contiguous stores, predicated on the group's last row.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "grouped_gemm.h"
+
+namespace jax_dwdp_gmm {
+
+template <int kTileM, int kTileN, int kTileK>
+struct GatherGemm {
+  using Element = cutlass::bfloat16_t;
+  using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
+  // CUTLASS's cp.async warp-specialized cooperative mainloop: its TiledMma (two consumer warpgroups), its swizzled
+  // stage layouts and its pipeline. Only its consumer half (mma / mma_tail) is called; the loads are ours.
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, cutlass::layout::RowMajor, 8,
+      Element, cutlass::layout::ColumnMajor, 8,
+      float, TileShape, cute::Shape<cute::_1, cute::_1, cute::_1>,
+      cutlass::gemm::collective::StageCountAuto,
+      cutlass::gemm::KernelCpAsyncWarpSpecializedCooperative>::CollectiveOp;
+  using TiledMma = typename Mainloop::TiledMma;
+  using SmemLayoutA = typename Mainloop::SmemLayoutA;  // (BLK_M, BLK_K, stage)
+  using SmemLayoutB = typename Mainloop::SmemLayoutB;  // (BLK_N, BLK_K, stage)
+  using Pipeline = typename Mainloop::MainloopPipeline;
+  using PipelineState = typename Mainloop::PipelineState;
+
+  static constexpr int kTileRows = kTileM;  // rows per M tile (the setup kernel counts tiles of this size)
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  static constexpr int kChunk = 8;                          // bf16 per 16-byte copy
+  static constexpr int kChunksPerRow = kTileK / kChunk;     // 8: one 128-byte row slice per k tile
+  static constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;  // 16
+  static constexpr int kARows = kTileM / kRowsPerPass;      // rows of A each producer thread copies
+  static constexpr int kBRows = kTileN / kRowsPerPass;
+  static constexpr int kEpiStride = kTileN + 8;             // padded bf16 row of the staged output tile
+  static_assert(kTileK == 64 && kTileM % kRowsPerPass == 0 && kTileN % kRowsPerPass == 0, "tile shape");
+  static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warpgroups");
+  static_assert((kEpiStride * sizeof(Element)) % 16 == 0, "16-byte rows in the staged tile");
+
+  struct SharedStorage {
+    union Tensors {
+      typename Mainloop::TensorStorage mainloop;
+      cute::array_aligned<Element, kTileM * kEpiStride> epilogue;
+    } tensors;
+    alignas(16) typename Mainloop::PipelineStorage pipeline;
+  };
+  static_assert(sizeof(typename Mainloop::TensorStorage) >= sizeof(Element) * kTileM * kEpiStride,
+                "the staged output tile must fit in the mainloop's stages");
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+};
+
+// One 16-byte cp.async into shared memory; zero-fills when !pred (src is then not read).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
+  const int bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+
+template <class G>
+__global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const GatherArgs p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename G::Element;
+  constexpr int kTileM = size<0>(typename G::TileShape{});
+  constexpr int kTileN = size<1>(typename G::TileShape{});
+  constexpr int kTileK = size<2>(typename G::TileShape{});
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename G::SharedStorage*>(smem_raw);
+
+  const int tile = blockIdx.y, n_blk = blockIdx.x;
+  const int32_t* tile_start = p.tile_start;
+  if (tile >= tile_start[p.groups]) return;  // the whole CTA: past the last tile
+  int lo = 0, hi = p.groups;                 // tile_start[lo] <= tile < tile_start[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (tile_start[mid] <= tile) lo = mid; else hi = mid;
+  }
+  const int g = lo;
+  const int row0 = p.row_start[g] + (tile - tile_start[g]) * kTileM;
+  const int rows = min(kTileM, p.row_start[g] + p.rows[g] - row0);
+  const int k_tiles = (p.k + kTileK - 1) / kTileK;
+
+  const int warp_group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  typename G::Pipeline::Params pp;
+  pp.role = warp_group == 0 ? G::Pipeline::ThreadCategory::Producer : G::Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = G::kProducerThreads;
+  pp.consumer_arv_count = G::kConsumerThreads;
+  typename G::Pipeline pipeline(ss.pipeline, pp);
+  __syncthreads();
+
+  if (warp_group == 0) {
+    // Producer warpgroup: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i of the A and B tiles.
+    const int t = threadIdx.x;
+    const int c = t % G::kChunksPerRow, r0 = t / G::kChunksPerRow;
+    const Element* a_src[G::kARows];
+    bool a_ok[G::kARows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < G::kARows; ++i) {
+      const int r = r0 + G::kRowsPerPass * i;
+      const int32_t tok = r < rows ? p.row_token[row0 + r] : -1;
+      const bool ok = tok >= 0 && tok < p.tokens;  // a row past the group, or a bad token index: zeros
+      a_ok[i] = ok;
+      a_src[i] = reinterpret_cast<const Element*>(p.x) + (ok ? static_cast<int64_t>(tok) * p.k : 0) + c * G::kChunk;
+    }
+    const Element* b_base = reinterpret_cast<const Element*>(p.w) + static_cast<int64_t>(g) * p.n * p.k;
+    const Element* b_src[G::kBRows];
+    bool b_ok[G::kBRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < G::kBRows; ++j) {
+      const int nr = n_blk * kTileN + r0 + G::kRowsPerPass * j;
+      b_ok[j] = nr < p.n;
+      b_src[j] = b_base + (b_ok[j] ? static_cast<int64_t>(nr) * p.k : 0) + c * G::kChunk;
+    }
+    Tensor sA = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_A.data()), typename G::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_B.data()), typename G::SmemLayoutB{});
+    typename G::PipelineState state = cutlass::make_producer_start_state<typename G::Pipeline>();
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipeline.producer_acquire(state);
+      const int stage = state.index();
+      const int col = kt * kTileK + c * G::kChunk;
+      const bool kin = col < p.k;  // K % 8 == 0: a chunk is wholly in or out
+      const int off = kin ? kt * kTileK : 0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < G::kARows; ++i)
+        cp_async_16(&sA(r0 + G::kRowsPerPass * i, c * G::kChunk, stage), a_src[i] + off, a_ok[i] && kin);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < G::kBRows; ++j)
+        cp_async_16(&sB(r0 + G::kRowsPerPass * j, c * G::kChunk, stage), b_src[j] + off, b_ok[j] && kin);
+      pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+      ++state;
+    }
+    pipeline.producer_tail(state);
+  } else {
+    // Consumer warpgroups: CUTLASS's wgmma mainloop, then the epilogue through shared memory.
+    const int mma_thread = threadIdx.x - G::kProducerThreads;
+    typename G::TiledMma tiled_mma;
+    Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(typename G::TileShape{}));
+    typename G::PipelineState state;
+    typename G::Mainloop mainloop;
+    mainloop.mma(pipeline, state, accum, k_tiles, mma_thread, ss.tensors.mainloop, typename G::Mainloop::Params{});
+    mainloop.mma_tail(pipeline, state, k_tiles);
+    // Both consumer warpgroups are done reading the stages before they are overwritten.
+    cutlass::arch::NamedBarrier::sync(G::kConsumerThreads, 1);
+    Tensor sC = make_tensor(make_smem_ptr(ss.tensors.epilogue.data()),
+                            make_layout(make_shape(Int<kTileM>{}, Int<kTileN>{}), make_stride(Int<G::kEpiStride>{}, _1{})));
+    Tensor tCsC = tiled_mma.get_thread_slice(mma_thread).partition_C(sC);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); ++i) tCsC(i) = Element(accum(i));
+    cutlass::arch::NamedBarrier::sync(G::kConsumerThreads, 1);
+    constexpr int kOutChunks = kTileN / G::kChunk;
+    const Element* epi = ss.tensors.epilogue.data();
+    Element* out = reinterpret_cast<Element*>(p.out);
+#pragma unroll 4
+    for (int idx = mma_thread; idx < kTileM * kOutChunks; idx += G::kConsumerThreads) {
+      const int r = idx / kOutChunks, cc = idx % kOutChunks;
+      const int col = n_blk * kTileN + cc * G::kChunk;
+      if (r < rows && col < p.n)
+        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * p.n + col) =
+            *reinterpret_cast<const uint4*>(epi + r * G::kEpiStride + cc * G::kChunk);
+    }
+  }
+#endif
+}
+
+template <class G>
+const char* run_gather_gemm(const GatherArgs& a) {
+  static_assert(G::kSmemBytes <= 227 * 1024, "shared memory");
+  cudaError_t e = cudaFuncSetAttribute(gather_gemm_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       G::kSmemBytes);
+  if (e != cudaSuccess) return "cudaFuncSetAttribute (shared memory) failed";
+  constexpr int kTileM = cute::size<0>(typename G::TileShape{});
+  constexpr int kTileN = cute::size<1>(typename G::TileShape{});
+  const long long m_tiles = (a.m + kTileM - 1) / kTileM + a.groups;  // each group adds at most one partial tile
+  if (m_tiles > 65535) return "too many rows for the gather GEMM's grid (M / 128 + G > 65535)";
+  const dim3 grid((a.n + kTileN - 1) / kTileN, static_cast<unsigned>(m_tiles));
+  gather_gemm_kernel<G><<<grid, G::kThreads, G::kSmemBytes, a.stream>>>(a);
+  return nullptr;
+}
+
+}  // namespace jax_dwdp_gmm
+
+#define JAX_DWDP_GATHER_DEFINE_CONFIG(var, name, ...)                                     \
+  namespace jax_dwdp_gmm {                                                                \
+  using var##Impl = GatherGemm<__VA_ARGS__>;                                              \
+  const GatherConfig var = {name, var##Impl::kTileRows, &run_gather_gemm<var##Impl>};     \
+  }

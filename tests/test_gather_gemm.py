@@ -1,0 +1,199 @@
+"""The gate_up grouped matmul that gathers the tokens itself (`kernels.grouped_matmul_gather`): the portable path
+against float64 numpy on the CPU, and on a GPU the CUTLASS kernel (the gather inside its cp.async loads) against
+float64, against gather-then-grouped-matmul, with poisoned outputs and edge sizes; then the MoE block both ways."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_grouped_matmul import BF16_BOUND, _gpu_only, _require_library, rel_err
+
+gm = importlib.import_module("jax_dwdp.kernels.grouped_matmul")
+moe = importlib.import_module("jax_dwdp.model.moe")
+
+
+def reference(x, row_token, w, sizes):
+    """float64: row r of group g is x[row_token[r]] @ w[g]^T (zeros for a token outside [0, T)); rows past the sum
+    are zeros."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    t = x.shape[0]
+    tok = np.asarray(row_token)
+    rows = np.where(((tok >= 0) & (tok < t))[:, None], x[np.clip(tok, 0, t - 1)], 0.0)
+    out = np.zeros((tok.shape[0], w.shape[1]))
+    start = 0
+    for g, n in enumerate(sizes):
+        out[start : start + n] = rows[start : start + n] @ w[g].T
+        start += n
+    return out
+
+
+def make_case(rng, t, m, g, n, k, *, empty=(), skew=0.3, slack=0, bad=0):
+    """T tokens, M sorted rows reading random tokens (`bad` of them out of range), uneven group sizes summing to
+    m - slack with some groups empty; bf16-rounded inputs."""
+    p = rng.dirichlet(np.full(g, skew))
+    p[list(empty)] = 0
+    sizes = rng.multinomial(m - slack, p / p.sum())
+    row_token = rng.integers(0, t, m).astype(np.int32)
+    if bad:
+        at = rng.choice(m - slack, bad, replace=False)
+        row_token[at] = rng.choice([-1, t, t + 7, -(2**31)], bad)
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, n, k)) * k**-0.5, jnp.bfloat16)
+    return x, jnp.asarray(row_token), w, sizes
+
+
+# --- CPU: the portable path's semantics --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,m,g,n,k,empty,slack,bad", [
+    (90, 300, 5, 48, 64, (1,), 0, 0),
+    (40, 700, 4, 40, 32, (0, 3), 37, 9),  # empty first / last group, rows past the sum, bad token indices
+])
+def test_xla_path_matches_fp64(rng, t, m, g, n, k, empty, slack, bad):
+    x, row_token, w, sizes = make_case(rng, t, m, g, n, k, empty=empty, slack=slack, bad=bad)
+    for dtype, bound in ((jnp.float32, 1e-6), (jnp.bfloat16, BF16_BOUND)):
+        out = gm.grouped_matmul_gather(x.astype(dtype), row_token, w.astype(dtype), jnp.asarray(sizes, jnp.int32),
+                                       implementation="xla")
+        ref = reference(x, row_token, w, sizes)
+        err = rel_err(np.asarray(out, np.float64), ref)
+        print(f"xla gather path {jnp.dtype(dtype).name}: rel err {err:.2e} (bound {bound})")
+        assert err <= bound
+        assert np.all(np.asarray(out[int(sizes.sum()):]) == 0)
+
+
+def test_bad_shapes_and_index_dtype(rng):
+    x, row_token, w, sizes = make_case(rng, 10, 32, 2, 16, 8)
+    gs = jnp.asarray(sizes, jnp.int32)
+    with pytest.raises(ValueError, match="do not fit"):
+        gm.grouped_matmul_gather(x[:, :4], row_token, w, gs)
+    with pytest.raises(ValueError, match="do not fit"):
+        gm.grouped_matmul_gather(x, row_token[:, None], w, gs)
+    with pytest.raises(ValueError, match="must be integer"):
+        gm.grouped_matmul_gather(x, row_token.astype(jnp.float32), w, gs)
+
+
+def test_moe_gather_switch(monkeypatch):
+    monkeypatch.delenv(moe.GATHER_ENV, raising=False)
+    assert moe.gather_in_gemm() is moe.GATHER_DEFAULT
+    assert moe.gather_in_gemm(True) and not moe.gather_in_gemm(False)
+    monkeypatch.setenv(moe.GATHER_ENV, "1")
+    assert moe.gather_in_gemm() and not moe.gather_in_gemm(False)
+    monkeypatch.setenv(moe.GATHER_ENV, "0")
+    assert not moe.gather_in_gemm()
+    monkeypatch.setenv(moe.GATHER_ENV, "yes")
+    with pytest.raises(ValueError, match="JAX_DWDP_MOE_GATHER"):
+        moe.gather_in_gemm()
+
+
+def _routed_case(rng, t, h, e, i, k, dtype):
+    x = jnp.asarray(rng.standard_normal((t, h)), dtype)
+    logits = rng.standard_normal((t, e))
+    ids = np.argsort(-logits, axis=1)[:, :k].astype(np.int32)
+    wts = jnp.asarray(rng.dirichlet(np.ones(k), t), dtype)
+    gate_up = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * h**-0.5, dtype)
+    down = jnp.asarray(rng.standard_normal((e, h, i)) * i**-0.5, dtype)
+    add = jnp.asarray(rng.standard_normal((t, h)), dtype)
+    return x, jnp.asarray(ids), wts, gate_up, down, add
+
+
+def test_routed_experts_same_with_and_without_gather_cpu(rng):
+    """The MoE block's routed experts: the same function whether the gate_up matmul gathers the tokens or reads the
+    dispatched copy (fp32: the same rows meet the same weights, so the results agree to rounding)."""
+    x, ids, wts, gate_up, down, add = _routed_case(rng, 37, 32, 8, 16, 3, jnp.float32)
+    a = moe.routed_experts(x, ids, wts, gate_up, down, add=add, gather=True)
+    b = moe.routed_experts(x, ids, wts, gate_up, down, add=add, gather=False)
+    err = rel_err(np.asarray(a), np.asarray(b))
+    print(f"routed experts, gather vs dispatch (CPU fp32): {err:.2e}")
+    assert err <= 1e-6
+    # DEP's masked form (valid slots only; the others carry an id >= E)
+    valid = jnp.asarray(rng.random(ids.shape) < 0.7)
+    masked = jnp.where(valid, ids, 8)
+    a = moe.routed_experts(x, masked, wts, gate_up, down, valid=valid, gather=True)
+    b = moe.routed_experts(x, masked, wts, gate_up, down, valid=valid, gather=False)
+    assert rel_err(np.asarray(a), np.asarray(b)) <= 1e-6
+
+
+# --- GPU: the CUTLASS gather kernel --------------------------------------------------------------------------------
+
+
+def _check(out, x, row_token, w, sizes, label, bound=BF16_BOUND):
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    total = int(sizes.sum())
+    ref = reference(x, row_token, w, sizes)
+    err = rel_err(out[:total], ref[:total]) if total else 0.0
+    tail_ok = bool(np.all(out[total:] == 0))
+    finite = bool(np.isfinite(out).all())
+    print(f"gather {label}: sizes[:8]={sizes[:8].tolist()} total={total}/{out.shape[0]}: bf16 rel err {err:.2e} "
+          f"(bound {bound}), tail zeros {tail_ok}, finite {finite}")
+    assert finite and tail_ok and err <= bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1024, 2048), (2048, 512), (264, 136), (136, 72)])  # N, K not tile multiples too
+def test_cutlass_gather_matches_fp64_and_gather_then_gemm(rng, n, k):
+    _gpu_only()
+    cutlass = _require_library()
+    assert cutlass.gather_config_names() == ["gather_coop_128x256x64"]
+    g, t = 16, 700
+    x, row_token, w, sizes = make_case(rng, t, 3000, g, n, k, empty=(0, 7, g - 1), slack=61, bad=5)
+    assert sizes.max() > 256
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = jax.jit(cutlass.grouped_matmul_gather)(x, row_token, w, gs)
+    _check(out, x, row_token, w, sizes, f"n={n} k={k}")
+    # The same rows through the TMA grouped GEMM: the same tile's wgmma sums, so equal to bf16 rounding at most.
+    two_step = cutlass.grouped_matmul(gm.gather_token_rows(x, row_token), w, gs, config="coop_128x256x64_c1x1")
+    total = int(sizes.sum())
+    a, b = np.asarray(out[:total], np.float32), np.asarray(two_step[:total], np.float32)
+    diff = rel_err(a, b)
+    print(f"gather kernel vs gather + TMA grouped GEMM: rel diff {diff:.2e}, identical {np.array_equal(a, b)}")
+    assert diff <= 1e-3
+
+
+@pytest.mark.gpu
+def test_cutlass_gather_poisoned_output_and_edge_sizes(rng):
+    """Output buffers reused from NaN-filled arrays: rows past the sum must come back zeros, not garbage."""
+    _gpu_only()
+    cutlass = _require_library()
+    g, n, k, m, t = 8, 256, 128, 1000, 333
+    x, row_token, w, _ = make_case(rng, t, m, g, n, k)
+    cases = {
+        "all empty": np.zeros(g, np.int64),
+        "one group": np.eye(g, dtype=np.int64)[3] * 999,
+        "single rows": np.ones(g, np.int64),
+        "full": np.array([0, 129, 1, 0, 500, 127, 243, 0]),
+        "oversubscribed (sum > M) is clipped": np.array([600, 600, 0, 0, 0, 0, 0, 0]),
+    }
+    f = jax.jit(cutlass.grouped_matmul_gather)
+    for label, sizes in cases.items():
+        poison = [jnp.full((m, n), jnp.nan, jnp.bfloat16) for _ in range(4)]
+        jax.block_until_ready(poison)
+        del poison
+        out = f(x, row_token, w, jnp.asarray(sizes, jnp.int32))
+        if "clipped" in label:
+            sizes = np.minimum(np.cumsum(sizes), m) - np.minimum(np.cumsum(sizes) - sizes, m)
+        _check(out, x, row_token, w, sizes, label)
+
+
+@pytest.mark.gpu
+def test_routed_experts_gather_on_gpu(rng):
+    """The MoE block's routed experts on the GPU (bf16, CUTLASS): gather inside the gate_up GEMM against the
+    dispatch + GEMM path and against the float32 reference on the CPU."""
+    _gpu_only()
+    _require_library()
+    x, ids, wts, gate_up, down, add = _routed_case(rng, 1500, 256, 32, 128, 4, jnp.bfloat16)
+    f = jax.jit(moe.routed_experts, static_argnames=("gather",))
+    a = f(x, ids, wts, gate_up, down, add=add, gather=True)
+    b = f(x, ids, wts, gate_up, down, add=add, gather=False)
+    diff = rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with jax.default_device(jax.devices("cpu")[0]):
+        cpu = [jax.device_put(v, jax.devices("cpu")[0]).astype(jnp.float32) for v in (x, wts, gate_up, down, add)]
+        ref = moe.routed_experts(cpu[0], jax.device_put(ids, jax.devices("cpu")[0]), cpu[1], cpu[2], cpu[3],
+                                 add=cpu[4], gather=False)
+    err = rel_err(np.asarray(a, np.float32), np.asarray(ref))
+    print(f"routed experts on the GPU: gather vs dispatch {diff:.2e}; gather vs CPU fp32 {err:.2e} (bound {BF16_BOUND})")
+    assert diff <= 1e-3 and err <= BF16_BOUND
