@@ -566,7 +566,16 @@ def bench_gather(args) -> dict:
               f"{'2-step/g':>8} {'g/gemm':>7} {'diff':>8} | {'block g':>8} {'block d':>8} {'d/g':>6}")
     print(header)
     print("-" * len(header), flush=True)
+    from jax_dwdp.kernels import _cutlass
+
+    try:
+        configs = _cutlass.gather_config_names()
+    except Exception as e:  # noqa: BLE001
+        configs, results["notes"] = [], f"n/a ({reason(e)})"
+    print(f"gather configs: {configs}", flush=True)
     gather_k = jax.jit(lambda x, t, w, s: gm.grouped_matmul_gather(x, t, w, s, implementation="cutlass"))
+    gather_cfg = jax.jit(lambda x, t, w, s, c: _cutlass.grouped_matmul_gather(x, t, w, s, config=c),
+                         static_argnums=4)
     two_step = jax.jit(lambda x, t, w, s: gm.grouped_matmul(gather_rows(x, t), w, s, implementation="cutlass"))
     gemm = jax.jit(lambda a, w, s: gm.grouped_matmul(a, w, s, implementation="cutlass"))
     blk = jax.jit(lambda t, a, b, c, d, g: routed_experts(t, a, b, c, d, gather=g), static_argnums=5)
@@ -602,6 +611,14 @@ def bench_gather(args) -> dict:
                     row["notes"]["compare"] = reason(ex)
                 if "compare" not in row["notes"]:
                     record("gather", lambda: gather_k(xt, tok, w, gs))
+                    for cfg_name in configs[1:]:  # the others (the default, index 0, is "gather")
+                        try:
+                            a = np.asarray(gather_cfg(xt, tok, w, gs, cfg_name), np.float32)
+                            if not np.array_equal(a, np.asarray(two_step(xt, tok, w, gs), np.float32)):
+                                raise AssertionError(f"{cfg_name} differs from the two-step result")
+                            record(f"gather {cfg_name}", lambda: gather_cfg(xt, tok, w, gs, cfg_name))
+                        except Exception as ex:  # noqa: BLE001
+                            row["notes"][f"gather {cfg_name}"] = reason(ex)
                 record("two-step", lambda: two_step(xt, tok, w, gs))
                 record("gemm", lambda: gemm(rows_x, w, gs))
                 if not args.no_block:
@@ -622,6 +639,9 @@ def bench_gather(args) -> dict:
                       f"{r('two-step', 'gather'):>8} {r('gather', 'gemm'):>7} "
                       f"{(f'{diff:.1e}' if diff is not None else 'n/a'):>8} | {c('block gather'):>8} "
                       f"{c('block dispatch'):>8} {r('block dispatch', 'block gather'):>6}", flush=True)
+                others = [n for n in tm if n.startswith("gather ")]
+                if others:
+                    print("    other configs (ms): " + ", ".join(f"{n[7:]} {tm[n]:.3f}" for n in others), flush=True)
                 for name, note in row["notes"].items():
                     print(f"    n/a {name}: {note}", flush=True)
                 results["rows"].append(row)

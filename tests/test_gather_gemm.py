@@ -133,18 +133,22 @@ def _check(out, x, row_token, w, sizes, label, bound=BF16_BOUND):
     assert finite and tail_ok and err <= bound
 
 
+GATHER_CONFIGS = ["gather_tmab_128x256x64", "gather_coop_128x256x64"]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", GATHER_CONFIGS)
 @pytest.mark.parametrize("n,k", [(1024, 2048), (2048, 512), (264, 136), (136, 72)])  # N, K not tile multiples too
-def test_cutlass_gather_matches_fp64_and_gather_then_gemm(rng, n, k):
+def test_cutlass_gather_matches_fp64_and_gather_then_gemm(rng, n, k, config):
     _gpu_only()
     cutlass = _require_library()
-    assert cutlass.gather_config_names() == ["gather_coop_128x256x64"]
+    assert cutlass.gather_config_names() == GATHER_CONFIGS
     g, t = 16, 700
     x, row_token, w, sizes = make_case(rng, t, 3000, g, n, k, empty=(0, 7, g - 1), slack=61, bad=5)
     assert sizes.max() > 256
     gs = jnp.asarray(sizes, jnp.int32)
-    out = jax.jit(cutlass.grouped_matmul_gather)(x, row_token, w, gs)
-    _check(out, x, row_token, w, sizes, f"n={n} k={k}")
+    out = jax.jit(lambda *a: cutlass.grouped_matmul_gather(*a, config=config))(x, row_token, w, gs)
+    _check(out, x, row_token, w, sizes, f"{config} n={n} k={k}")
     # The same rows through the TMA grouped GEMM: the same tile's wgmma sums, so equal to bf16 rounding at most.
     two_step = cutlass.grouped_matmul(gm.gather_token_rows(x, row_token), w, gs, config="coop_128x256x64_c1x1")
     total = int(sizes.sum())
@@ -155,7 +159,8 @@ def test_cutlass_gather_matches_fp64_and_gather_then_gemm(rng, n, k):
 
 
 @pytest.mark.gpu
-def test_cutlass_gather_poisoned_output_and_edge_sizes(rng):
+@pytest.mark.parametrize("config", GATHER_CONFIGS)
+def test_cutlass_gather_poisoned_output_and_edge_sizes(rng, config):
     """Output buffers reused from NaN-filled arrays: rows past the sum must come back zeros, not garbage."""
     _gpu_only()
     cutlass = _require_library()
@@ -168,7 +173,7 @@ def test_cutlass_gather_poisoned_output_and_edge_sizes(rng):
         "full": np.array([0, 129, 1, 0, 500, 127, 243, 0]),
         "oversubscribed (sum > M) is clipped": np.array([600, 600, 0, 0, 0, 0, 0, 0]),
     }
-    f = jax.jit(cutlass.grouped_matmul_gather)
+    f = jax.jit(lambda *a: cutlass.grouped_matmul_gather(*a, config=config))
     for label, sizes in cases.items():
         poison = [jnp.full((m, n), jnp.nan, jnp.bfloat16) for _ in range(4)]
         jax.block_until_ready(poison)
@@ -176,7 +181,9 @@ def test_cutlass_gather_poisoned_output_and_edge_sizes(rng):
         out = f(x, row_token, w, jnp.asarray(sizes, jnp.int32))
         if "clipped" in label:
             sizes = np.minimum(np.cumsum(sizes), m) - np.minimum(np.cumsum(sizes) - sizes, m)
-        _check(out, x, row_token, w, sizes, label)
+        _check(out, x, row_token, w, sizes, f"{config} {label}")
+    with pytest.raises(ValueError, match="none of"):
+        cutlass.grouped_matmul_gather(x, row_token, w, jnp.asarray(sizes, jnp.int32), config="nope")
 
 
 @pytest.mark.gpu

@@ -34,7 +34,9 @@
 
 namespace jax_dwdp_gmm {
 
-template <int kTileM, int kTileN, int kTileK>
+// kTmaB: the weight tile (B, contiguous rows) by one TMA copy per stage instead of cp.async; the stage's full barrier
+// then completes on the producer threads' 128 arrivals (thread 0's carrying the TMA's byte count) and the TMA bytes.
+template <int kTileM, int kTileN, int kTileK, bool kTmaB = false>
 struct GatherGemm {
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
@@ -77,17 +79,34 @@ struct GatherGemm {
   static_assert(sizeof(typename Mainloop::TensorStorage) >= sizeof(Element) * kTileM * kEpiStride,
                 "the staged output tile must fit in the mainloop's stages");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static constexpr bool kUseTmaB = kTmaB;
+  static constexpr uint32_t kTmaBytesB = kTileN * kTileK * sizeof(Element);
+
+  // The weights as one [G * N, K] row-major matrix; a CTA's B tile starts at row g * N + n_blk * kTileN (a box past
+  // its expert's last row reads the next expert's rows, or zeros past the end: those columns are never stored).
+  static auto make_tma_b(const Element* w, int rows, int k) {
+    using namespace cute;
+    Tensor gB = make_tensor(make_gmem_ptr(w), make_layout(make_shape(rows, k), make_stride(static_cast<int64_t>(k), _1{})));
+    return make_tma_copy(SM90_TMA_LOAD{}, gB, SmemLayoutB{}(_, _, Int<0>{}));
+  }
+  using TmaB = decltype(make_tma_b(nullptr, 1, 8));
+
+  struct Params {
+    GatherArgs a;
+    TmaB tma_b;
+  };
 };
 
 // One 16-byte cp.async into shared memory; zero-fills when !pred (src is then not read).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
   const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
   const int bytes = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
 
 template <class G>
-__global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const GatherArgs p) {
+__global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const __grid_constant__ typename G::Params params) {
+  const GatherArgs& p = params.a;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename G::Element;
@@ -132,17 +151,23 @@ __global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const Gathe
       a_ok[i] = ok;
       a_src[i] = reinterpret_cast<const Element*>(p.x) + (ok ? static_cast<int64_t>(tok) * p.k : 0) + c * G::kChunk;
     }
+    constexpr int kBRows = G::kUseTmaB ? 1 : G::kBRows;
     const Element* b_base = reinterpret_cast<const Element*>(p.w) + static_cast<int64_t>(g) * p.n * p.k;
-    const Element* b_src[G::kBRows];
-    bool b_ok[G::kBRows];
+    const Element* b_src[kBRows];
+    bool b_ok[kBRows];
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < G::kBRows; ++j) {
+    for (int j = 0; j < kBRows; ++j) {
       const int nr = n_blk * kTileN + r0 + G::kRowsPerPass * j;
       b_ok[j] = nr < p.n;
       b_src[j] = b_base + (b_ok[j] ? static_cast<int64_t>(nr) * p.k : 0) + c * G::kChunk;
     }
     Tensor sA = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_A.data()), typename G::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_B.data()), typename G::SmemLayoutB{});
+    // TMA view of this CTA's B rows: (BLK_N, BLK_K, k) coordinates, partitioned into (TMA, k) / (TMA, stage).
+    Tensor mB = params.tma_b.get_tma_tensor(make_shape(p.groups * p.n, p.k));
+    Tensor gB = local_tile(domain_offset(make_coord(g * p.n + n_blk * kTileN, 0), mB),
+                           make_shape(Int<kTileN>{}, Int<kTileK>{}), make_coord(0, _));
+    auto [tBgB, tBsB] = tma_partition(params.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
     typename G::PipelineState state = cutlass::make_producer_start_state<typename G::Pipeline>();
     CUTLASS_PRAGMA_NO_UNROLL
     for (int kt = 0; kt < k_tiles; ++kt) {
@@ -154,10 +179,21 @@ __global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const Gathe
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < G::kARows; ++i)
         cp_async_16(&sA(r0 + G::kRowsPerPass * i, c * G::kChunk, stage), a_src[i] + off, a_ok[i] && kin);
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < G::kBRows; ++j)
-        cp_async_16(&sB(r0 + G::kRowsPerPass * j, c * G::kChunk, stage), b_src[j] + off, b_ok[j] && kin);
-      pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+      if constexpr (G::kUseTmaB) {
+        auto* bar = pipeline.producer_get_barrier(state);
+        cutlass::arch::cpasync_barrier_arrive(bar);  // this thread's A copies
+        if (t == 0) {  // its arrival carries the TMA's bytes
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, G::kTmaBytesB);
+          copy(params.tma_b.with(*bar), tBgB(_, kt), tBsB(_, stage));
+        } else {
+          pipeline.producer_commit(state);
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kBRows; ++j)
+          cp_async_16(&sB(r0 + G::kRowsPerPass * j, c * G::kChunk, stage), b_src[j] + off, b_ok[j] && kin);
+        pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+      }
       ++state;
     }
     pipeline.producer_tail(state);
@@ -204,7 +240,8 @@ const char* run_gather_gemm(const GatherArgs& a) {
   const long long m_tiles = (a.m + kTileM - 1) / kTileM + a.groups;  // each group adds at most one partial tile
   if (m_tiles > 65535) return "too many rows for the gather GEMM's grid (M / 128 + G > 65535)";
   const dim3 grid((a.n + kTileN - 1) / kTileN, static_cast<unsigned>(m_tiles));
-  gather_gemm_kernel<G><<<grid, G::kThreads, G::kSmemBytes, a.stream>>>(a);
+  typename G::Params params{a, G::make_tma_b(reinterpret_cast<const typename G::Element*>(a.w), a.groups * a.n, a.k)};
+  gather_gemm_kernel<G><<<grid, G::kThreads, G::kSmemBytes, a.stream>>>(params);
   return nullptr;
 }
 

@@ -203,7 +203,7 @@ struct GatherLayout {
   }
 };
 
-const GatherConfig* const kGatherConfigs[] = {&kGatherCoop128x256x64};
+const GatherConfig* const kGatherConfigs[] = {&kGatherTmaB128x256x64, &kGatherCoop128x256x64};
 constexpr int kNumGatherConfigs = sizeof(kGatherConfigs) / sizeof(kGatherConfigs[0]);
 
 int sm_count_of(int device) {

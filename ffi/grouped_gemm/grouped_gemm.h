@@ -69,5 +69,6 @@ struct GatherConfig {
 };
 
 extern const GatherConfig kGatherCoop128x256x64;
+extern const GatherConfig kGatherTmaB128x256x64;
 
 }  // namespace jax_dwdp_gmm

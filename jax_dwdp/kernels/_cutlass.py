@@ -181,11 +181,13 @@ def grouped_matmul_swiglu(
     return _call(SWIGLU_TARGET, swiglu_config_names(), n // 2, x, w, group_sizes, config)
 
 
-def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                          config: int | str | None = None) -> jax.Array:
     """out[r] = x[row_token[r]] @ w[g]^T for the rows r of each group g (rows in group order), with the gather
     inside the GEMM's loads: x [T, K] bf16 (tokens in their own order), row_token [M] int32, w [G, N, K] bf16,
     group_sizes [G] int32 (device). Returns [M, N] bf16. Rows past sum(group_sizes), and rows whose token index is
-    outside [0, T), are zeros. Needs K % 8 == 0 and N % 8 == 0.
+    outside [0, T), are zeros. Needs K % 8 == 0 and N % 8 == 0. `config`: a name or index into
+    `gather_config_names()` (default: $JAX_DWDP_GATHER_CONFIG, else the first).
     """
     (t, k), (m,), (g, n, _) = x.shape, row_token.shape, w.shape
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
@@ -193,10 +195,20 @@ def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, grou
     if k % 8 or n % 8:
         raise ValueError(f"cutlass gather grouped matmul needs K % 8 == 0 and N % 8 == 0, got K={k} N={n}")
     _register()
+    names = gather_config_names()
+    choice = config if config is not None else (os.environ.get("JAX_DWDP_GATHER_CONFIG") or 0)
+    if isinstance(choice, str) and choice.isdigit():
+        choice = int(choice)
+    if isinstance(choice, str):
+        if choice not in names:
+            raise ValueError(f"gather grouped matmul config {choice!r} is none of {names}")
+        choice = names.index(choice)
+    if not 0 <= int(choice) < len(names):
+        raise ValueError(f"gather grouped matmul config index {choice} is out of range for {names}")
     ws = int(_lib().JaxDwdpGatherGroupedGemmWorkspaceBytes(g))
     out, _ = jax.ffi.ffi_call(
         GATHER_TARGET,
         (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
         vmap_method="sequential",
-    )(x, row_token.astype(jnp.int32), w, group_sizes.astype(jnp.int32), config=np.int32(0))
+    )(x, row_token.astype(jnp.int32), w, group_sizes.astype(jnp.int32), config=np.int32(choice))
     return out
