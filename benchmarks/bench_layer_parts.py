@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
         gemm = jax.jit(kernels.grouped_matmul)
         gate_up = gemm(sorted_rows, gate_up_w, sizes)
         gate_up_ms = record(t, "gate_up grouped GEMM", lambda: gemm(sorted_rows, gate_up_w, sizes), "moe")
+        row_token = jnp.pad((order // k).astype(jnp.int32), (0, rows_out - t * k))
+        gemm_gather = jax.jit(kernels.grouped_matmul_gather)
+        record(t, "gate_up GEMM gathering its rows", lambda: gemm_gather(flat, row_token, gate_up_w, sizes), "moe")
         i2 = gate_up.shape[1] // 2
         act_fn = jax.jit(lambda y: swiglu(y[:, :i2], y[:, i2:], y.dtype))
         act = act_fn(gate_up)
@@ -298,17 +301,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
     " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
+NO_GATHER = " (dispatch, then GEMM)"
 FUSED_CONV = " (conv in GDN prep)"
 DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
 # What each variant's change can reach (the rest would time the defaults again): the routing every MoE layer, the
 # dispatch and combine the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the
 # attention mixer.
 VARIANT_PARTS = {XLA_ROUTING: ("linear", "gdn", "full", "moe"), XLA_DISPATCH: ("linear", "moe"),
+                 NO_GATHER: ("linear", "moe"),
                  PALLAS_COMBINE: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
                  FUSED_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention")}
 # name -> (row suffix, environment): each changes one choice of the defaults
 VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
-            "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla"}),
+            "no_gather": (NO_GATHER, {"JAX_DWDP_MOE_GATHER": "0"}),  # the Pallas dispatch, then the TMA GEMM
+            "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla", "JAX_DWDP_MOE_GATHER": "0"}),
             "combine": (PALLAS_COMBINE, {"JAX_DWDP_COMBINE": "pallas"}),
             "gdn_conv": (FUSED_CONV, {"JAX_DWDP_GDN_CONV": "fused"}),  # the conv inside the GDN prep kernel
             "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),  # (the default from 8,192 tokens: a no-op there)

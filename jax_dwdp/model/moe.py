@@ -38,7 +38,7 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
 
 
 GATHER_ENV = "JAX_DWDP_MOE_GATHER"
-GATHER_DEFAULT = False  # the gate_up projection gathers the tokens itself (see `routed_experts`)
+GATHER_DEFAULT = True  # the gate_up projection gathers the tokens itself (see `routed_experts`)
 
 
 def gather_in_gemm(gather: bool | None = None) -> bool:
