@@ -79,10 +79,14 @@ def test_bad_shapes_and_index_dtype(rng):
 
 def test_moe_gather_switch(monkeypatch):
     monkeypatch.delenv(moe.GATHER_ENV, raising=False)
-    assert moe.gather_in_gemm() is moe.GATHER_DEFAULT
-    assert moe.gather_in_gemm(True) and not moe.gather_in_gemm(False)
+    # by default only where the grouped matmul is the CUTLASS kernel (the one that fuses the gather)
+    assert moe.gather_in_gemm(None, "cutlass") is moe.GATHER_DEFAULT
+    assert not moe.gather_in_gemm(None, "xla") and not moe.gather_in_gemm(None, "mosaic")
+    if jax.default_backend() == "cpu":
+        assert not moe.gather_in_gemm()
+    assert moe.gather_in_gemm(True) and not moe.gather_in_gemm(False, "cutlass")
     monkeypatch.setenv(moe.GATHER_ENV, "1")
-    assert moe.gather_in_gemm() and not moe.gather_in_gemm(False)
+    assert moe.gather_in_gemm() and moe.gather_in_gemm(None, "xla") and not moe.gather_in_gemm(False)
     monkeypatch.setenv(moe.GATHER_ENV, "0")
     assert not moe.gather_in_gemm()
     monkeypatch.setenv(moe.GATHER_ENV, "yes")

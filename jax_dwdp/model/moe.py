@@ -16,7 +16,7 @@ from flax import nnx
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.kernels import routing
-from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK, swiglu
+from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK, default_implementation, swiglu
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
 
 
@@ -38,20 +38,23 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
 
 
 GATHER_ENV = "JAX_DWDP_MOE_GATHER"
-GATHER_DEFAULT = True  # the gate_up projection gathers the tokens itself (see `routed_experts`)
+GATHER_DEFAULT = True  # where the gate_up matmul is the CUTLASS kernel, it gathers the tokens itself
 
 
-def gather_in_gemm(gather: bool | None = None) -> bool:
+def gather_in_gemm(gather: bool | None = None, implementation: str | None = None) -> bool:
     """Whether `routed_experts` reads the tokens inside the gate_up grouped matmul (no dispatched copy): the
-    argument, else $JAX_DWDP_MOE_GATHER (1 / 0), else GATHER_DEFAULT."""
+    argument, else $JAX_DWDP_MOE_GATHER (1 / 0), else GATHER_DEFAULT where the grouped matmul `implementation`
+    (None: the default for bf16 here) is "cutlass", the one kernel that fuses the gather (elsewhere the gather
+    would be a separate XLA pass, slower than the Pallas dispatch)."""
     if gather is not None:
         return bool(gather)
     env = os.environ.get(GATHER_ENV)
-    if env is None or env == "":
-        return GATHER_DEFAULT
-    if env not in ("0", "1"):
-        raise ValueError(f"${GATHER_ENV}={env!r}: use 1 (gather inside the gate_up matmul) or 0 (dispatch first)")
-    return env == "1"
+    if env not in (None, ""):
+        if env not in ("0", "1"):
+            raise ValueError(f"${GATHER_ENV}={env!r}: use 1 (gather inside the gate_up matmul) or 0 (dispatch first)")
+        return env == "1"
+    impl = implementation or default_implementation(jnp.bfloat16)
+    return GATHER_DEFAULT and impl == "cutlass"
 
 
 def routed_experts(
@@ -75,9 +78,10 @@ def routed_experts(
     into the projection's epilogue); down_proj [E, H, I].
     The (token, slot) pairs are put in expert order (`kernels.dispatch_rows`), pushed through two grouped matmuls,
     and brought back with the weighted top-k sum (`kernels.combine_rows`). With `gather` (`gather_in_gemm`: the
-    argument, else $JAX_DWDP_MOE_GATHER) the gate_up matmul reads each sorted row's token from x itself
-    (`kernels.grouped_matmul_gather`; on the GPU inside the CUTLASS kernel's loads), so the dispatched [M*k, H]
-    copy is never written; the interleaved (fused SwiGLU) layout keeps the dispatch.
+    argument, else $JAX_DWDP_MOE_GATHER, else on where the grouped matmul is the CUTLASS kernel) the gate_up matmul
+    reads each sorted row's token from x itself (`kernels.grouped_matmul_gather`; on the GPU inside the CUTLASS
+    kernel's loads), so the dispatched [M*k, H] copy is never written; the interleaved (fused SwiGLU) layout keeps
+    the dispatch.
     `valid` [M, k] (DEP, a rank holding a block of the experts): only these slots count; the others must carry an
     id >= E, which sorts them after every group (no kernel computes them) and their rows, unspecified for some
     kernels, are masked out.
@@ -97,7 +101,8 @@ def routed_experts(
         rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
         act = kernels.grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
     else:
-        if gather_in_gemm(gather):  # sorted row r reads token order[r] // k; the padded rows are in no group
+        if gather_in_gemm(gather, grouped_matmul_impl or default_implementation(x.dtype)):
+            # sorted row r reads token order[r] // k; the padded rows are in no group
             row_token = jnp.pad((order // k).astype(jnp.int32), (0, pad))
             gate_up = kernels.grouped_matmul_gather(x, row_token, gate_up_proj, group_sizes,
                                                     implementation=grouped_matmul_impl)
