@@ -31,8 +31,9 @@ fusion: the fused SwiGLU epilogue: the gate_up projection + SiLU(gate) * up, "fu
 gather: the gate_up projection reading the tokens itself (`grouped_matmul_gather`, the CUTLASS gather kernel:
   cp.async from a producer warpgroup) vs the two steps it replaces (the 32-bit row gather `gather_rows`, then the
   TMA grouped GEMM) and vs that GEMM alone on pre-gathered rows (its floor); and the whole routed-expert block
-  (`routed_experts`, routing permutation to weighted un-permute) with gather=True vs gather=False (the Pallas
-  dispatch, then the GEMM). The gather kernel's output is checked against the two-step result before timing.
+  (`routed_experts`, routing permutation to weighted un-permute) with gather=True (gather + fused SwiGLU kernel) vs gather=False (the Pallas
+  dispatch, then the GEMM). The gather kernel's output is checked against the two-step result before timing. Also
+  the gather kernel with SiLU(gate) * up in its epilogue vs the gather kernel then XLA's activation.
 
 A missing implementation (no library, no torch, no GPU, a kernel that fails) is reported as 'n/a' with the reason in
 the row's "notes", and the run goes on: on a CPU only the dense matmul and the XLA paths are timed. Without a
@@ -576,6 +577,9 @@ def bench_gather(args) -> dict:
     gather_k = jax.jit(lambda x, t, w, s: gm.grouped_matmul_gather(x, t, w, s, implementation="cutlass"))
     gather_cfg = jax.jit(lambda x, t, w, s, c: _cutlass.grouped_matmul_gather(x, t, w, s, config=c),
                          static_argnums=4)
+    fused_act = jax.jit(lambda x, t, w, s: _cutlass.grouped_matmul_gather_swiglu(x, t, w, s))
+    unfused_act = jax.jit(lambda x, t, w, s: gm.swiglu(*jnp.split(_cutlass.grouped_matmul_gather(x, t, w, s), 2, 1),
+                                                       x.dtype))
     two_step = jax.jit(lambda x, t, w, s: gm.grouped_matmul(gather_rows(x, t), w, s, implementation="cutlass"))
     gemm = jax.jit(lambda a, w, s: gm.grouped_matmul(a, w, s, implementation="cutlass"))
     blk = jax.jit(lambda t, a, b, c, d, g: routed_experts(t, a, b, c, d, gather=g), static_argnums=5)
@@ -619,6 +623,15 @@ def bench_gather(args) -> dict:
                             record(f"gather {cfg_name}", lambda: gather_cfg(xt, tok, w, gs, cfg_name))
                         except Exception as ex:  # noqa: BLE001
                             row["notes"][f"gather {cfg_name}"] = reason(ex)
+                    try:  # SiLU(gate) * up in the gather kernel's epilogue vs the gather kernel, then XLA's
+                        a = np.asarray(fused_act(xt, tok, w, gs), np.float32)
+                        b = np.asarray(unfused_act(xt, tok, w, gs), np.float32)
+                        row["rel_diff_swiglu_fused_vs_unfused"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                        del a, b
+                        record("gather swiglu-fused", lambda: fused_act(xt, tok, w, gs))
+                        record("gather swiglu-unfused", lambda: unfused_act(xt, tok, w, gs))
+                    except Exception as ex:  # noqa: BLE001
+                        row["notes"]["gather swiglu"] = reason(ex)
                 record("two-step", lambda: two_step(xt, tok, w, gs))
                 record("gemm", lambda: gemm(rows_x, w, gs))
                 if not args.no_block:

@@ -5,8 +5,10 @@
 #   tests    its GPU tests (tests/test_gather_gemm.py) and the grouped matmul's (tests/test_grouped_matmul.py)
 #   bench    bench_grouped_matmul.py gather: gather kernel vs row gather + TMA GEMM vs the GEMM alone, and the
 #            routed-expert block with gather=True vs False, in one process ($GATHER_ARGS)
-#   prefill  the 40-layer 35b-a3b prefill, layer-wise, with $JAX_DWDP_MOE_GATHER=0, 1, 0 (one process each; the two
-#            dispatch runs bound the drift) at $SEQS tokens
+#   parts    bench_layer_parts.py: the MoE block against its floor (GEMMs + shared expert) with the gather and with
+#            the dispatch (--variants no_gather) at $PARTS_TOKENS tokens
+#   prefill  the 40-layer 35b-a3b prefill, layer-wise, with $JAX_DWDP_MOE_GATHER=0, 1, 0 ($GATHER_RUNS; one process
+#            each; the two dispatch runs bound the drift) at $SEQS tokens
 # Logs and JSON under $OUT/gather.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD JAX_DWDP_TEST_GPU=1
@@ -21,18 +23,26 @@ for step in $STEPS; do
     tests)
       echo "== tests"
       timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rs -s -p no:cacheprovider tests/test_gather_gemm.py \
-        tests/test_grouped_matmul.py -k "gather or cutlass_matches_fp64 or poisoned" > "$OUT/tests.log" 2>&1
-      echo "tests rc $?"; grep -E "^gather |^routed experts|^cutlass |passed|failed|error" "$OUT/tests.log" | tail -40 ;;
+        tests/test_grouped_matmul.py ${MORE_TESTS:-} -k "${TEST_K:-gather or cutlass_matches_fp64 or poisoned}" \
+        > "$OUT/tests.log" 2>&1
+      echo "tests rc $?"; grep -E "^gather|^routed experts|passed|failed|error" "$OUT/tests.log" \
+        | grep -v "sizes\[:8\]" | tail -${TEST_LINES:-30} ;;
     bench)
       echo "== bench"
       timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_grouped_matmul.py gather --out "$OUT/bench.json" \
         ${GATHER_ARGS:---presets 35b-a3b 122b-a10b 397b-a17b --tokens 4096 16384 32768 --routing uniform --iters 7} \
         2>&1 | filter | tee "$OUT/bench.log" | tail -30 ;;
+    parts)
+      echo "== parts"
+      timeout ${PARTS_TIMEOUT:-200} python3 benchmarks/bench_layer_parts.py --tokens ${PARTS_TOKENS:-16384 32768} \
+        --no-attention-alternatives --variants no_gather --out "$OUT/parts.json" 2>&1 | filter > "$OUT/parts.log"
+      echo "parts rc $?"; grep -E "^tokens|MoE block|gate_up|down grouped|shared expert|SwiGLU|dispatch rows, pallas|floor" \
+        "$OUT/parts.log" ;;
     prefill)
       echo "== prefill"
       printf '%-8s %-6s %9s %11s\n' gather seq "compile s" "prefill ms"
       i=0
-      for g in 0 1 0; do
+      for g in ${GATHER_RUNS:-0 1 0}; do
         log="$OUT/prefill_$i.log"
         JAX_DWDP_MOE_GATHER=$g XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${RUN_TIMEOUT:-150} python3 \
           benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens $SEQS --layerwise --iters 5 \

@@ -36,7 +36,11 @@ namespace jax_dwdp_gmm {
 
 // kTmaB: the weight tile (B, contiguous rows) by one TMA copy per stage instead of cp.async; the stage's full barrier
 // then completes on the producer threads' 128 arrivals (thread 0's carrying the TMA's byte count) and the TMA bytes.
-template <int kTileM, int kTileN, int kTileK, bool kTmaB = false>
+// kSwiglu (with kTmaB): the gate_up projection with SiLU(gate) * up in the epilogue, for w in the checkpoint's layout
+// (per expert, I gate rows then I up rows, N = 2I): the B tile is two TMA boxes, kTileN / 2 gate rows and the same
+// features' up rows, so a CTA's accumulator holds gate and up of kTileN / 2 features side by side; out is [M, I].
+// The activation reads them rounded to bf16, as the unfused path (this GEMM's bf16 output, then XLA's SwiGLU) does.
+template <int kTileM, int kTileN, int kTileK, bool kTmaB = false, bool kSwiglu = false>
 struct GatherGemm {
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
@@ -80,6 +84,12 @@ struct GatherGemm {
                 "the staged output tile must fit in the mainloop's stages");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static constexpr bool kUseTmaB = kTmaB;
+  static constexpr bool kFuseSwiglu = kSwiglu;
+  static_assert(!kSwiglu || kTmaB, "the fused SwiGLU variant loads its two weight boxes by TMA");
+  static constexpr int kBoxRows = kSwiglu ? kTileN / 2 : kTileN;  // weight rows per TMA box (two boxes with kSwiglu)
+  static constexpr int kOutCols = kSwiglu ? kTileN / 2 : kTileN;  // output columns per CTA
+  using SmemLayoutBox = decltype(cute::tile_to_shape(typename Mainloop::SmemLayoutAtomB{},
+                                                     cute::make_shape(cute::Int<kBoxRows>{}, cute::Int<kTileK>{})));
   static constexpr uint32_t kTmaBytesB = kTileN * kTileK * sizeof(Element);
 
   // The weights as one [G * N, K] row-major matrix; a CTA's B tile starts at row g * N + n_blk * kTileN (a box past
@@ -87,7 +97,7 @@ struct GatherGemm {
   static auto make_tma_b(const Element* w, int rows, int k) {
     using namespace cute;
     Tensor gB = make_tensor(make_gmem_ptr(w), make_layout(make_shape(rows, k), make_stride(static_cast<int64_t>(k), _1{})));
-    return make_tma_copy(SM90_TMA_LOAD{}, gB, SmemLayoutB{}(_, _, Int<0>{}));
+    return make_tma_copy(SM90_TMA_LOAD{}, gB, SmemLayoutBox{});
   }
   using TmaB = decltype(make_tma_b(nullptr, 1, 8));
 
@@ -163,11 +173,15 @@ __global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const __gri
     }
     Tensor sA = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_A.data()), typename G::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_B.data()), typename G::SmemLayoutB{});
-    // TMA view of this CTA's B rows: (BLK_N, BLK_K, k) coordinates, partitioned into (TMA, k) / (TMA, stage).
+    // TMA views of this CTA's weight rows, (box rows, BLK_K, k) coordinates: one box of kTileN rows, or (kSwiglu)
+    // the gate box and the up box of the same kTileN / 2 features.
     Tensor mB = params.tma_b.get_tma_tensor(make_shape(p.groups * p.n, p.k));
-    Tensor gB = local_tile(domain_offset(make_coord(g * p.n + n_blk * kTileN, 0), mB),
-                           make_shape(Int<kTileN>{}, Int<kTileK>{}), make_coord(0, _));
-    auto [tBgB, tBsB] = tma_partition(params.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+    const int box0 = g * p.n + n_blk * G::kBoxRows;
+    Tensor gB0 = local_tile(domain_offset(make_coord(box0, 0), mB),
+                            make_shape(Int<G::kBoxRows>{}, Int<kTileK>{}), make_coord(0, _));
+    Tensor gB1 = local_tile(domain_offset(make_coord(box0 + (G::kFuseSwiglu ? p.n / 2 : 0), 0), mB),
+                            make_shape(Int<G::kBoxRows>{}, Int<kTileK>{}), make_coord(0, _));
+    Element* smem_b = ss.tensors.mainloop.smem_B.data();
     typename G::PipelineState state = cutlass::make_producer_start_state<typename G::Pipeline>();
     CUTLASS_PRAGMA_NO_UNROLL
     for (int kt = 0; kt < k_tiles; ++kt) {
@@ -184,7 +198,14 @@ __global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const __gri
         cutlass::arch::cpasync_barrier_arrive(bar);  // this thread's A copies
         if (t == 0) {  // its arrival carries the TMA's bytes
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, G::kTmaBytesB);
-          copy(params.tma_b.with(*bar), tBgB(_, kt), tBsB(_, stage));
+          CUTLASS_PRAGMA_UNROLL
+          for (int box = 0; box < (G::kFuseSwiglu ? 2 : 1); ++box) {
+            Tensor sBox = make_tensor(make_smem_ptr(smem_b + stage * kTileN * kTileK + box * G::kBoxRows * kTileK),
+                                      typename G::SmemLayoutBox{});
+            auto [tBg, tBs] = tma_partition(params.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBox),
+                                            group_modes<0, 2>(box == 0 ? gB0 : gB1));
+            copy(params.tma_b.with(*bar), tBg(_, kt), tBs);
+          }
         } else {
           pipeline.producer_commit(state);
         }
@@ -214,16 +235,30 @@ __global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const __gri
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) tCsC(i) = Element(accum(i));
     cutlass::arch::NamedBarrier::sync(G::kConsumerThreads, 1);
-    constexpr int kOutChunks = kTileN / G::kChunk;
+    constexpr int kOutChunks = G::kOutCols / G::kChunk;
+    const int out_ld = G::kFuseSwiglu ? p.n / 2 : p.n;
     const Element* epi = ss.tensors.epilogue.data();
     Element* out = reinterpret_cast<Element*>(p.out);
 #pragma unroll 4
     for (int idx = mma_thread; idx < kTileM * kOutChunks; idx += G::kConsumerThreads) {
       const int r = idx / kOutChunks, cc = idx % kOutChunks;
-      const int col = n_blk * kTileN + cc * G::kChunk;
-      if (r < rows && col < p.n)
-        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * p.n + col) =
-            *reinterpret_cast<const uint4*>(epi + r * G::kEpiStride + cc * G::kChunk);
+      const int col = n_blk * G::kOutCols + cc * G::kChunk;
+      if (r >= rows || col >= out_ld) continue;
+      uint4 v = *reinterpret_cast<const uint4*>(epi + r * G::kEpiStride + cc * G::kChunk);
+      if constexpr (G::kFuseSwiglu) {  // silu(gate) * up in fp32 from the bf16-rounded gate (v) and up (u)
+        const uint4 u = *reinterpret_cast<const uint4*>(epi + r * G::kEpiStride + kTileN / 2 + cc * G::kChunk);
+        const __nv_bfloat162* gv = reinterpret_cast<const __nv_bfloat162*>(&v);
+        const __nv_bfloat162* uv = reinterpret_cast<const __nv_bfloat162*>(&u);
+        uint4 o;
+        __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const float2 gf = __bfloat1622float2(gv[e]), uf = __bfloat1622float2(uv[e]);
+          ov[e] = __floats2bfloat162_rn(gf.x / (1.0f + expf(-gf.x)) * uf.x, gf.y / (1.0f + expf(-gf.y)) * uf.y);
+        }
+        v = o;
+      }
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * out_ld + col) = v;
     }
   }
 #endif
@@ -236,10 +271,10 @@ const char* run_gather_gemm(const GatherArgs& a) {
                                        G::kSmemBytes);
   if (e != cudaSuccess) return "cudaFuncSetAttribute (shared memory) failed";
   constexpr int kTileM = cute::size<0>(typename G::TileShape{});
-  constexpr int kTileN = cute::size<1>(typename G::TileShape{});
   const long long m_tiles = (a.m + kTileM - 1) / kTileM + a.groups;  // each group adds at most one partial tile
   if (m_tiles > 65535) return "too many rows for the gather GEMM's grid (M / 128 + G > 65535)";
-  const dim3 grid((a.n + kTileN - 1) / kTileN, static_cast<unsigned>(m_tiles));
+  const int out_cols = G::kFuseSwiglu ? a.n / 2 : a.n;
+  const dim3 grid((out_cols + G::kOutCols - 1) / G::kOutCols, static_cast<unsigned>(m_tiles));
   typename G::Params params{a, G::make_tma_b(reinterpret_cast<const typename G::Element*>(a.w), a.groups * a.n, a.k)};
   gather_gemm_kernel<G><<<grid, G::kThreads, G::kSmemBytes, a.stream>>>(params);
   return nullptr;

@@ -205,6 +205,8 @@ struct GatherLayout {
 
 const GatherConfig* const kGatherConfigs[] = {&kGatherTmaB128x256x64, &kGatherCoop128x256x64};
 constexpr int kNumGatherConfigs = sizeof(kGatherConfigs) / sizeof(kGatherConfigs[0]);
+const GatherConfig* const kGatherSwigluConfigs[] = {&kGatherSwiglu128x256x64};
+constexpr int kNumGatherSwigluConfigs = sizeof(kGatherSwigluConfigs) / sizeof(kGatherSwigluConfigs[0]);
 
 int sm_count_of(int device) {
   static std::array<std::atomic<int>, 64> cache{};
@@ -314,32 +316,37 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-// out [M, N] = x[row_token] @ w[g]^T per group: the gate_up projection reading the tokens where they are.
+// out [M, N] = x[row_token] @ w[g]^T per group: the gate_up projection reading the tokens where they are; kSwiglu:
+// out [M, N / 2] = silu(gate) * up, w's rows per expert N / 2 gate rows then N / 2 up rows (the checkpoint's layout).
+template <bool kSwiglu>
 ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::S32> row_token, ffi::Buffer<ffi::BF16> w,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::BF16> out,
                             ffi::ResultBuffer<ffi::U8> workspace, int32_t config) {
-  const std::string who = "JaxDwdpGatherGroupedGemm";
+  const std::string who = kSwiglu ? "JaxDwdpGatherGroupedGemmSwiglu" : "JaxDwdpGatherGroupedGemm";
   auto xd = x.dimensions(), td = row_token.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions(),
        od = out->dimensions();
   if (xd.size() != 2 || td.size() != 1 || wd.size() != 3 || gd.size() != 1 || od.size() != 2)
     return ffi::Error::InvalidArgument(who + ": expects x [T, K], row_token [M], w [G, N, K], group_sizes [G], "
-                                       "out [M, N]");
-  const long long tokens = xd[0], k = xd[1], m = td[0], groups = wd[0], n = wd[1];
-  if (k % 8 || n % 8 || k <= 0 || n <= 0)
-    return ffi::Error::InvalidArgument(who + ": K and N must be positive multiples of 8 (16-byte rows), got K=" +
-                                       std::to_string(k) + " N=" + std::to_string(n));
-  if (wd[2] != k || gd[0] != groups || od[0] != m || od[1] != n)
+                                       "out [M, N] (SwiGLU: [M, N / 2])");
+  const long long tokens = xd[0], k = xd[1], m = td[0], groups = wd[0], n = wd[1], n_out = kSwiglu ? n / 2 : n;
+  const int n_multiple = kSwiglu ? 16 : 8;
+  if (k % 8 || n % n_multiple || k <= 0 || n <= 0)
+    return ffi::Error::InvalidArgument(who + ": K must be a positive multiple of 8 (16-byte rows) and N of " +
+                                       std::to_string(n_multiple) + ", got K=" + std::to_string(k) +
+                                       " N=" + std::to_string(n));
+  if (wd[2] != k || gd[0] != groups || od[0] != m || od[1] != n_out)
     return ffi::Error::InvalidArgument(who + ": shapes do not fit x [T, K], row_token [M], w [G, N, K], "
                                        "group_sizes [G], out [M, N]");
   if (k > INT32_MAX || n > INT32_MAX || m > INT32_MAX || tokens > INT32_MAX || groups > INT32_MAX)
     return ffi::Error::InvalidArgument(who + ": dimensions exceed int32");
-  if (config < 0 || config >= kNumGatherConfigs)
+  const int num_configs = kSwiglu ? kNumGatherSwigluConfigs : kNumGatherConfigs;
+  if (config < 0 || config >= num_configs)
     return ffi::Error::InvalidArgument(who + ": unknown config " + std::to_string(config));
   if (m == 0) return ffi::Error::Success();
   auto* out_ptr = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
   if (groups == 0 || tokens == 0) {  // no group, or no token to read: every row is zeros
-    cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n * 2, stream);
+    cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n_out * 2, stream);
     return e == cudaSuccess ? ffi::Error::Success() : cuda_error(who, "cudaMemsetAsync", e);
   }
   for (const void* p : {static_cast<const void*>(x.untyped_data()), static_cast<const void*>(w.untyped_data()),
@@ -353,7 +360,7 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   const int sm_count = sm_count_of(device);
   if (sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
 
-  const GatherConfig& cfg = *kGatherConfigs[config];
+  const GatherConfig& cfg = kSwiglu ? *kGatherSwigluConfigs[config] : *kGatherConfigs[config];
   const GatherLayout lay = GatherLayout::make(static_cast<int>(groups));
   if (workspace->size_bytes() < lay.bytes)
     return ffi::Error::InvalidArgument(who + ": workspace of " + std::to_string(workspace->size_bytes()) +
@@ -379,9 +386,9 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
                                                        const_cast<int32_t*>(a.row_start), const_cast<int32_t*>(a.rows),
                                                        const_cast<int32_t*>(a.tile_start), total_rows);
   if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
-  const long long vecs = m * n / 8;
+  const long long vecs = m * n_out / 8;
   const int zero_blocks = static_cast<int>(std::min<long long>((vecs + 255) / 256, 2LL * sm_count));
-  zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, static_cast<int>(n), out_ptr);
+  zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, static_cast<int>(n_out), out_ptr);
   if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "zero-tail kernel launch", e);
   if (const char* msg = cfg.run(a)) {
     cudaError_t last = cudaGetLastError();
@@ -408,6 +415,7 @@ JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGroupedGemmSwigluNoGraph(XLA_FFI_CallF
 JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGroupedGemmSwigluNumConfigs();
 JAX_DWDP_GMM_EXPORT const char* JaxDwdpGroupedGemmSwigluConfigName(int32_t i);
 JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGatherGroupedGemm(XLA_FFI_CallFrame* call_frame);
+JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGatherGroupedGemmSwiglu(XLA_FFI_CallFrame* call_frame);
 JAX_DWDP_GMM_EXPORT size_t JaxDwdpGatherGroupedGemmWorkspaceBytes(int32_t groups);
 JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGatherGroupedGemmNumConfigs();
 JAX_DWDP_GMM_EXPORT const char* JaxDwdpGatherGroupedGemmConfigName(int32_t i);
@@ -434,18 +442,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwiglu, jax_dwdp_gmm::grouped_ge
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGroupedGemmSwigluNoGraph, jax_dwdp_gmm::grouped_gemm_impl<true>,
                               JAX_DWDP_GMM_BINDING);
 
-// The gate_up projection with the token gather in its loads (gather_gemm.cuh). Only stream work: recordable.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGatherGroupedGemm, jax_dwdp_gmm::gather_gemm_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>() /* x [T, K] */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* row_token [M] */
-                                  .Arg<ffi::Buffer<ffi::BF16>>() /* w [G, N, K] */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [G] */
-                                  .Ret<ffi::Buffer<ffi::BF16>>() /* out [M, N] */
-                                  .Ret<ffi::Buffer<ffi::U8>>()   /* workspace */
-                                  .Attr<int32_t>("config"));
+// The gate_up projection with the token gather in its loads (gather_gemm.cuh), and with SiLU(gate) * up fused.
+#define JAX_DWDP_GATHER_BINDING                                  \
+  ffi::Ffi::Bind()                                               \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                  \
+      .Ctx<ffi::DeviceOrdinal>()                                 \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* x [T, K] */              \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* row_token [M] */         \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* w [G, N, K] */           \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [G] */       \
+      .Ret<ffi::Buffer<ffi::BF16>>() /* out [M, N] or [M, N/2] */ \
+      .Ret<ffi::Buffer<ffi::U8>>()   /* workspace */             \
+      .Attr<int32_t>("config")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGatherGroupedGemm, jax_dwdp_gmm::gather_gemm_impl<false>, JAX_DWDP_GATHER_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpGatherGroupedGemmSwiglu, jax_dwdp_gmm::gather_gemm_impl<true>,
+                              JAX_DWDP_GATHER_BINDING);
 
 extern "C" {
 

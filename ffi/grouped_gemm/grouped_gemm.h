@@ -70,5 +70,6 @@ struct GatherConfig {
 
 extern const GatherConfig kGatherCoop128x256x64;
 extern const GatherConfig kGatherTmaB128x256x64;
+extern const GatherConfig kGatherSwiglu128x256x64;  // SiLU(gate) * up fused (out [M, N / 2])
 
 }  // namespace jax_dwdp_gmm

@@ -17,6 +17,7 @@ from jax_dwdp.kernels.grouped_matmul import (
     deinterleave_gate_up,
     grouped_matmul,
     grouped_matmul_gather,
+    grouped_matmul_gather_swiglu,
     grouped_matmul_swiglu,
     interleave_gate_up,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_swiglu",
     "grouped_matmul_gather",
+    "grouped_matmul_gather_swiglu",
     "gather_rows",
     "dispatch_rows",
     "combine_rows",

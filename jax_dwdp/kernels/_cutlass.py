@@ -1,8 +1,9 @@
-"""The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind XLA FFI custom calls: the plain grouped matmul and the
-gate_up projection with SiLU(gate) * up fused into its epilogue.
+"""The CUTLASS sm90 grouped GEMM (ffi/grouped_gemm) behind XLA FFI custom calls: the plain grouped matmul, the
+gate_up projection with SiLU(gate) * up fused into its epilogue, and the gate_up projection that gathers its rows
+from the unpermuted tokens (with or without SiLU(gate) * up fused: ffi/grouped_gemm/gather_gemm.cuh).
 
 The shared library `jax_dwdp/_lib/libjax_dwdp_gmm.so` (or the path in $JAX_DWDP_GMM_LIB) is loaded on first use
-only, never when jax_dwdp is imported, and its two handlers are registered once for the CUDA platform
+only, never when jax_dwdp is imported, and its handlers are registered once for the CUDA platform
 (jax_dwdp.native).
 
 Switches (read at trace time):
@@ -33,6 +34,7 @@ from jax_dwdp.native import NativeLibrary
 TARGET = "jax_dwdp_grouped_gemm"
 SWIGLU_TARGET = "jax_dwdp_grouped_gemm_swiglu"
 GATHER_TARGET = "jax_dwdp_gather_grouped_gemm"
+GATHER_SWIGLU_TARGET = "jax_dwdp_gather_grouped_gemm_swiglu"
 _warned: set[str] = set()
 
 
@@ -57,6 +59,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.JaxDwdpGatherGroupedGemmConfigName.restype = ctypes.c_char_p
     lib.JaxDwdpGatherGroupedGemmConfigName.argtypes = [ctypes.c_int32]
     lib.JaxDwdpGatherGroupedGemm
+    lib.JaxDwdpGatherGroupedGemmSwiglu
 
 
 LIBRARY = NativeLibrary(
@@ -92,7 +95,7 @@ def _register() -> None:
     graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # opt-in: no faster (see the module's docstring)
     suffix = "" if graphs else "NoGraph"
     LIBRARY.register({TARGET: "JaxDwdpGroupedGemm" + suffix, SWIGLU_TARGET: "JaxDwdpGroupedGemmSwiglu" + suffix,
-                      GATHER_TARGET: "JaxDwdpGatherGroupedGemm"})
+                      GATHER_TARGET: "JaxDwdpGatherGroupedGemm", GATHER_SWIGLU_TARGET: "JaxDwdpGatherGroupedGemmSwiglu"})
 
 
 def _max_sm_count() -> int:
@@ -211,4 +214,26 @@ def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, grou
         (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
         vmap_method="sequential",
     )(x, row_token.astype(jnp.int32), w, group_sizes.astype(jnp.int32), config=np.int32(choice))
+    return out
+
+
+def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The gate_up projection with the gather in its loads and SiLU(gate) * up in its epilogue: x [T, K] bf16,
+    row_token [M] int32, w [G, 2I, K] bf16 in the checkpoint's layout (gate rows, then up rows), group_sizes [G].
+    Returns [M, I] bf16 = silu(gate) * up in fp32 from gate and up rounded to bf16 (as `grouped_matmul_gather`,
+    then the activation, computes it). Rows past sum(group_sizes) and rows of a token outside [0, T) are zeros.
+    Needs K % 8 == 0 and I % 8 == 0.
+    """
+    (t, k), (m,), (g, n, _) = x.shape, row_token.shape, w.shape
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"cutlass gather SwiGLU grouped matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    if k % 8 or n % 16:
+        raise ValueError(f"cutlass gather SwiGLU grouped matmul needs K % 8 == 0 and 2I % 16 == 0, got K={k} 2I={n}")
+    _register()
+    ws = int(_lib().JaxDwdpGatherGroupedGemmWorkspaceBytes(g))
+    out, _ = jax.ffi.ffi_call(
+        GATHER_SWIGLU_TARGET,
+        (jax.ShapeDtypeStruct((m, n // 2), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+        vmap_method="sequential",
+    )(x, row_token.astype(jnp.int32), w, group_sizes.astype(jnp.int32), config=np.int32(0))
     return out

@@ -6,6 +6,9 @@ Group sizes live on the device: no host sync, usable inside jit and shard_map.
 `grouped_matmul_swiglu(x, w, group_sizes)` is the gate_up projection with silu(gate) * up, fused into the CUTLASS
 epilogue on the GPU, for weights interleaved by `interleave_gate_up` (opt-in: measured at parity with the unfused
 path on an H200, benchmarks/RESULTS.md, 2026-11-30 fifth session).
+`grouped_matmul_gather(x, row_token, w, group_sizes)` reads row r as x[row_token[r]] (the tokens in their own order;
+on the GPU the gather is inside the CUTLASS kernel's loads), and `grouped_matmul_gather_swiglu` adds silu(gate) * up
+in that kernel's epilogue for weights in the checkpoint's layout: the MoE block's gate_up projection (issue 15).
 
 Implementations:
 - "xla": portable XLA. On the GPU `jax.lax.ragged_dot_general`, which XLA lowers to a dense masked expansion
@@ -319,3 +322,35 @@ def grouped_matmul_gather(
                                w.astype(x.dtype), group_sizes)
             return cutlass.grouped_matmul_gather(x, row_token, w.astype(x.dtype), group_sizes)
     return grouped_matmul(gather_token_rows(x, row_token), w, group_sizes, implementation=implementation)
+
+
+def grouped_matmul_gather_swiglu(
+    x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None
+) -> jax.Array:
+    """silu(gate) * up of `grouped_matmul_gather(x, row_token, w, group_sizes)` for w [G, 2I, K] in the checkpoint's
+    layout (gate rows, then up rows). Returns [M, I] in x's dtype, from gate and up rounded to x's dtype (the
+    unfused order). "cutlass" computes the activation in the gather kernel's epilogue: the [M, 2I] projection is
+    never written. Rows past sum(group_sizes) are zeros for "cutlass" and "xla"."""
+    if (x.ndim != 2 or row_token.ndim != 1 or w.ndim != 3 or x.shape[1] != w.shape[2]
+            or group_sizes.shape != (w.shape[0],)):
+        raise ValueError(
+            f"grouped_matmul_gather_swiglu: x {x.shape}, row_token {row_token.shape}, w {w.shape}, group_sizes "
+            f"{group_sizes.shape} do not fit x [T, K], row_token [M], w [G, 2I, K], group_sizes [G]"
+        )
+    i, _ = _check_gate_up(w, "grouped_matmul_gather_swiglu")
+
+    def unfused(x, row_token, w, s, implementation=implementation):
+        y = grouped_matmul_gather(x, row_token, w, s, implementation=implementation)
+        return swiglu(y[:, :i], y[:, i:], x.dtype)
+
+    impl = implementation or default_implementation(x.dtype)
+    if impl == "cutlass":
+        from jax_dwdp.kernels import _cutlass as cutlass
+
+        with jax.named_scope("grouped_matmul_gather_swiglu_cutlass"):
+            if implementation is None:  # chosen by default: where lowered for a CUDA GPU (as in grouped_matmul)
+                return on_cuda(cutlass.grouped_matmul_gather_swiglu,
+                               lambda *a: unfused(*a, implementation="xla"), x, row_token.astype(jnp.int32),
+                               w.astype(x.dtype), group_sizes)
+            return cutlass.grouped_matmul_gather_swiglu(x, row_token, w.astype(x.dtype), group_sizes)
+    return unfused(x, row_token, w, group_sizes)

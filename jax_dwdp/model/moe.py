@@ -79,9 +79,9 @@ def routed_experts(
     The (token, slot) pairs are put in expert order (`kernels.dispatch_rows`), pushed through two grouped matmuls,
     and brought back with the weighted top-k sum (`kernels.combine_rows`). With `gather` (`gather_in_gemm`: the
     argument, else $JAX_DWDP_MOE_GATHER, else on where the grouped matmul is the CUTLASS kernel) the gate_up matmul
-    reads each sorted row's token from x itself (`kernels.grouped_matmul_gather`; on the GPU inside the CUTLASS
-    kernel's loads), so the dispatched [M*k, H] copy is never written; the interleaved (fused SwiGLU) layout keeps
-    the dispatch.
+    reads each sorted row's token from x itself and applies SiLU(gate) * up before writing
+    (`kernels.grouped_matmul_gather_swiglu`; on the GPU inside the CUTLASS kernel's loads and epilogue), so neither
+    the dispatched [M*k, H] copy nor the [M*k, 2I] projection is written; the interleaved layout keeps the dispatch.
     `valid` [M, k] (DEP, a rank holding a block of the experts): only these slots count; the others must carry an
     id >= E, which sorts them after every group (no kernel computes them) and their rows, unspecified for some
     kernels, are masked out.
@@ -103,13 +103,14 @@ def routed_experts(
     else:
         if gather_in_gemm(gather, grouped_matmul_impl or default_implementation(x.dtype)):
             # sorted row r reads token order[r] // k; the padded rows are in no group
+            # (SiLU(gate) * up in the same kernel's epilogue, from bf16-rounded gate and up as below)
             row_token = jnp.pad((order // k).astype(jnp.int32), (0, pad))
-            gate_up = kernels.grouped_matmul_gather(x, row_token, gate_up_proj, group_sizes,
-                                                    implementation=grouped_matmul_impl)
+            act = kernels.grouped_matmul_gather_swiglu(x, row_token, gate_up_proj, group_sizes,
+                                                       implementation=grouped_matmul_impl)
         else:
             rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
             gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
-        act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
+            act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
     out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
     if valid is None:
         return kernels.combine_rows(out, inverse, expert_weights.astype(x.dtype), add)
