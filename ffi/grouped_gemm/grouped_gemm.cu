@@ -224,6 +224,55 @@ ffi::Error cuda_error(const std::string& who, const char* what, cudaError_t e) {
   return ffi::Error::Internal(who + ": " + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
+// The steps both handlers share.
+
+// Zeroes all M rows (no group covers any row). Returns Success or the CUDA error.
+ffi::Error zero_all_rows(const std::string& who, __nv_bfloat16* out, long long m, long long n_out, cudaStream_t stream) {
+  cudaError_t e = cudaMemsetAsync(out, 0, static_cast<size_t>(m) * n_out * 2, stream);
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_error(who, "cudaMemsetAsync", e);
+}
+
+// x, w and out start 16-byte aligned (TMA and 16-byte copies).
+bool aligned16(const void* x, const void* w, const void* out) {
+  for (const void* p : {x, w, out})
+    if (reinterpret_cast<uintptr_t>(p) % 16) return false;
+  return true;
+}
+
+// XLA's device for this call (its FFI context, not cudaStreamGetDevice: that call is refused while XLA records the
+// stream into a command buffer, cudaErrorStreamCaptureUnsupported), made current (kernels and cudaFuncSetAttribute
+// act on the current device); *sm_count = its SM count.
+ffi::Error make_current(const std::string& who, int32_t device, int* sm_count) {
+  int current = 0;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) return cuda_error(who, "cudaGetDevice", e);
+  if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error(who, "cudaSetDevice", e);
+  *sm_count = sm_count_of(device);
+  if (*sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
+  return ffi::Error::Success();
+}
+
+// Zeroes out[total_rows:, :] once the setup kernel has written total_rows.
+ffi::Error launch_zero_tail(const std::string& who, const long long* total_rows, long long m, long long n_out,
+                            __nv_bfloat16* out, int sm_count, cudaStream_t stream) {
+  const long long vecs = m * n_out / 8;
+  const int blocks = static_cast<int>(std::min<long long>((vecs + 255) / 256, 2LL * sm_count));
+  zero_tail_rows_kernel<<<blocks, 256, 0, stream>>>(total_rows, m, static_cast<int>(n_out), out);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_error(who, "zero-tail kernel launch", e);
+}
+
+// Runs a configuration's kernel; the error names the config and the CUDA error, if any.
+ffi::Error run_config(const std::string& who, const char* name, const char* msg) {
+  if (msg) {
+    cudaError_t last = cudaGetLastError();
+    return ffi::Error::Internal(who + " (" + name + "): " + msg +
+                                (last != cudaSuccess ? std::string("; CUDA: ") + cudaGetErrorString(last) : ""));
+  }
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_error(who, name, e);
+}
+
 // kSwiglu: out [M, N / 2] = silu(gate) * up from w's interleaved gate/up rows (N % 16 == 0).
 template <bool kSwiglu>
 ffi::Error grouped_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
@@ -249,24 +298,11 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
     return ffi::Error::InvalidArgument(who + ": unknown config " + std::to_string(config));
   if (m == 0) return ffi::Error::Success();
   auto* out_ptr = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
-  if (groups == 0) {  // no group: every row is past the (empty) groups
-    cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n_out * 2, stream);
-    return e == cudaSuccess ? ffi::Error::Success() : cuda_error(who, "cudaMemsetAsync", e);
-  }
-  for (const void* p : {static_cast<const void*>(x.untyped_data()), static_cast<const void*>(w.untyped_data()),
-                        static_cast<const void*>(out_ptr)})
-    if (reinterpret_cast<uintptr_t>(p) % 16)
-      return ffi::Error::InvalidArgument(who + ": x, w and out must be 16-byte aligned");
-
-  // XLA's device for this call (its FFI context, not cudaStreamGetDevice: that call is refused while XLA records the
-  // stream into a command buffer, cudaErrorStreamCaptureUnsupported), made current (kernels and
-  // cudaFuncSetAttribute act on the current device).
-  int current = 0;
-  cudaError_t e = cudaGetDevice(&current);
-  if (e != cudaSuccess) return cuda_error(who, "cudaGetDevice", e);
-  if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error(who, "cudaSetDevice", e);
-  const int sm_count = sm_count_of(device);
-  if (sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
+  if (groups == 0) return zero_all_rows(who, out_ptr, m, n_out, stream);  // every row is past the (empty) groups
+  if (!aligned16(x.untyped_data(), w.untyped_data(), out_ptr))
+    return ffi::Error::InvalidArgument(who + ": x, w and out must be 16-byte aligned");
+  int sm_count = 0;
+  if (ffi::Error err = make_current(who, device, &sm_count); err.failure()) return err;
 
   const GemmConfig& cfg = kSwiglu ? *kSwigluConfigs[config] : *kConfigs[config];
   const size_t cutlass_bytes = cfg.workspace_bytes(static_cast<int>(groups), sm_count);
@@ -300,20 +336,10 @@ ffi::Error grouped_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
       reinterpret_cast<const __nv_bfloat16*>(w.untyped_data()), out_ptr, a.ptr_a, a.ptr_b, a.ptr_d,
       static_cast<StrideT*>(a.stride_a), static_cast<StrideT*>(a.stride_b), static_cast<StrideT*>(a.stride_d),
       static_cast<ProblemShapeT*>(a.problem_shapes), total_rows);
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
-
-  const long long vecs = m * n_out / 8;
-  const int zero_blocks = static_cast<int>(std::min<long long>((vecs + 255) / 256, 2LL * sm_count));
-  zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, static_cast<int>(n_out), out_ptr);
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "zero-tail kernel launch", e);
-
-  if (const char* msg = cfg.run(a)) {
-    cudaError_t last = cudaGetLastError();
-    return ffi::Error::Internal(who + " (" + cfg.name + "): " + msg +
-                                (last != cudaSuccess ? std::string("; CUDA: ") + cudaGetErrorString(last) : ""));
-  }
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, cfg.name, e);
-  return ffi::Error::Success();
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
+  if (ffi::Error err = launch_zero_tail(who, total_rows, m, n_out, out_ptr, sm_count, stream); err.failure())
+    return err;
+  return run_config(who, cfg.name, cfg.run(a));
 }
 
 // out [M, N] = x[row_token] @ w[g]^T per group: the gate_up projection reading the tokens where they are; kSwiglu:
@@ -345,20 +371,11 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(who + ": unknown config " + std::to_string(config));
   if (m == 0) return ffi::Error::Success();
   auto* out_ptr = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
-  if (groups == 0 || tokens == 0) {  // no group, or no token to read: every row is zeros
-    cudaError_t e = cudaMemsetAsync(out_ptr, 0, static_cast<size_t>(m) * n_out * 2, stream);
-    return e == cudaSuccess ? ffi::Error::Success() : cuda_error(who, "cudaMemsetAsync", e);
-  }
-  for (const void* p : {static_cast<const void*>(x.untyped_data()), static_cast<const void*>(w.untyped_data()),
-                        static_cast<const void*>(out_ptr)})
-    if (reinterpret_cast<uintptr_t>(p) % 16)
-      return ffi::Error::InvalidArgument(who + ": x, w and out must be 16-byte aligned");
-  int current = 0;
-  cudaError_t e = cudaGetDevice(&current);
-  if (e != cudaSuccess) return cuda_error(who, "cudaGetDevice", e);
-  if (current != device && (e = cudaSetDevice(device)) != cudaSuccess) return cuda_error(who, "cudaSetDevice", e);
-  const int sm_count = sm_count_of(device);
-  if (sm_count <= 0) return ffi::Error::Internal(who + ": cannot query the SM count");
+  if (groups == 0 || tokens == 0) return zero_all_rows(who, out_ptr, m, n_out, stream);  // no group / no token
+  if (!aligned16(x.untyped_data(), w.untyped_data(), out_ptr))
+    return ffi::Error::InvalidArgument(who + ": x, w and out must be 16-byte aligned");
+  int sm_count = 0;
+  if (ffi::Error err = make_current(who, device, &sm_count); err.failure()) return err;
 
   const GatherConfig& cfg = kSwiglu ? *kGatherSwigluConfigs[config] : *kGatherConfigs[config];
   const GatherLayout lay = GatherLayout::make(static_cast<int>(groups));
@@ -385,18 +402,10 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   setup_gather_kernel<<<1, kSetupThreads, 0, stream>>>(group_sizes.typed_data(), a.groups, m, cfg.tile_rows,
                                                        const_cast<int32_t*>(a.row_start), const_cast<int32_t*>(a.rows),
                                                        const_cast<int32_t*>(a.tile_start), total_rows);
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
-  const long long vecs = m * n_out / 8;
-  const int zero_blocks = static_cast<int>(std::min<long long>((vecs + 255) / 256, 2LL * sm_count));
-  zero_tail_rows_kernel<<<zero_blocks, 256, 0, stream>>>(total_rows, m, static_cast<int>(n_out), out_ptr);
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, "zero-tail kernel launch", e);
-  if (const char* msg = cfg.run(a)) {
-    cudaError_t last = cudaGetLastError();
-    return ffi::Error::Internal(who + " (" + cfg.name + "): " + msg +
-                                (last != cudaSuccess ? std::string("; CUDA: ") + cudaGetErrorString(last) : ""));
-  }
-  if ((e = cudaGetLastError()) != cudaSuccess) return cuda_error(who, cfg.name, e);
-  return ffi::Error::Success();
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
+  if (ffi::Error err = launch_zero_tail(who, total_rows, m, n_out, out_ptr, sm_count, stream); err.failure())
+    return err;
+  return run_config(who, cfg.name, cfg.run(a));
 }
 
 }  // namespace

@@ -184,6 +184,23 @@ def grouped_matmul_swiglu(
     return _call(SWIGLU_TARGET, swiglu_config_names(), n // 2, x, w, group_sizes, config)
 
 
+def _gather_call(target: str, what: str, n_multiple: int, n_out_div: int, x, row_token, w, group_sizes,
+                 config: int) -> jax.Array:
+    (t, k), (m,), (g, n, _) = x.shape, row_token.shape, w.shape
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"cutlass {what} takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    if k % 8 or n % n_multiple:
+        raise ValueError(f"cutlass {what} needs K % 8 == 0 and N % {n_multiple} == 0 (w's rows), got K={k} N={n}")
+    _register()
+    ws = int(_lib().JaxDwdpGatherGroupedGemmWorkspaceBytes(g))
+    out, _ = jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct((m, n // n_out_div), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+        vmap_method="sequential",
+    )(x, row_token.astype(jnp.int32), w, group_sizes.astype(jnp.int32), config=np.int32(config))
+    return out
+
+
 def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                           config: int | str | None = None) -> jax.Array:
     """out[r] = x[row_token[r]] @ w[g]^T for the rows r of each group g (rows in group order), with the gather
@@ -192,12 +209,6 @@ def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, grou
     outside [0, T), are zeros. Needs K % 8 == 0 and N % 8 == 0. `config`: a name or index into
     `gather_config_names()` (default: $JAX_DWDP_GATHER_CONFIG, else the first).
     """
-    (t, k), (m,), (g, n, _) = x.shape, row_token.shape, w.shape
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        raise ValueError(f"cutlass gather grouped matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
-    if k % 8 or n % 8:
-        raise ValueError(f"cutlass gather grouped matmul needs K % 8 == 0 and N % 8 == 0, got K={k} N={n}")
-    _register()
     names = gather_config_names()
     choice = config if config is not None else (os.environ.get("JAX_DWDP_GATHER_CONFIG") or 0)
     if isinstance(choice, str) and choice.isdigit():
@@ -208,13 +219,7 @@ def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, grou
         choice = names.index(choice)
     if not 0 <= int(choice) < len(names):
         raise ValueError(f"gather grouped matmul config index {choice} is out of range for {names}")
-    ws = int(_lib().JaxDwdpGatherGroupedGemmWorkspaceBytes(g))
-    out, _ = jax.ffi.ffi_call(
-        GATHER_TARGET,
-        (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
-        vmap_method="sequential",
-    )(x, row_token.astype(jnp.int32), w, group_sizes.astype(jnp.int32), config=np.int32(choice))
-    return out
+    return _gather_call(GATHER_TARGET, "gather grouped matmul", 8, 1, x, row_token, w, group_sizes, int(choice))
 
 
 def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -224,16 +229,4 @@ def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Arra
     then the activation, computes it). Rows past sum(group_sizes) and rows of a token outside [0, T) are zeros.
     Needs K % 8 == 0 and I % 8 == 0.
     """
-    (t, k), (m,), (g, n, _) = x.shape, row_token.shape, w.shape
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        raise ValueError(f"cutlass gather SwiGLU grouped matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
-    if k % 8 or n % 16:
-        raise ValueError(f"cutlass gather SwiGLU grouped matmul needs K % 8 == 0 and 2I % 16 == 0, got K={k} 2I={n}")
-    _register()
-    ws = int(_lib().JaxDwdpGatherGroupedGemmWorkspaceBytes(g))
-    out, _ = jax.ffi.ffi_call(
-        GATHER_SWIGLU_TARGET,
-        (jax.ShapeDtypeStruct((m, n // 2), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
-        vmap_method="sequential",
-    )(x, row_token.astype(jnp.int32), w, group_sizes.astype(jnp.int32), config=np.int32(0))
-    return out
+    return _gather_call(GATHER_SWIGLU_TARGET, "gather SwiGLU grouped matmul", 16, 2, x, row_token, w, group_sizes, 0)
