@@ -6,7 +6,8 @@
 #   bench    bench_grouped_matmul.py gather: gather kernel vs row gather + TMA GEMM vs the GEMM alone, and the
 #            routed-expert block with gather=True vs False, in one process ($GATHER_ARGS)
 #   parts    bench_layer_parts.py: the MoE block against its floor (GEMMs + shared expert) with the gather and with
-#            the dispatch (--variants no_gather) at $PARTS_TOKENS tokens
+#            the dispatch (--variants no_gather) at $PARTS_TOKENS tokens ($PARTS_EXTRA: more flags, e.g.
+#            "--preset 397b-a17b")
 #   prefill  the 40-layer 35b-a3b prefill, layer-wise, with $JAX_DWDP_MOE_GATHER=0, 1, 0 ($GATHER_RUNS; one process
 #            each; the two dispatch runs bound the drift) at $SEQS tokens
 # Logs and JSON under $OUT/gather.
@@ -35,7 +36,7 @@ for step in $STEPS; do
     parts)
       echo "== parts"
       timeout ${PARTS_TIMEOUT:-200} python3 benchmarks/bench_layer_parts.py --tokens ${PARTS_TOKENS:-16384 32768} \
-        --no-attention-alternatives --variants no_gather --out "$OUT/parts.json" 2>&1 | filter > "$OUT/parts.log"
+        --no-attention-alternatives --variants no_gather ${PARTS_EXTRA:-} --out "$OUT/parts.json" 2>&1 | filter > "$OUT/parts.log"
       echo "parts rc $?"; grep -E "^tokens|MoE block|gate_up|down grouped|shared expert|SwiGLU|dispatch rows, pallas|floor" \
         "$OUT/parts.log" ;;
     prefill)
