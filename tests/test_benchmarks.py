@@ -280,6 +280,27 @@ def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
     assert floor["ms"] == pytest.approx(want) and floor["block_over_floor"] == ratio(parts["MoE block"]["ms"], want)
 
 
+def test_attention_bench_reference_and_rows(tmp_path):
+    """bench_attention.py on the CPU: its float64 reference rows equal XLA's fp32 attention on random GQA inputs; the
+    model's core (XLA here) gets a row with its error; the Mosaic GPU rows fail with their reason and the run goes
+    on."""
+    import jax
+
+    bench = load("bench_attention")
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((40, h, 16)) for h in (4, 2, 2))
+    rows = [0, 7, 39]
+    want = jax.nn.dot_product_attention(*(jnp.asarray(a[None], jnp.float32) for a in (q, k, v)), scale=0.25,
+                                        is_causal=True, implementation="xla")[0]
+    np.testing.assert_allclose(bench.reference_rows(q, k, v, rows, 0.25), np.asarray(want)[rows], atol=1e-5)
+    result, saved = run("bench_attention", ["--tokens", "128", "--heads", "4/2", "--head-dim", "64",
+                                            "--ref-rows", "16"], tmp_path / "attn.json")
+    model = [r for r in saved["rows"] if r["impl"].startswith("cuDNN")]
+    assert len(model) == 1 and model[0]["ms"] > 0 and model[0]["max_abs_err_vs_fp64"] < 2e-2
+    mgpu = [r for r in saved["rows"] if r["impl"].startswith("mgpu")]
+    assert len(mgpu) == 4 and all("error" in r for r in mgpu)  # no GPU here
+
+
 def test_layer_parts_without_variants(tmp_path):
     """--no-variants (the notebook's fresh run): the defaults' layers and passes, none of the one-change variants."""
     result = load("bench_layer_parts").main(["--preset", "tiny", "--tokens", "16", "--no-variants",
