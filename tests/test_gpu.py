@@ -58,6 +58,22 @@ def test_cudnn_attention_matches_xla(rng):
     assert err <= 2e-2
 
 
+def _bf16_and_fp32_models(rng, t: int):
+    """A small model whose GPU kernels all apply (head widths 128 / 64, expert widths 128), in bf16 and fp32 from one
+    seed (residual branches damped so that 4 layers of bf16 stay comparable), and t random tokens."""
+    from jax_dwdp.config import ModelConfig
+    from jax_dwdp.model import init_model
+    from tests.test_model import _damp_residual_branches
+
+    cfg = ModelConfig.preset("tiny").replace(hidden_size=256, head_dim=128, moe_intermediate_size=128,
+                                             shared_expert_intermediate_size=128, linear_key_head_dim=64,
+                                             linear_value_head_dim=64)
+    tokens = rng.integers(0, cfg.vocab_size, (1, t)).astype(np.int32)
+    m16 = _damp_residual_branches(init_model(cfg, dtype=jnp.bfloat16, seed=2), 0.2)
+    m32 = _damp_residual_branches(init_model(cfg, dtype=jnp.float32, seed=2), 0.2)
+    return cfg, tokens, m16, m32
+
+
 @pytest.mark.parametrize("t,heads,d", [(1024, (16, 2), 256), (640, (8, 8), 128), (384, (4, 1), 64)])
 def test_mgpu_attention_matches_fp64_and_cudnn(rng, t, heads, d):
     """The Pallas Mosaic GPU core (JAX_DWDP_ATTENTION=mgpu): float64 reference on sampled query rows (the first and
@@ -89,17 +105,9 @@ def test_mgpu_attention_matches_fp64_and_cudnn(rng, t, heads, d):
 def test_gpu_bf16_prefill_with_mgpu_attention(rng, monkeypatch):
     """The model with JAX_DWDP_ATTENTION=mgpu against fp32 (XLA attention): the same bound as cuDNN's; a length that
     is no multiple of 128 falls back to cuDNN."""
-    from jax_dwdp.config import ModelConfig
-    from jax_dwdp.model import init_model
     from jax_dwdp.prefill import jit_prefill
-    from tests.test_model import _damp_residual_branches
 
-    cfg = ModelConfig.preset("tiny").replace(hidden_size=256, head_dim=128, moe_intermediate_size=128,
-                                             shared_expert_intermediate_size=128, linear_key_head_dim=64,
-                                             linear_value_head_dim=64)
-    tokens = rng.integers(0, cfg.vocab_size, (1, 1024)).astype(np.int32)
-    m16 = _damp_residual_branches(init_model(cfg, dtype=jnp.bfloat16, seed=2), 0.2)
-    m32 = _damp_residual_branches(init_model(cfg, dtype=jnp.float32, seed=2), 0.2)
+    cfg, tokens, m16, m32 = _bf16_and_fp32_models(rng, 1024)
     l32 = jit_prefill(m32)(tokens)[0]
     monkeypatch.setenv("JAX_DWDP_ATTENTION", "cudnn")
     cudnn_err = rel_err(jit_prefill(m16)(tokens)[0].astype(jnp.float32), l32)
@@ -135,7 +143,6 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     """bf16 on the GPU takes cuDNN attention, the Pallas gated delta rule and routing kernels (the conv kernel on
     request) and the GPU grouped matmul (the CUTLASS kernel when its library is built, else Mosaic; then Mosaic
     forced); compare with GPU fp32 (XLA paths but the routing kernels)."""
-    from jax_dwdp.config import ModelConfig
     from jax_dwdp.kernels import _cutlass, norm_rope
     from jax_dwdp.model import init_model
     from jax_dwdp.prefill import jit_prefill
@@ -147,12 +154,7 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
         monkeypatch.delenv("JAX_DWDP_GROUPED_MATMUL", raising=False)
     want = _cutlass.TARGET if grouped_matmul == "default" and _cutlass.available() else "mosaic"
 
-    cfg = ModelConfig.preset("tiny").replace(hidden_size=256, head_dim=128, moe_intermediate_size=128,
-                                             shared_expert_intermediate_size=128, linear_key_head_dim=64,
-                                             linear_value_head_dim=64)
-    tokens = rng.integers(0, cfg.vocab_size, (1, 1000)).astype(np.int32)
-    m16 = _damp_residual_branches(init_model(cfg, dtype=jnp.bfloat16, seed=2), 0.2)
-    m32 = _damp_residual_branches(init_model(cfg, dtype=jnp.float32, seed=2), 0.2)
+    cfg, tokens, m16, m32 = _bf16_and_fp32_models(rng, 1000)
     text = jit_prefill(m16).lower(tokens, np.array([1000], np.int32)).as_text()
     assert want.lower() in text.lower(), f"bf16 GPU prefill did not use the expected grouped matmul ({want})"
     assert "gdn_recurrence" in text, "bf16 GPU prefill did not use the Pallas gated delta rule"
