@@ -128,22 +128,3 @@ def test_fused_swiglu_on_a_gpu_host_lowers_the_epilogue_kernel_for_cuda_and_the_
     got = np.asarray(fn(x, w, sizes).astype(jnp.float32))  # lowered for this CPU: the group loop
     np.testing.assert_array_equal(got, ref)
 
-
-def test_attention_core_choice(monkeypatch):
-    """$JAX_DWDP_ATTENTION picks the GPU prefill attention core (a bad value names the variable and the choices);
-    the Mosaic GPU core takes only the shapes its tiles fit, cuDNN the rest."""
-    from jax_dwdp.kernels import attention
-
-    monkeypatch.delenv(attention.ENV_IMPLEMENTATION, raising=False)
-    assert attention.attention_core() == attention.DEFAULT_CORE
-    monkeypatch.setenv(attention.ENV_IMPLEMENTATION, "mgpu")
-    assert attention.attention_core() == "mgpu" and attention.attention_core("cudnn") == "cudnn"
-    monkeypatch.setenv(attention.ENV_IMPLEMENTATION, "flash")
-    with pytest.raises(ValueError, match=r"\$JAX_DWDP_ATTENTION='flash' is none of \('cudnn', 'mgpu'\)"):
-        attention.attention_core()
-    ok = attention.mgpu_supported
-    assert ok((1, 16384, 16, 256), (1, 16384, 2, 256)) and ok((2, 128, 8, 64), (2, 128, 8, 64))
-    assert not ok((1, 1000, 16, 256), (1, 1000, 2, 256))  # T not a multiple of 128
-    assert not ok((1, 1024, 16, 96), (1, 1024, 2, 96))  # D not a multiple of 64
-    assert not ok((1, 1024, 16, 320), (1, 1024, 2, 320))  # fp16 tiles past shared memory
-    assert not ok((1, 1024, 12, 128), (1, 1024, 8, 128))  # no GQA grouping
