@@ -108,7 +108,14 @@ def test_moe_gather_switch(monkeypatch):
     if jax.default_backend() == "cpu":
         assert not moe.gather_in_gemm()
     assert moe.gather_in_gemm(True) and not moe.gather_in_gemm(False, "cutlass")
+    # ... on the shapes it measured faster: any row count at hidden 2048, wider hidden only up to 40,960 rows
+    wide = moe.GATHER_MAX_HIDDEN + 1024
+    assert moe.gather_in_gemm(None, "cutlass", hidden=moe.GATHER_MAX_HIDDEN, rows=10**6) is moe.GATHER_DEFAULT
+    assert moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=moe.GATHER_MAX_WIDE_ROWS) is moe.GATHER_DEFAULT
+    assert not moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=moe.GATHER_MAX_WIDE_ROWS + 1)
+    assert moe.gather_in_gemm(True, "cutlass", hidden=wide, rows=10**6)
     monkeypatch.setenv(moe.GATHER_ENV, "1")
+    assert moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=10**6)
     assert moe.gather_in_gemm() and moe.gather_in_gemm(None, "xla") and not moe.gather_in_gemm(False)
     monkeypatch.setenv(moe.GATHER_ENV, "0")
     assert not moe.gather_in_gemm()
@@ -271,3 +278,30 @@ def test_routed_experts_gather_on_gpu(rng):
     err = rel_err(np.asarray(a, np.float32), np.asarray(ref))
     print(f"routed experts on the GPU: gather vs dispatch {diff:.2e}; gather vs CPU fp32 {err:.2e} (bound {BF16_BOUND})")
     assert diff <= 1e-3 and err <= BF16_BOUND
+
+
+@pytest.mark.gpu
+def test_routed_experts_default_gathers_on_the_shapes_it_measured_faster(monkeypatch):
+    """With nothing asked for, the GPU block gathers inside the gate_up GEMM at hidden 2048 whatever the row count,
+    and at a wider hidden only up to GATHER_MAX_WIDE_ROWS rows; past that it dispatches first (lowered, not run)."""
+    _gpu_only()
+    _require_library()
+    from jax_dwdp.kernels import _cutlass
+
+    monkeypatch.delenv(moe.GATHER_ENV, raising=False)
+    monkeypatch.delenv("JAX_DWDP_GROUPED_MATMUL", raising=False)
+
+    def lowered(t, h, k, e=16, i=128):
+        bf16 = jnp.bfloat16
+        shapes = [((t, h), bf16), ((t, k), jnp.int32), ((t, k), bf16), ((e, 2 * i, h), bf16), ((e, h, i), bf16)]
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+        return jax.jit(moe.routed_experts).lower(*args).as_text()
+
+    def gathers(text):
+        assert (_cutlass.GATHER_SWIGLU_TARGET in text) != ("moe_dispatch_rows" in text)
+        return _cutlass.GATHER_SWIGLU_TARGET in text
+
+    wide = moe.GATHER_MAX_HIDDEN + 1024
+    assert gathers(lowered(8192, moe.GATHER_MAX_HIDDEN, 8))  # 65,536 rows at hidden 2048
+    assert gathers(lowered(moe.GATHER_MAX_WIDE_ROWS // 10, wide, 10))  # at the limit
+    assert not gathers(lowered(moe.GATHER_MAX_WIDE_ROWS // 10 + 1, wide, 10))  # past it

@@ -38,14 +38,24 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
 
 
 GATHER_ENV = "JAX_DWDP_MOE_GATHER"
-GATHER_DEFAULT = True  # where the gate_up matmul is the CUTLASS kernel, it gathers the tokens itself
+GATHER_DEFAULT = True  # where the gate_up matmul is the CUTLASS kernel, it gathers the tokens itself ...
+# ... on the shapes where that measured faster than the Pallas dispatch (the routed-expert block, one H200,
+# benchmarks/RESULTS.md, nineteenth session runs B-C, seventeenth B and D): hidden 2048 (35b-a3b) at every length,
+# 1.00-1.08x; hidden 3072 / 4096 (122b-a10b / 397b-a17b) at 4K tokens, 1.02x / 1.07-1.08x, but not at 16K (0.96x
+# both; 397b's whole MoE block 10.30 vs 9.89 ms) or 32K (1.01x / 0.98-0.99x). So: always up to GATHER_MAX_HIDDEN,
+# and wider only up to GATHER_MAX_WIDE_ROWS sorted (token, slot) rows (397b at 4K tokens: 40,960).
+GATHER_MAX_HIDDEN = 2048
+GATHER_MAX_WIDE_ROWS = 40960
 
 
-def gather_in_gemm(gather: bool | None = None, implementation: str | None = None) -> bool:
+def gather_in_gemm(gather: bool | None = None, implementation: str | None = None, *, hidden: int | None = None,
+                   rows: int | None = None) -> bool:
     """Whether `routed_experts` reads the tokens inside the gate_up grouped matmul (no dispatched copy): the
     argument, else $JAX_DWDP_MOE_GATHER (1 / 0), else GATHER_DEFAULT where the grouped matmul `implementation`
     (None: the default for bf16 here) is "cutlass", the one kernel that fuses the gather (elsewhere the gather
-    would be a separate XLA pass, slower than the Pallas dispatch)."""
+    would be a separate XLA pass, slower than the Pallas dispatch), on the shapes it measured faster: `hidden`
+    (the tokens' width) <= GATHER_MAX_HIDDEN, or `rows` (tokens x top-k) <= GATHER_MAX_WIDE_ROWS (None: not
+    known, taken as fitting)."""
     if gather is not None:
         return bool(gather)
     env = os.environ.get(GATHER_ENV)
@@ -54,7 +64,8 @@ def gather_in_gemm(gather: bool | None = None, implementation: str | None = None
             raise ValueError(f"${GATHER_ENV}={env!r}: use 1 (gather inside the gate_up matmul) or 0 (dispatch first)")
         return env == "1"
     impl = implementation or default_implementation(jnp.bfloat16)
-    return GATHER_DEFAULT and impl == "cutlass"
+    shape_fits = hidden is None or hidden <= GATHER_MAX_HIDDEN or rows is None or rows <= GATHER_MAX_WIDE_ROWS
+    return GATHER_DEFAULT and impl == "cutlass" and shape_fits
 
 
 def routed_experts(
@@ -81,7 +92,8 @@ def routed_experts(
     argument, else $JAX_DWDP_MOE_GATHER, else on where the grouped matmul is the CUTLASS kernel) the gate_up matmul
     reads each sorted row's token from x itself and applies SiLU(gate) * up before writing
     (`kernels.grouped_matmul_gather_swiglu`; on the GPU inside the CUTLASS kernel's loads and epilogue), so neither
-    the dispatched [M*k, H] copy nor the [M*k, 2I] projection is written; the interleaved layout keeps the dispatch.
+    the dispatched [M*k, H] copy nor the [M*k, 2I] projection is written (by default on the shapes where that
+    measured faster: see GATHER_MAX_HIDDEN); the interleaved layout keeps the dispatch.
     `valid` [M, k] (DEP, a rank holding a block of the experts): only these slots count; the others must carry an
     id >= E, which sorts them after every group (no kernel computes them) and their rows, unspecified for some
     kernels, are masked out.
@@ -101,7 +113,8 @@ def routed_experts(
         rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
         act = kernels.grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
     else:
-        if gather_in_gemm(gather, grouped_matmul_impl or default_implementation(x.dtype)):
+        if gather_in_gemm(gather, grouped_matmul_impl or default_implementation(x.dtype), hidden=x.shape[-1],
+                          rows=m * k):
             # sorted row r reads token order[r] // k; the padded rows are in no group
             # (SiLU(gate) * up in the same kernel's epilogue, from bf16-rounded gate and up as below)
             row_token = jnp.pad((order // k).astype(jnp.int32), (0, pad))
