@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-variants", action="store_true",
                     help="today's defaults only: no one-change variants")
     ap.add_argument("--variants", help="comma-separated one-change variants to time (default: all of "
-                    "routing, dispatch, combine, gdn_conv, conv, xla_conv, norm_rope)")
+                    "routing, no_gather, dispatch, combine, gdn_conv, conv, xla_conv, norm_rope, merge_qkv)")
     ap.add_argument("--permute-configs", action="store_true",
                     help="also time the permutation kernels' block shapes")
     ap.add_argument("--routing-configs", action="store_true",
@@ -303,6 +303,7 @@ XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE 
     " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
 NO_GATHER = " (dispatch, then GEMM)"
 FUSED_CONV = " (conv in GDN prep)"
+MERGED_QKV = " (q, k, v one GEMM)"
 DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
 # What each variant's change can reach (the rest would time the defaults again): the routing every MoE layer, the
 # dispatch and combine the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the
@@ -310,7 +311,8 @@ DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
 VARIANT_PARTS = {XLA_ROUTING: ("linear", "gdn", "full", "moe"), XLA_DISPATCH: ("linear", "moe"),
                  NO_GATHER: ("linear", "moe"),
                  PALLAS_COMBINE: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
-                 FUSED_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention")}
+                 FUSED_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention"),
+                 MERGED_QKV: ("full", "attention")}
 # name -> (row suffix, environment): each changes one choice of the defaults
 VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "no_gather": (NO_GATHER, {"JAX_DWDP_MOE_GATHER": "0"}),  # the Pallas dispatch, then the TMA GEMM
@@ -319,7 +321,8 @@ VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "gdn_conv": (FUSED_CONV, {"JAX_DWDP_GDN_CONV": "fused"}),  # the conv inside the GDN prep kernel
             "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),  # (the default from 8,192 tokens: a no-op there)
             "xla_conv": (XLA_CONV, {"JAX_DWDP_CONV": "xla"}),  # (the default below 8,192 tokens)
-            "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"})}
+            "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"}),
+            "merge_qkv": (MERGED_QKV, {"JAX_DWDP_MERGE_QKV": "1"})}  # XLA's dot merger on q, k, v (the old path)
 
 
 @contextlib.contextmanager

@@ -74,6 +74,30 @@ def _bf16_and_fp32_models(rng, t: int):
     return cfg, tokens, m16, m32
 
 
+def test_attention_projections_are_not_merged_into_one_gemm(rng, monkeypatch):
+    """q, k and v share their input, so XLA's dot merger would make them one GEMM (concatenating the weights each
+    call, then copying q out of the merged output for the norm + RoPE kernel); the module keeps them apart, and
+    $JAX_DWDP_MERGE_QKV=1 lets XLA merge them (the merged shape the check looks for shows up)."""
+    import re
+
+    from flax import nnx
+
+    cfg, _, m16, _ = _bf16_and_fp32_models(rng, 8)
+    sa = next(layer for layer in m16.layers if layer.layer_type == "full_attention").self_attn
+    graph, state = nnx.split(sa)
+    x = jnp.asarray(rng.standard_normal((1, 1024, cfg.hidden_size)), jnp.bfloat16)
+    positions = jnp.arange(1024, dtype=jnp.int32)[None]
+    merged = re.compile(rf"bf16\[(?:\d+,)*{sa.num_heads * sa.head_dim * 2 + 2 * sa.num_kv_heads * sa.head_dim}[,\]]")
+
+    def hlo():  # a new function each time: the environment is read when traced
+        return jax.jit(lambda s, x, p: nnx.merge(graph, s)._project(x, p)).lower(state, x, positions).compile().as_text()
+
+    monkeypatch.delenv("JAX_DWDP_MERGE_QKV", raising=False)
+    assert not merged.search(hlo()), "the attention module's q, k, v projections were merged into one GEMM"
+    monkeypatch.setenv("JAX_DWDP_MERGE_QKV", "1")
+    assert merged.search(hlo()), "with JAX_DWDP_MERGE_QKV=1 XLA did not merge the three dots"
+
+
 def test_gpu_prefill_matches_cpu_fp32(rng):
     from jax_dwdp.config import ModelConfig
     from jax_dwdp.model import init_model

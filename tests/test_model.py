@@ -216,3 +216,19 @@ def test_fused_swiglu_layout_computes_the_same_model(rng):
     with pytest.raises(ValueError, match="moe_intermediate_size % 8 == 0"):
         init_model(odd, dtype=jnp.float32, seed=5, fused_swiglu=True)
 
+
+
+def test_merge_qkv_switch(monkeypatch):
+    """$JAX_DWDP_MERGE_QKV: unset or 0 keeps the attention projections apart, 1 lets XLA merge them (the same
+    function either way); any other value names the variable."""
+    from jax_dwdp.model import attention
+
+    monkeypatch.delenv(attention.MERGE_QKV_ENV, raising=False)
+    assert not attention.merge_qkv()
+    monkeypatch.setenv(attention.MERGE_QKV_ENV, "0")
+    assert not attention.merge_qkv()
+    monkeypatch.setenv(attention.MERGE_QKV_ENV, "1")
+    assert attention.merge_qkv()
+    monkeypatch.setenv(attention.MERGE_QKV_ENV, "yes")
+    with pytest.raises(ValueError, match=r"\$JAX_DWDP_MERGE_QKV='yes'"):
+        attention.merge_qkv()
