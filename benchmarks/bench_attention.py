@@ -11,7 +11,9 @@ kernel's bf16 path failed on jax 0.10; an implementation that fails prints why a
 Accuracy: every implementation's output against a float64 numpy reference on a sample of query rows (the last
 `--ref-rows` of the sequence plus the first 64, where the causal window is longest and shortest), and against cuDNN
 over the whole output; both printed before any timing. Times: 10 back-to-back calls / 10, median of 5
-(bench_gdn.wall_ms); TF/s counts the causal FLOPs, 4 T^2 Hq D / 2.
+(bench_gdn.wall_ms); TF/s counts the causal FLOPs, 4 T^2 Hq D / 2. `--trace` adds each implementation's kernel time
+and span per call from a profiler trace (cuDNN's 16K call measured 3.6 ms of wall time against a 3.14 ms kernel in
+the nineteenth session's probe: the trace shows where the rest goes).
 """
 
 from __future__ import annotations
@@ -40,6 +42,24 @@ def reference_rows(q, k, v, rows, scale):
     return out
 
 
+def _traced(call, sync, calls: int = 5) -> dict:
+    """Kernel time per call and the span per call of `calls` back-to-back calls, from a jax.profiler trace."""
+    import tempfile
+
+    import jax
+    import trace_summary
+
+    sync(call())
+    with tempfile.TemporaryDirectory() as where:
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = call()
+            sync(out)
+        summary = trace_summary.summarize(trace_summary.load(where))
+    return {"kernel_ms": summary["total_ms"] / calls, "span_ms": summary["span_ms"] / calls,
+            "device_events": summary["device"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
@@ -49,6 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--configs", nargs="+", default=["64,64,2"],
                     help="attention_mgpu tunings block_q,block_kv,max_concurrent_steps (shared memory: 2 block_q "
                          "+ 2 steps block_kv rows of D fp16 must fit in 227 KiB)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also trace 5 calls of each implementation (jax.profiler) and report its kernels' time per "
+                         "call and the call's span beside the wall time: what of the call is not kernel time")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -122,6 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
             ms = wall_ms(lambda: fn(*inputs), sync)
             flops = 4 * t * t * hq * d / 2
             row.update(ms=ms, tflops=flops / ms / 1e9)
+            if args.trace:
+                row.update(_traced(lambda: fn(*inputs), sync))
+                print(f"  {'':<34} traced: {row['kernel_ms']:.3f} ms of kernels a call over a span of "
+                      f"{row['span_ms']:.3f} ms ({'device' if row['device_events'] else 'HOST'} events)", flush=True)
             report["rows"].append(row)
             extra = f", vs cuDNN {row['max_abs_diff_vs_cudnn']:.2e}" if "max_abs_diff_vs_cudnn" in row else ""
             print(f"  {name:<34} {ms:8.3f} ms  {row['tflops']:6.1f} TF/s   max |err| vs fp64 {err:.2e}{extra}",

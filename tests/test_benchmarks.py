@@ -294,9 +294,10 @@ def test_attention_bench_reference_and_rows(tmp_path):
                                         is_causal=True, implementation="xla")[0]
     np.testing.assert_allclose(bench.reference_rows(q, k, v, rows, 0.25), np.asarray(want)[rows], atol=1e-5)
     result, saved = run("bench_attention", ["--tokens", "128", "--heads", "4/2", "--head-dim", "64",
-                                            "--ref-rows", "16"], tmp_path / "attn.json")
+                                            "--ref-rows", "16", "--trace"], tmp_path / "attn.json")
     model = [r for r in saved["rows"] if r["impl"].startswith("cuDNN")]
     assert len(model) == 1 and model[0]["ms"] > 0 and model[0]["max_abs_err_vs_fp64"] < 2e-2
+    assert model[0]["span_ms"] > 0 and model[0]["kernel_ms"] > 0  # --trace: host events on the CPU
     mgpu = [r for r in saved["rows"] if r["impl"].startswith("mgpu")]
     assert len(mgpu) == 4 and all("error" in r for r in mgpu)  # no GPU here
 

@@ -4,7 +4,8 @@
 # removed: the core was slower.)
 # Run from the repository root with the FFI library in jax_dwdp/_lib (carried). Steps ($STEPS, default
 # "bench tests probe"):
-#   bench    bench_attention.py: both cores at $ATTN_TOKENS (float64 reference rows, the diff to cuDNN, TF/s)
+#   bench    bench_attention.py: both cores at $ATTN_TOKENS (float64 reference rows, the diff to cuDNN, TF/s; with
+#            $BENCH_EXTRA, default --trace: each call's kernel time and span beside its wall time)
 #   tests    the attention GPU tests (tests/test_gpu.py -k "cudnn or projections")
 #   probe    probe_layer_kernels.py at $PROBE_TOKENS: both layers' kernels by name (today's defaults)
 # Logs and JSON under $OUT/attention.
@@ -19,7 +20,7 @@ for step in $STEPS; do
     bench)
       echo "== bench"
       timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_attention.py --tokens ${ATTN_TOKENS:-4096 16384 32768} \
-        --out "$OUT/bench.json" 2>&1 | filter > "$OUT/bench.log"
+        ${BENCH_EXTRA:---trace} --out "$OUT/bench.json" 2>&1 | filter > "$OUT/bench.log"
       echo "bench rc $?"; grep -v "^tokens\|^NVIDIA" "$OUT/bench.log" | cut -c1-160 | tail -40 ;;
     tests)
       echo "== tests"
