@@ -6,7 +6,8 @@ Shapes: batch 1, causal, GQA (query/kv heads), the model's [B, T, H, D] layout. 
 softmax(q k^T) v without a scale and keeps its shared-memory tiles in fp16, so it runs on fp16 inputs with q
 pre-scaled (d^-0.5 is a power of two for d = 64 / 256: exact); the "with casts" row adds the bf16 -> fp16 casts of
 q, k, v and the fp16 -> bf16 cast of the output, what a drop-in replacement would cost. A bf16 call is tried too (the
-kernel's bf16 path failed on jax 0.10; an implementation that fails prints why and the run goes on).
+kernel's bf16 path fails on jax 0.10.2 and 0.11.2: its tiles are fp16; an implementation that fails prints why and
+the run goes on).
 
 Accuracy: every implementation's output against a float64 numpy reference on a sample of query rows (the last
 `--ref-rows` of the sequence plus the first 64, where the causal window is longest and shortest), and against cuDNN

@@ -127,4 +127,3 @@ def test_fused_swiglu_on_a_gpu_host_lowers_the_epilogue_kernel_for_cuda_and_the_
     assert cutlass.SWIGLU_TARGET not in traced.lower(lowering_platforms=("cpu",)).as_text()
     got = np.asarray(fn(x, w, sizes).astype(jnp.float32))  # lowered for this CPU: the group loop
     np.testing.assert_array_equal(got, ref)
-
