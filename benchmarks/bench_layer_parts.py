@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--routing-configs", action="store_true",
                     help="also time the routing kernels (top-k softmax, counting sort) at other tile rows x warps")
     ap.add_argument("--conv-configs", action="store_true",
-                    help="also time the GDN mixer with the Pallas conv at other tile rows x warps")
+                    help="also time the Pallas conv (alone and in the GDN mixer) at other tiles: CONV_CONFIGS")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -180,11 +180,17 @@ def main(argv: list[str] | None = None) -> dict:
             record(t, f"un-permute, weighted sum + shared add, {impl}",
                    lambda: combine_add(down, inverse, w_bf16, shared_out), "moe")
         if args.conv_configs:  # the Pallas conv's tile rows and warps, inside the GDN mixer
-            for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (16, 4)):
+            conv_in = jit_method(linear, lambda m, x: m.linear_attn.in_proj_qkv(m.input_layernorm(x)))(x)
+            # (rows, warps, widest channel block); the conv alone (its three split calls) and inside the mixer
+            for bt, nw, bc in CONV_CONFIGS:
                 with _environment({conv_mod.ENV_IMPLEMENTATION: "pallas"}), _patched(conv_mod, BLOCK_T=bt,
-                                                                                      NUM_WARPS=nw):
+                                                                                      NUM_WARPS=nw, MAX_BLOCK_C=bc):
+                    key_dim = linear.linear_attn.key_dim
+                    conv_alone = jit_method(linear, lambda m, y: conv_mod.causal_conv_silu(
+                        y, m.linear_attn.conv1d.weight[...], splits=(key_dim, 2 * key_dim)))
+                    record(t, f"Pallas conv (3 splits) {bt} rows w{nw} c{bc}", lambda: conv_alone(conv_in), "conv")
                     gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
-                    record(t, f"GDN mixer, Pallas conv {bt} rows w{nw}", lambda: gdn(x, lengths), "conv")
+                    record(t, f"GDN mixer, Pallas conv {bt} rows w{nw} c{bc}", lambda: gdn(x, lengths), "conv")
         if args.permute_configs:  # the kernels' block shapes (tokens x columns per program, warps)
             for bt, bw, nw in ((16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 512, 8), (8, 512, 4), (32, 512, 8)):
                 cfg_kw = dict(block_tokens=bt, block_columns=bw, num_warps=nw)
@@ -301,6 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
     " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
+# --conv-configs: (rows, warps, widest channel block) of the Pallas conv's tile; the first is the default
+CONV_CONFIGS = ((32, 4, 128), (32, 4, 256), (32, 4, 512), (64, 4, 256), (32, 8, 256), (64, 8, 512), (16, 4, 256))
 NO_GATHER = " (dispatch, then GEMM)"
 FUSED_CONV = " (conv in GDN prep)"
 MERGED_QKV = " (q, k, v one GEMM)"

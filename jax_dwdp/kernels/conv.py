@@ -31,6 +31,7 @@ PALLAS_MIN_TOKENS = 8192  # the default: the kernel from this many tokens (B x T
 _F32 = jnp.float32
 BLOCK_T = 32  # rows of a program's tile
 NUM_WARPS = 4
+MAX_BLOCK_C = 128  # the widest channel block a program takes (a power of two; the kernel uses the widest dividing C)
 
 
 def causal_conv_silu_xla(x: jax.Array, weight: jax.Array, history: jax.Array | None = None) -> jax.Array:
@@ -46,10 +47,13 @@ def causal_conv_silu_xla(x: jax.Array, weight: jax.Array, history: jax.Array | N
 
 
 def _block_c(c: int) -> int:
-    """The largest power of two <= 128 that divides C (0: none >= 16, the kernel does not apply)."""
-    for bc in (128, 64, 32, 16):
+    """The largest power of two <= MAX_BLOCK_C (read at each call) that divides C (0: none >= 16, the kernel does
+    not apply)."""
+    bc = MAX_BLOCK_C
+    while bc >= 16:
         if c % bc == 0:
             return bc
+        bc //= 2
     return 0
 
 
