@@ -314,17 +314,23 @@ def test_layer_parts_without_variants(tmp_path):
 
 def test_layer_parts_chosen_variants_and_conv_configs(tmp_path):
     """--variants picks one-change variants by name (the norm + RoPE one times only the full-attention layer and
-    its mixer); --conv-configs times the GDN mixer at the conv's six tile shapes (on the CPU the lowering takes
-    XLA's conv, so each row is a time); an unknown variant is refused."""
-    result = load("bench_layer_parts").main(["--preset", "tiny", "--tokens", "16", "--variants", "norm_rope",
-                                             "--no-attention-alternatives", "--conv-configs"])
+    its mixer); --conv-configs times the conv alone and in the GDN mixer at each of CONV_CONFIGS' (rows, warps,
+    channel block) tiles, two rows per tile named by it (on the CPU the lowering takes XLA's conv, so each row is a
+    time); an unknown variant is refused."""
+    bench = load("bench_layer_parts")
+    result = bench.main(["--preset", "tiny", "--tokens", "16", "--variants", "norm_rope",
+                         "--no-attention-alternatives", "--conv-configs"])
     parts = {r["part"]: r for r in result["rows"]}
     assert "full-attention layer (XLA norm+RoPE)" in parts and "MoE block (XLA routing)" not in parts
     assert "linear-attention layer (XLA norm+RoPE)" not in parts
     conv_rows = [r for r in result["rows"] if r["group"] == "conv"]
-    assert len(conv_rows) == 6 and all(r["ms"] > 0 for r in conv_rows)
+    assert len(conv_rows) == 2 * len(bench.CONV_CONFIGS) and all(r["ms"] > 0 for r in conv_rows)
+    for bt, nw, bc in bench.CONV_CONFIGS:
+        tile = f"{bt} rows w{nw} c{bc}"
+        assert {r["part"] for r in conv_rows if r["part"].endswith(" " + tile)} == {
+            f"Pallas conv (3 splits) {tile}", f"GDN mixer, Pallas conv {tile}"}
     with pytest.raises(SystemExit):
-        load("bench_layer_parts").main(["--preset", "tiny", "--tokens", "16", "--variants", "norm-rope"])
+        bench.main(["--preset", "tiny", "--tokens", "16", "--variants", "norm-rope"])
 
 
 @pytest.mark.parametrize("mode", ["--layerwise", "--scan"])

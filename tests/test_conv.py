@@ -63,6 +63,21 @@ def test_bf16_matches_the_xla_path(rng):
     assert np.all(diff <= np.abs(np.asarray(want, np.float32)) * 2**-7 + 1e-6)
 
 
+def test_channel_block_is_the_widest_power_of_two_up_to_max_block_c(rng, monkeypatch):
+    """MAX_BLOCK_C, read at each call, caps the channel block (the benchmark's tile sweep sets it): the widest power
+    of two dividing C, 0 below 16; a 256-wide block computes the same output as the default 128 (interpret mode on
+    the CPU)."""
+    assert [conv._block_c(c) for c in (8192, 384, 48, 24)] == [128, 128, 16, 0]
+    monkeypatch.setattr(conv, "MAX_BLOCK_C", 512)
+    assert [conv._block_c(c) for c in (8192, 768, 384)] == [512, 256, 128]
+    x, weight, history = _inputs(rng, 1, 40, 512, 4, jnp.float32)
+    wide = conv.causal_conv_silu_pallas(x, weight, history, out=jnp.full(x.shape, jnp.nan), interpret=not on_gpu)
+    monkeypatch.setattr(conv, "MAX_BLOCK_C", 128)
+    default = conv.causal_conv_silu_pallas(x, weight, history, interpret=not on_gpu)
+    _check(wide, _reference_f64(x, weight, history), "pallas 512-wide block", 1e-5)
+    np.testing.assert_allclose(np.asarray(wide), np.asarray(default), rtol=1e-6, atol=1e-6)
+
+
 def test_dispatch_and_unsupported_shapes(rng, monkeypatch):
     monkeypatch.delenv(conv.ENV_IMPLEMENTATION, raising=False)
     xb, wb, _ = _inputs(rng, 1, 8, 32, 4, jnp.bfloat16)

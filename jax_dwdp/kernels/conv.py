@@ -12,7 +12,9 @@ slower at 4K (ninth session). Writing one array (ninth session) the whole mixer 
 slices became copies); writing the three (twelfth session) the linear-attention layer is 1.6% / 0.5% faster at 16K
 / 32K, and 1.9% slower at 4K. So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on (8,192: between
 the measured sizes, not measured itself); $JAX_DWDP_CONV=xla|pallas chooses for every size. Tile: 32 rows x up to
-128 channels, 4 warps (the fastest of six shapes inside the mixer).
+128 channels (MAX_BLOCK_C), 4 warps: the fastest of six shapes inside the mixer (twelfth session), and of seven
+(rows, warps, channel block) tiles alone and inside the mixer at 16K and 32K (twentieth session: 256- and 512-wide
+channel blocks 5-98% slower alone).
 """
 
 from __future__ import annotations
