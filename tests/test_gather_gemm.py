@@ -5,6 +5,7 @@ float64, against gather-then-grouped-matmul, with poisoned outputs and edge size
 from __future__ import annotations
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -213,18 +214,23 @@ def test_cutlass_gather_poisoned_output_and_edge_sizes(rng, config):
         cutlass.grouped_matmul_gather(x, row_token, w, jnp.asarray(sizes, jnp.int32), config="nope")
 
 
+GATHER_SWIGLU_CONFIGS = ["gather_swiglu_128x256x64", "gather_swiglu_persistent_128x256x64"]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", GATHER_SWIGLU_CONFIGS)
 @pytest.mark.parametrize("i,k", [(512, 2048), (1024, 4096), (136, 72)])  # 35B, 397B shapes; I, K not tile multiples
-def test_cutlass_gather_swiglu_matches_fp64_and_the_unfused_order(rng, i, k):
+def test_cutlass_gather_swiglu_matches_fp64_and_the_unfused_order(rng, i, k, config):
     """The fused kernel against float64 and against its own unfused order (the gather kernel's bf16 [M, 2I], then
     SiLU(gate) * up in fp32): the same bf16 gate and up go in, so they differ by at most the activation's last bit."""
     _gpu_only()
     cutlass = _require_library()
+    assert cutlass.gather_swiglu_config_names() == GATHER_SWIGLU_CONFIGS
     g, t = 16, 700
     x, row_token, w, sizes = make_case(rng, t, 3000, g, 2 * i, k, empty=(0, 7, g - 1), slack=61, bad=5)
     gs = jnp.asarray(sizes, jnp.int32)
     total = int(sizes.sum())
-    out = jax.jit(cutlass.grouped_matmul_gather_swiglu)(x, row_token, w, gs)
+    out = jax.jit(lambda *a: cutlass.grouped_matmul_gather_swiglu(*a, config=config))(x, row_token, w, gs)
     assert out.shape == (3000, i)
     o = np.asarray(out.astype(jnp.float32), np.float64)
     ref = swiglu_reference(x, row_token, w, sizes)
@@ -234,19 +240,20 @@ def test_cutlass_gather_swiglu_matches_fp64_and_the_unfused_order(rng, i, k):
     u = np.asarray(unfused.astype(jnp.float32), np.float64)
     diff = rel_err(o[:total], u[:total])
     same = float(np.mean(o[:total] == u[:total]))
-    print(f"gather+SwiGLU i={i} k={k}: vs fp64 {err:.2e} (bound {BF16_BOUND}); vs unfused order {diff:.2e}, "
+    print(f"{config} i={i} k={k}: vs fp64 {err:.2e} (bound {BF16_BOUND}); vs unfused order {diff:.2e}, "
           f"{same:.4%} of values identical; tail zeros {bool(np.all(o[total:] == 0))}")
     assert np.isfinite(o).all() and np.all(o[total:] == 0)
     assert err <= BF16_BOUND and diff <= 2e-3
 
 
 @pytest.mark.gpu
-def test_cutlass_gather_swiglu_poisoned_output_and_edge_sizes(rng):
+@pytest.mark.parametrize("config", GATHER_SWIGLU_CONFIGS)
+def test_cutlass_gather_swiglu_poisoned_output_and_edge_sizes(rng, config):
     _gpu_only()
     cutlass = _require_library()
     g, i, k, m, t = 8, 128, 128, 1000, 333
     x, row_token, w, _ = make_case(rng, t, m, g, 2 * i, k)
-    f = jax.jit(cutlass.grouped_matmul_gather_swiglu)
+    f = jax.jit(lambda *a: cutlass.grouped_matmul_gather_swiglu(*a, config=config))
     for label, sizes in {"all empty": np.zeros(g, np.int64), "single rows": np.ones(g, np.int64),
                          "full": np.array([0, 129, 1, 0, 500, 127, 243, 0])}.items():
         poison = [jnp.full((m, i), jnp.nan, jnp.bfloat16) for _ in range(4)]
@@ -256,8 +263,37 @@ def test_cutlass_gather_swiglu_poisoned_output_and_edge_sizes(rng):
         total = int(sizes.sum())
         ref = swiglu_reference(x, row_token, w, sizes)
         err = rel_err(o[:total], ref[:total]) if total else 0.0
-        print(f"gather+SwiGLU {label}: rel err {err:.2e}, tail zeros {bool(np.all(o[total:] == 0))}")
+        print(f"{config} {label}: rel err {err:.2e}, tail zeros {bool(np.all(o[total:] == 0))}")
         assert np.isfinite(o).all() and np.all(o[total:] == 0) and err <= BF16_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [20_000, 131_072])  # 640 and ~4,200 work units: several per CTA of the persistent grid
+def test_cutlass_gather_swiglu_persistent_is_the_staged_kernel_bit_for_bit(rng, m, monkeypatch):
+    """The persistent form walks several tiles per CTA (more work units than SMs), its pipeline running on from
+    tile to tile: its output must be the one-CTA-per-tile kernel's, bit for bit, rows past the sum zeros in a
+    poisoned buffer; $JAX_DWDP_GATHER_SWIGLU_CONFIG picks it, and an unknown name is refused."""
+    _gpu_only()
+    cutlass = _require_library()
+    g, i, k, t = 128, 512, 2048, 16_384
+    x, row_token, w, sizes = make_case(rng, t, m, g, 2 * i, k, empty=(0, 5, g - 1), slack=37, bad=9)
+    gs = jnp.asarray(sizes, jnp.int32)
+    staged = jax.jit(lambda *a: cutlass.grouped_matmul_gather_swiglu(*a, config=GATHER_SWIGLU_CONFIGS[0]))
+    monkeypatch.setenv("JAX_DWDP_GATHER_SWIGLU_CONFIG", GATHER_SWIGLU_CONFIGS[1])
+    persistent = jax.jit(cutlass.grouped_matmul_gather_swiglu)  # the choice from the environment, at trace time
+    assert re.search(r"config = 1 : i32", persistent.lower(x, row_token, w, gs).as_text())  # index 1: persistent
+    want = np.asarray(staged(x, row_token, w, gs).astype(jnp.float32))
+    poison = [jnp.full((m, i), jnp.nan, jnp.bfloat16) for _ in range(4)]
+    jax.block_until_ready(poison)
+    del poison
+    got = np.asarray(persistent(x, row_token, w, gs).astype(jnp.float32))
+    total = int(sizes.sum())
+    same = bool(np.array_equal(got, want))
+    print(f"persistent vs staged gather+SwiGLU, M={m}: identical {same}, "
+          f"max |diff| {float(np.max(np.abs(got - want))):.3e}, tail zeros {bool(np.all(got[total:] == 0))}")
+    assert np.isfinite(got).all() and np.all(got[total:] == 0) and same
+    with pytest.raises(ValueError, match="none of"):
+        cutlass.grouped_matmul_gather_swiglu(x, row_token, w, gs, config="nope")
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@
 #            the dispatch (--variants no_gather) at $PARTS_TOKENS tokens ($PARTS_EXTRA: more flags, e.g.
 #            "--preset 397b-a17b")
 #   prefill  the 40-layer 35b-a3b prefill, layer-wise, with $JAX_DWDP_MOE_GATHER=0, 1, 0 ($GATHER_RUNS; one process
-#            each; the two dispatch runs bound the drift) at $SEQS tokens
+#            each; the two dispatch runs bound the drift) at $SEQS tokens; $PREFILL_VAR names another variable to
+#            set to those values instead (e.g. JAX_DWDP_GATHER_SWIGLU_CONFIG: the fused kernel's configuration)
 # Logs and JSON under $OUT/gather.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD JAX_DWDP_TEST_GPU=1
@@ -41,11 +42,13 @@ for step in $STEPS; do
         "$OUT/parts.log" ;;
     prefill)
       echo "== prefill"
-      printf '%-8s %-6s %9s %11s\n' gather seq "compile s" "prefill ms"
+      var=${PREFILL_VAR:-JAX_DWDP_MOE_GATHER}
+      echo "runs: $var = ${GATHER_RUNS:-0 1 0}"
+      printf '%-8s %-6s %9s %11s\n' value seq "compile s" "prefill ms"
       i=0
       for g in ${GATHER_RUNS:-0 1 0}; do
         log="$OUT/prefill_$i.log"
-        JAX_DWDP_MOE_GATHER=$g XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${RUN_TIMEOUT:-150} python3 \
+        env "$var=$g" XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${RUN_TIMEOUT:-150} python3 \
           benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens $SEQS --layerwise --iters 5 \
           --out "$OUT/prefill_$i.json" > "$log" 2>&1
         rc=$?

@@ -205,7 +205,7 @@ struct GatherLayout {
 
 const GatherConfig* const kGatherConfigs[] = {&kGatherTmaB128x256x64, &kGatherCoop128x256x64};
 constexpr int kNumGatherConfigs = sizeof(kGatherConfigs) / sizeof(kGatherConfigs[0]);
-const GatherConfig* const kGatherSwigluConfigs[] = {&kGatherSwiglu128x256x64};
+const GatherConfig* const kGatherSwigluConfigs[] = {&kGatherSwiglu128x256x64, &kGatherSwigluPersistent128x256x64};
 constexpr int kNumGatherSwigluConfigs = sizeof(kGatherSwigluConfigs) / sizeof(kGatherSwigluConfigs[0]);
 
 int sm_count_of(int device) {
@@ -396,6 +396,7 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.row_start = reinterpret_cast<int32_t*>(ws + lay.row_start);
   a.rows = reinterpret_cast<int32_t*>(ws + lay.rows);
   a.tile_start = reinterpret_cast<int32_t*>(ws + lay.tile_start);
+  a.sm_count = sm_count;
   a.stream = stream;
   auto* total_rows = reinterpret_cast<long long*>(ws + lay.total);
 
@@ -428,6 +429,8 @@ JAX_DWDP_GMM_EXPORT XLA_FFI_Error* JaxDwdpGatherGroupedGemmSwiglu(XLA_FFI_CallFr
 JAX_DWDP_GMM_EXPORT size_t JaxDwdpGatherGroupedGemmWorkspaceBytes(int32_t groups);
 JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGatherGroupedGemmNumConfigs();
 JAX_DWDP_GMM_EXPORT const char* JaxDwdpGatherGroupedGemmConfigName(int32_t i);
+JAX_DWDP_GMM_EXPORT int32_t JaxDwdpGatherGroupedGemmSwigluNumConfigs();
+JAX_DWDP_GMM_EXPORT const char* JaxDwdpGatherGroupedGemmSwigluConfigName(int32_t i);
 
 #define JAX_DWDP_GMM_BINDING                                 \
   ffi::Ffi::Bind()                                           \
@@ -498,6 +501,12 @@ int32_t JaxDwdpGatherGroupedGemmNumConfigs() { return jax_dwdp_gmm::kNumGatherCo
 
 const char* JaxDwdpGatherGroupedGemmConfigName(int32_t i) {
   return i >= 0 && i < jax_dwdp_gmm::kNumGatherConfigs ? jax_dwdp_gmm::kGatherConfigs[i]->name : nullptr;
+}
+
+int32_t JaxDwdpGatherGroupedGemmSwigluNumConfigs() { return jax_dwdp_gmm::kNumGatherSwigluConfigs; }
+
+const char* JaxDwdpGatherGroupedGemmSwigluConfigName(int32_t i) {
+  return i >= 0 && i < jax_dwdp_gmm::kNumGatherSwigluConfigs ? jax_dwdp_gmm::kGatherSwigluConfigs[i]->name : nullptr;
 }
 
 }  // extern "C"

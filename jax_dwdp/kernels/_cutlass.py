@@ -11,6 +11,9 @@ Switches (read at trace time):
   average rows per group (`pick_config`: the cooperative 128x256 tile without a cluster from 64 rows per group).
   The fused SwiGLU kernel is built for two of those tiles (`swiglu_config_names()`); for it, a forced name it lacks
   keeps the automatic choice, with a warning. (The `config=` argument indexes the function's own list.)
+- $JAX_DWDP_GATHER_CONFIG, $JAX_DWDP_GATHER_SWIGLU_CONFIG: the gather kernels' configuration by name or index into
+  `gather_config_names()` / `gather_swiglu_config_names()` (the `config=` argument wins); default: the first of each
+  (GATHER_SWIGLU_DEFAULT for the fused SwiGLU one).
 - $JAX_DWDP_GMM_CMD_BUFFER=1: register the handler with the command-buffer (CUDA graph) trait, so that XLA records
   it into its command buffers with the kernels around it. It runs (since the handler takes its device from XLA's FFI
   context: cudaStreamGetDevice is refused during stream capture) but measured no faster over the 40-layer 35b-a3b
@@ -54,10 +57,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, prefix + "NoGraph")
     lib.JaxDwdpGatherGroupedGemmWorkspaceBytes.restype = ctypes.c_size_t
     lib.JaxDwdpGatherGroupedGemmWorkspaceBytes.argtypes = [ctypes.c_int32]
-    lib.JaxDwdpGatherGroupedGemmNumConfigs.restype = ctypes.c_int32
-    lib.JaxDwdpGatherGroupedGemmNumConfigs.argtypes = []
-    lib.JaxDwdpGatherGroupedGemmConfigName.restype = ctypes.c_char_p
-    lib.JaxDwdpGatherGroupedGemmConfigName.argtypes = [ctypes.c_int32]
+    for prefix in ("JaxDwdpGatherGroupedGemm", "JaxDwdpGatherGroupedGemmSwiglu"):
+        getattr(lib, prefix + "NumConfigs").restype = ctypes.c_int32
+        getattr(lib, prefix + "NumConfigs").argtypes = []
+        getattr(lib, prefix + "ConfigName").restype = ctypes.c_char_p
+        getattr(lib, prefix + "ConfigName").argtypes = [ctypes.c_int32]
     lib.JaxDwdpGatherGroupedGemm
     lib.JaxDwdpGatherGroupedGemmSwiglu
 
@@ -85,6 +89,29 @@ def gather_config_names() -> list[str]:
     lib = _lib()
     return [lib.JaxDwdpGatherGroupedGemmConfigName(i).decode()
             for i in range(lib.JaxDwdpGatherGroupedGemmNumConfigs())]
+
+
+def gather_swiglu_config_names() -> list[str]:
+    """The configurations of the gather grouped GEMM with the fused SwiGLU (`grouped_matmul_gather_swiglu`): the
+    one-CTA-per-tile kernel and its persistent form (one CTA per SM, the next tile's loads under this one's
+    epilogue)."""
+    lib = _lib()
+    return [lib.JaxDwdpGatherGroupedGemmSwigluConfigName(i).decode()
+            for i in range(lib.JaxDwdpGatherGroupedGemmSwigluNumConfigs())]
+
+
+def _gather_choice(names: list[str], config: int | str | None, env: str, default: int, what: str) -> int:
+    """Index into `names` of `config` (a name or an index), else of $env, else `default`."""
+    choice = config if config is not None else (os.environ.get(env) or default)
+    if isinstance(choice, str) and choice.isdigit():
+        choice = int(choice)
+    if isinstance(choice, str):
+        if choice not in names:
+            raise ValueError(f"{what} config {choice!r} is none of {names}")
+        choice = names.index(choice)
+    if not 0 <= int(choice) < len(names):
+        raise ValueError(f"{what} config index {choice} is out of range for {names}")
+    return int(choice)
 
 
 def _register() -> None:
@@ -209,24 +236,23 @@ def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, grou
     outside [0, T), are zeros. Needs K % 8 == 0 and N % 8 == 0. `config`: a name or index into
     `gather_config_names()` (default: $JAX_DWDP_GATHER_CONFIG, else the first).
     """
-    names = gather_config_names()
-    choice = config if config is not None else (os.environ.get("JAX_DWDP_GATHER_CONFIG") or 0)
-    if isinstance(choice, str) and choice.isdigit():
-        choice = int(choice)
-    if isinstance(choice, str):
-        if choice not in names:
-            raise ValueError(f"gather grouped matmul config {choice!r} is none of {names}")
-        choice = names.index(choice)
-    if not 0 <= int(choice) < len(names):
-        raise ValueError(f"gather grouped matmul config index {choice} is out of range for {names}")
-    return _gather_call(GATHER_TARGET, "gather grouped matmul", 8, 1, x, row_token, w, group_sizes, int(choice))
+    choice = _gather_choice(gather_config_names(), config, "JAX_DWDP_GATHER_CONFIG", 0, "gather grouped matmul")
+    return _gather_call(GATHER_TARGET, "gather grouped matmul", 8, 1, x, row_token, w, group_sizes, choice)
 
 
-def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+GATHER_SWIGLU_DEFAULT = 0  # index into gather_swiglu_config_names(): the one-CTA-per-tile kernel
+
+
+def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                                 config: int | str | None = None) -> jax.Array:
     """The gate_up projection with the gather in its loads and SiLU(gate) * up in its epilogue: x [T, K] bf16,
     row_token [M] int32, w [G, 2I, K] bf16 in the checkpoint's layout (gate rows, then up rows), group_sizes [G].
     Returns [M, I] bf16 = silu(gate) * up in fp32 from gate and up rounded to bf16 (as `grouped_matmul_gather`,
     then the activation, computes it). Rows past sum(group_sizes) and rows of a token outside [0, T) are zeros.
-    Needs K % 8 == 0 and I % 8 == 0.
+    Needs K % 8 == 0 and I % 8 == 0. `config`: a name or index into `gather_swiglu_config_names()` (default:
+    $JAX_DWDP_GATHER_SWIGLU_CONFIG, else GATHER_SWIGLU_DEFAULT); every configuration computes the same bits.
     """
-    return _gather_call(GATHER_SWIGLU_TARGET, "gather SwiGLU grouped matmul", 16, 2, x, row_token, w, group_sizes, 0)
+    choice = _gather_choice(gather_swiglu_config_names(), config, "JAX_DWDP_GATHER_SWIGLU_CONFIG",
+                            GATHER_SWIGLU_DEFAULT, "gather SwiGLU grouped matmul")
+    return _gather_call(GATHER_SWIGLU_TARGET, "gather SwiGLU grouped matmul", 16, 2, x, row_token, w, group_sizes,
+                        choice)
