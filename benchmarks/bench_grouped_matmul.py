@@ -641,6 +641,21 @@ def bench_gather(args) -> dict:
                                 record(f"gather swiglu {cfg_name}", lambda: fused_cfg(xt, tok, w, gs, cfg_name))
                             except Exception as ex:  # noqa: BLE001
                                 row["notes"][f"gather swiglu {cfg_name}"] = reason(ex)
+                        # the same kernels with the half-tile skip off (the library reads it at each call)
+                        before = os.environ.get("JAX_DWDP_GATHER_HALF_TILES")
+                        os.environ["JAX_DWDP_GATHER_HALF_TILES"] = "0"
+                        try:
+                            for cfg_name in swiglu_configs:
+                                if not np.array_equal(np.asarray(fused_cfg(xt, tok, w, gs, cfg_name), np.float32), want):
+                                    raise AssertionError(f"{cfg_name} with full tiles differs")
+                                record(f"gather swiglu {cfg_name} full tiles",
+                                       lambda: fused_cfg(xt, tok, w, gs, cfg_name))
+                        except Exception as ex:  # noqa: BLE001
+                            row["notes"]["gather swiglu full tiles"] = reason(ex)
+                        finally:
+                            os.environ.pop("JAX_DWDP_GATHER_HALF_TILES")
+                            if before is not None:
+                                os.environ["JAX_DWDP_GATHER_HALF_TILES"] = before
                         del want
                     except Exception as ex:  # noqa: BLE001
                         row["notes"]["gather swiglu"] = reason(ex)

@@ -297,6 +297,35 @@ def test_cutlass_gather_swiglu_persistent_is_the_staged_kernel_bit_for_bit(rng, 
 
 
 @pytest.mark.gpu
+def test_half_tiles_change_no_bit(rng, monkeypatch):
+    """A group's last M tile of <= 64 rows runs on one consumer warpgroup (the other skips its wgmma): every gather
+    kernel's output is the same bits with the skip turned off ($JAX_DWDP_GATHER_HALF_TILES=0, read at each call), on
+    groups sized so that most end in such a tile."""
+    _gpu_only()
+    cutlass = _require_library()
+    g, i, k, t = 24, 256, 512, 4096
+    sizes = np.asarray(rng.integers(0, 4, g) * 128 + rng.integers(1, 65, g))  # tails of 1-64 rows
+    sizes[[3, 11]] = [0, 128]  # an empty group, a group of whole tiles
+    m = int(sizes.sum()) + 40
+    x, row_token, w, _ = make_case(rng, t, m, g, 2 * i, k)
+    gs = jnp.asarray(sizes, jnp.int32)
+    calls = {name: jax.jit(lambda *a, name=name: cutlass.grouped_matmul_gather(*a, config=name))
+             for name in cutlass.gather_config_names()}
+    calls.update({name: jax.jit(lambda *a, name=name: cutlass.grouped_matmul_gather_swiglu(*a, config=name))
+                  for name in cutlass.gather_swiglu_config_names()})
+    total = int(sizes.sum())
+    for name, f in calls.items():
+        monkeypatch.setenv("JAX_DWDP_GATHER_HALF_TILES", "0")
+        full = np.asarray(f(x, row_token, w, gs).astype(jnp.float32))
+        monkeypatch.delenv("JAX_DWDP_GATHER_HALF_TILES")
+        half = np.asarray(f(x, row_token, w, gs).astype(jnp.float32))
+        ref = (swiglu_reference if "swiglu" in name else reference)(x, row_token, w, sizes)
+        err = rel_err(half[:total].astype(np.float64), ref[:total])
+        print(f"half tiles {name}: identical to full tiles {np.array_equal(full, half)}, vs fp64 {err:.2e}")
+        assert np.array_equal(full, half) and np.all(half[total:] == 0) and err <= BF16_BOUND
+
+
+@pytest.mark.gpu
 def test_routed_experts_gather_on_gpu(rng):
     """The MoE block's routed experts on the GPU (bf16, CUTLASS): gather inside the gate_up GEMM against the
     dispatch + GEMM path and against the float32 reference on the CPU."""

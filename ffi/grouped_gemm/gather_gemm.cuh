@@ -18,6 +18,13 @@
 // Epilogue: the accumulators go through shared memory (the mainloop's stages, free once both consumer warpgroups
 // are done) as bf16 and leave as 16-byte row-contiguous stores, predicated on the group's last row.
 //
+// Half tiles: the two consumer warpgroups hold rows [0, 64) and [64, 128) of the tile (CUTLASS's cooperative
+// layout); where a group's last M tile has at most 64 rows, the second warpgroup issues no wgmma: it waits for each
+// stage and releases it (the stage is free once both have), so the tensor cores run half the tile. (With 128-row
+// tiles a group wastes half a tile on average; a 35b-a3b layer at 16K tokens has ~512 rows per expert, so about
+// half its experts end in a tile of a few rows.) $JAX_DWDP_GATHER_HALF_TILES=0, read at each call, turns it off
+// (for the side-by-side measurement); the stored rows are the same bits either way.
+//
 // kPersistent (the fused SwiGLU form only): one CTA per SM walks the (M tile, N tile) work list with a stride of the
 // grid, and the producer warpgroup goes on into the next tile's stages while the consumers run this tile's epilogue,
 // so the next tile's first loads (the gathered rows' latency) overlap the epilogue instead of following it. The
@@ -137,6 +144,34 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
 
+// The consumer half of one tile: CUTLASS's wgmma mainloop, or, for a warpgroup none of whose 64 rows is in the tile
+// (`compute` false), the same pipeline steps without the wgmma (wait for each stage, release it; accum zeros).
+template <class G, class Accum>
+__device__ __forceinline__ void consume_tile(typename G::Pipeline& pipeline, typename G::PipelineState state,
+                                             Accum& accum, int k_tiles, int mma_thread, bool compute,
+                                             typename G::Mainloop::TensorStorage& stages) {
+  typename G::Mainloop mainloop;
+  if (compute) {
+    mainloop.mma(pipeline, state, accum, k_tiles, mma_thread, stages, typename G::Mainloop::Params{});
+    mainloop.mma_tail(pipeline, state, k_tiles);
+  } else {
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipeline.consumer_wait(state);
+      pipeline.consumer_release(state);
+      ++state;
+    }
+    cute::clear(accum);
+  }
+}
+
+// Whether consumer thread `mma_thread`'s warpgroup holds any of the tile's `rows` (warpgroup w: rows 64 w ...).
+template <class G>
+__device__ __forceinline__ bool warpgroup_computes(const GatherArgs& p, int mma_thread, int rows) {
+  constexpr int kTileM = cute::size<0>(typename G::TileShape{});
+  static_assert(kTileM == 128, "two consumer warpgroups of 64 rows each");
+  return !p.half_tiles || (mma_thread / 128) * (kTileM / 2) < rows;
+}
+
 template <class G>
 __global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const __grid_constant__ typename G::Params params) {
   const GatherArgs& p = params.a;
@@ -247,9 +282,8 @@ __global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const __gri
     typename G::TiledMma tiled_mma;
     Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(typename G::TileShape{}));
     typename G::PipelineState state;
-    typename G::Mainloop mainloop;
-    mainloop.mma(pipeline, state, accum, k_tiles, mma_thread, ss.tensors.mainloop, typename G::Mainloop::Params{});
-    mainloop.mma_tail(pipeline, state, k_tiles);
+    consume_tile<G>(pipeline, state, accum, k_tiles, mma_thread, warpgroup_computes<G>(p, mma_thread, rows),
+                    ss.tensors.mainloop);
     // Both consumer warpgroups are done reading the stages before they are overwritten.
     cutlass::arch::NamedBarrier::sync(G::kConsumerThreads, 1);
     Tensor sC = make_tensor(make_smem_ptr(ss.tensors.epilogue.data()),
@@ -398,15 +432,14 @@ __global__ void __launch_bounds__(G::kThreads, 1)
     Tensor tCcC = tiled_mma.get_thread_slice(mma_thread)
                       .partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
     typename G::PipelineState state;
-    typename G::Mainloop mainloop;
     Element* act = ss.tensors.activation.data();
     Element* out = reinterpret_cast<Element*>(p.out);
     constexpr int kOutChunks = G::kOutCols / G::kChunk;
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
       int g, row0, rows, n_blk;
       locate(w, g, row0, rows, n_blk);
-      mainloop.mma(pipeline, state, accum, k_tiles, mma_thread, ss.tensors.mainloop, typename G::Mainloop::Params{});
-      mainloop.mma_tail(pipeline, state, k_tiles);
+      consume_tile<G>(pipeline, state, accum, k_tiles, mma_thread, warpgroup_computes<G>(p, mma_thread, rows),
+                      ss.tensors.mainloop);
       state.advance(k_tiles);
       cutlass::arch::NamedBarrier::sync(G::kConsumerThreads, 1);  // the last unit's stores have read `act`
       CUTLASS_PRAGMA_UNROLL

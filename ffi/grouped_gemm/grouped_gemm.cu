@@ -21,6 +21,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cute/layout.hpp"
@@ -397,6 +398,8 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.rows = reinterpret_cast<int32_t*>(ws + lay.rows);
   a.tile_start = reinterpret_cast<int32_t*>(ws + lay.tile_start);
   a.sm_count = sm_count;
+  const char* half = std::getenv("JAX_DWDP_GATHER_HALF_TILES");  // read at each call: "0" turns the skip off
+  a.half_tiles = !(half && std::string(half) == "0");
   a.stream = stream;
   auto* total_rows = reinterpret_cast<long long*>(ws + lay.total);
 

@@ -60,6 +60,7 @@ struct GatherArgs {
   const int32_t* row_start = nullptr;   // [G]: the first row of each group
   const int32_t* rows = nullptr;        // [G]: the rows of each group (clipped to M)
   int sm_count = 0;                     // the device's SMs (the persistent form's grid)
+  int half_tiles = 1;                   // a warpgroup with none of the tile's rows skips its wgmma (gather_gemm.cuh)
   cudaStream_t stream = nullptr;
 };
 
