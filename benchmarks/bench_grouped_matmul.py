@@ -557,6 +557,28 @@ def bench_fusion(args) -> dict:
     return results
 
 
+def half_tiles_ab(fn, want, rounds: int) -> dict:
+    """`fn` with $JAX_DWDP_GATHER_HALF_TILES on and off in alternating rounds (each a `timed` median), the same bits
+    checked once each way: median ms of each and full / half."""
+    before = os.environ.get("JAX_DWDP_GATHER_HALF_TILES")
+    times = {"half": [], "full": []}
+    try:
+        for r in range(2 * rounds):
+            mode = ("half", "full")[r % 2] if (r // 2) % 2 == 0 else ("full", "half")[r % 2]  # ABBA order
+            os.environ["JAX_DWDP_GATHER_HALF_TILES"] = "1" if mode == "half" else "0"
+            if r < 2 and not np.array_equal(np.asarray(fn(), np.float32), want):
+                raise AssertionError(f"the {mode}-tile output differs from the default's")
+            times[mode].append(timed(fn, 3) * 1e3)
+    finally:
+        os.environ.pop("JAX_DWDP_GATHER_HALF_TILES", None)
+        if before is not None:
+            os.environ["JAX_DWDP_GATHER_HALF_TILES"] = before
+    half, full = float(np.median(times["half"])), float(np.median(times["full"]))
+    print(f"    half tiles on / off ({rounds} rounds each, ABBA): {half:.3f} / {full:.3f} ms, off / on "
+          f"{full / half:.3f}x", flush=True)
+    return dict(half_ms=half, full_ms=full, full_over_half=full / half, rounds=times)
+
+
 def bench_gather(args) -> dict:
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -641,21 +663,13 @@ def bench_gather(args) -> dict:
                                 record(f"gather swiglu {cfg_name}", lambda: fused_cfg(xt, tok, w, gs, cfg_name))
                             except Exception as ex:  # noqa: BLE001
                                 row["notes"][f"gather swiglu {cfg_name}"] = reason(ex)
-                        # the same kernels with the half-tile skip off (the library reads it at each call)
-                        before = os.environ.get("JAX_DWDP_GATHER_HALF_TILES")
-                        os.environ["JAX_DWDP_GATHER_HALF_TILES"] = "0"
-                        try:
-                            for cfg_name in swiglu_configs:
-                                if not np.array_equal(np.asarray(fused_cfg(xt, tok, w, gs, cfg_name), np.float32), want):
-                                    raise AssertionError(f"{cfg_name} with full tiles differs")
-                                record(f"gather swiglu {cfg_name} full tiles",
-                                       lambda: fused_cfg(xt, tok, w, gs, cfg_name))
-                        except Exception as ex:  # noqa: BLE001
-                            row["notes"]["gather swiglu full tiles"] = reason(ex)
-                        finally:
-                            os.environ.pop("JAX_DWDP_GATHER_HALF_TILES")
-                            if before is not None:
-                                os.environ["JAX_DWDP_GATHER_HALF_TILES"] = before
+                        # the half-tile skip on and off, interleaved (the library reads the switch at each call)
+                        if args.half_tiles_rounds:
+                            try:
+                                row["half_tiles"] = half_tiles_ab(lambda: fused_act(xt, tok, w, gs), want,
+                                                                  args.half_tiles_rounds)
+                            except Exception as ex:  # noqa: BLE001
+                                row["notes"]["half tiles a/b"] = reason(ex)
                         del want
                     except Exception as ex:  # noqa: BLE001
                         row["notes"]["gather swiglu"] = reason(ex)
@@ -719,6 +733,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gather", help="the gate_up GEMM gathering the tokens itself vs gather + GEMM; the block")
     case_args(p, iters=10)
     p.add_argument("--no-block", action="store_true", help="skip the whole routed-expert block")
+    p.add_argument("--half-tiles-rounds", type=int, default=0,
+                   help="also time the fused kernel with the half-tile skip on and off in this many rounds each")
     p.add_argument("--out", default=None, help="JSON results path")
     return ap
 

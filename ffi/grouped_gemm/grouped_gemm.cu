@@ -206,7 +206,7 @@ struct GatherLayout {
 
 const GatherConfig* const kGatherConfigs[] = {&kGatherTmaB128x256x64, &kGatherCoop128x256x64};
 constexpr int kNumGatherConfigs = sizeof(kGatherConfigs) / sizeof(kGatherConfigs[0]);
-const GatherConfig* const kGatherSwigluConfigs[] = {&kGatherSwiglu128x256x64, &kGatherSwigluPersistent128x256x64};
+const GatherConfig* const kGatherSwigluConfigs[] = {&kGatherSwiglu128x256x64};
 constexpr int kNumGatherSwigluConfigs = sizeof(kGatherSwigluConfigs) / sizeof(kGatherSwigluConfigs[0]);
 
 int sm_count_of(int device) {
@@ -397,7 +397,6 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.row_start = reinterpret_cast<int32_t*>(ws + lay.row_start);
   a.rows = reinterpret_cast<int32_t*>(ws + lay.rows);
   a.tile_start = reinterpret_cast<int32_t*>(ws + lay.tile_start);
-  a.sm_count = sm_count;
   const char* half = std::getenv("JAX_DWDP_GATHER_HALF_TILES");  // read at each call: "0" turns the skip off
   a.half_tiles = !(half && std::string(half) == "0");
   a.stream = stream;

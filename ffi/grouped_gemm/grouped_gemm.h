@@ -59,7 +59,6 @@ struct GatherArgs {
   const int32_t* tile_start = nullptr;  // [G + 1]: the first M tile of each group (device; the setup kernel's)
   const int32_t* row_start = nullptr;   // [G]: the first row of each group
   const int32_t* rows = nullptr;        // [G]: the rows of each group (clipped to M)
-  int sm_count = 0;                     // the device's SMs (the persistent form's grid)
   int half_tiles = 1;                   // a warpgroup with none of the tile's rows skips its wgmma (gather_gemm.cuh)
   cudaStream_t stream = nullptr;
 };
@@ -73,6 +72,5 @@ struct GatherConfig {
 extern const GatherConfig kGatherCoop128x256x64;
 extern const GatherConfig kGatherTmaB128x256x64;
 extern const GatherConfig kGatherSwiglu128x256x64;  // SiLU(gate) * up fused (out [M, N / 2])
-extern const GatherConfig kGatherSwigluPersistent128x256x64;  // the same, one CTA per SM over the tiles
 
 }  // namespace jax_dwdp_gmm

@@ -92,9 +92,9 @@ def gather_config_names() -> list[str]:
 
 
 def gather_swiglu_config_names() -> list[str]:
-    """The configurations of the gather grouped GEMM with the fused SwiGLU (`grouped_matmul_gather_swiglu`): the
-    one-CTA-per-tile kernel and its persistent form (one CTA per SM, the next tile's loads under this one's
-    epilogue)."""
+    """The configurations of the gather grouped GEMM with the fused SwiGLU (`grouped_matmul_gather_swiglu`). (A
+    persistent form, one CTA per SM with the next tile's loads under this one's epilogue, measured 8-16% slower on
+    an H200 and was removed: benchmarks/RESULTS.md, twenty-first session.)"""
     lib = _lib()
     return [lib.JaxDwdpGatherGroupedGemmSwigluConfigName(i).decode()
             for i in range(lib.JaxDwdpGatherGroupedGemmSwigluNumConfigs())]
@@ -240,7 +240,7 @@ def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, grou
     return _gather_call(GATHER_TARGET, "gather grouped matmul", 8, 1, x, row_token, w, group_sizes, choice)
 
 
-GATHER_SWIGLU_DEFAULT = 0  # index into gather_swiglu_config_names(): the one-CTA-per-tile kernel
+GATHER_SWIGLU_DEFAULT = 0  # index into gather_swiglu_config_names()
 
 
 def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
