@@ -64,3 +64,7 @@ for step in $STEPS; do
       done ;;
   esac
 done
+# The device tool returns at most 8 files from $OUT: past that, everything goes back as one tarball.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT" && echo "logs: $OUT.tgz"
+fi
