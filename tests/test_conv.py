@@ -65,7 +65,7 @@ def test_bf16_matches_the_xla_path(rng):
 
 def test_channel_block_is_the_widest_power_of_two_up_to_max_block_c(rng, monkeypatch):
     """MAX_BLOCK_C, read at each call, caps the channel block (the benchmark's tile sweep sets it): the widest power
-    of two dividing C, 0 below 16; a 256-wide block computes the same output as the default 128 (interpret mode on
+    of two dividing C, 0 below 16; a 512-wide block computes the same output as the default 128 (interpret mode on
     the CPU)."""
     assert [conv._block_c(c) for c in (8192, 384, 48, 24)] == [128, 128, 16, 0]
     monkeypatch.setattr(conv, "MAX_BLOCK_C", 512)

@@ -12,8 +12,7 @@ Switches (read at trace time):
   The fused SwiGLU kernel is built for two of those tiles (`swiglu_config_names()`); for it, a forced name it lacks
   keeps the automatic choice, with a warning. (The `config=` argument indexes the function's own list.)
 - $JAX_DWDP_GATHER_CONFIG, $JAX_DWDP_GATHER_SWIGLU_CONFIG: the gather kernels' configuration by name or index into
-  `gather_config_names()` / `gather_swiglu_config_names()` (the `config=` argument wins); default: the first of each
-  (GATHER_SWIGLU_DEFAULT for the fused SwiGLU one).
+  `gather_config_names()` / `gather_swiglu_config_names()` (the `config=` argument wins); default: the first of each.
 - $JAX_DWDP_GMM_CMD_BUFFER=1: register the handler with the command-buffer (CUDA graph) trait, so that XLA records
   it into its command buffers with the kernels around it. It runs (since the handler takes its device from XLA's FFI
   context: cudaStreamGetDevice is refused during stream capture) but measured no faster over the 40-layer 35b-a3b
@@ -93,7 +92,7 @@ def gather_config_names() -> list[str]:
 
 def gather_swiglu_config_names() -> list[str]:
     """The configurations of the gather grouped GEMM with the fused SwiGLU (`grouped_matmul_gather_swiglu`). (A
-    persistent form, one CTA per SM with the next tile's loads under this one's epilogue, measured 8-16% slower on
+    persistent form, one CTA per SM with the next tile's loads under this one's epilogue, measured 5-17% slower on
     an H200 and was removed: benchmarks/RESULTS.md, twenty-first session.)"""
     lib = _lib()
     return [lib.JaxDwdpGatherGroupedGemmSwigluConfigName(i).decode()
@@ -240,9 +239,6 @@ def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, grou
     return _gather_call(GATHER_TARGET, "gather grouped matmul", 8, 1, x, row_token, w, group_sizes, choice)
 
 
-GATHER_SWIGLU_DEFAULT = 0  # index into gather_swiglu_config_names()
-
-
 def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                                  config: int | str | None = None) -> jax.Array:
     """The gate_up projection with the gather in its loads and SiLU(gate) * up in its epilogue: x [T, K] bf16,
@@ -250,9 +246,9 @@ def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Arra
     Returns [M, I] bf16 = silu(gate) * up in fp32 from gate and up rounded to bf16 (as `grouped_matmul_gather`,
     then the activation, computes it). Rows past sum(group_sizes) and rows of a token outside [0, T) are zeros.
     Needs K % 8 == 0 and I % 8 == 0. `config`: a name or index into `gather_swiglu_config_names()` (default:
-    $JAX_DWDP_GATHER_SWIGLU_CONFIG, else GATHER_SWIGLU_DEFAULT); every configuration computes the same bits.
+    $JAX_DWDP_GATHER_SWIGLU_CONFIG, else the first).
     """
-    choice = _gather_choice(gather_swiglu_config_names(), config, "JAX_DWDP_GATHER_SWIGLU_CONFIG",
-                            GATHER_SWIGLU_DEFAULT, "gather SwiGLU grouped matmul")
+    choice = _gather_choice(gather_swiglu_config_names(), config, "JAX_DWDP_GATHER_SWIGLU_CONFIG", 0,
+                            "gather SwiGLU grouped matmul")
     return _gather_call(GATHER_SWIGLU_TARGET, "gather SwiGLU grouped matmul", 16, 2, x, row_token, w, group_sizes,
                         choice)
