@@ -523,12 +523,24 @@ __global__ void __launch_bounds__(G::kThreads, 1)
       }
       fence_proxy_async_smem();
       cutlass::arch::NamedBarrier::sync(G::kConsumerThreads, 1);
-      if (mma_thread < rows) {
-        const int col0 = n_blk * G::kOutCols;
-        const int cols = min(G::kOutCols, out_ld - col0);
-        bulk_copy_s2g(out + static_cast<int64_t>(row0 + mma_thread) * out_ld + col0, act + mma_thread * G::kActStride,
-                      cols * static_cast<int>(sizeof(Element)));
-        bulk_commit();
+      if (p.bulk_store) {
+        if (mma_thread < rows) {
+          const int col0 = n_blk * G::kOutCols;
+          const int cols = min(G::kOutCols, out_ld - col0);
+          bulk_copy_s2g(out + static_cast<int64_t>(row0 + mma_thread) * out_ld + col0,
+                        act + mma_thread * G::kActStride, cols * static_cast<int>(sizeof(Element)));
+          bulk_commit();
+        }
+      } else {  // 16-byte stores from the consumer threads (the next unit's first barrier orders the reads of act)
+        constexpr int kOutChunks = G::kOutCols / G::kChunk;
+#pragma unroll 4
+        for (int idx = mma_thread; idx < kTileM * kOutChunks; idx += G::kConsumerThreads) {
+          const int r = idx / kOutChunks, cc = idx % kOutChunks;
+          const int col = n_blk * G::kOutCols + cc * G::kChunk;
+          if (r >= rows || col >= out_ld) continue;
+          *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * out_ld + col) =
+              *reinterpret_cast<const uint4*>(act + r * G::kActStride + cc * G::kChunk);
+        }
       }
     }
     if (mma_thread < kTileM) bulk_wait_all();

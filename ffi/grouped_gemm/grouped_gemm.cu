@@ -402,6 +402,8 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.tile_start = reinterpret_cast<int32_t*>(ws + lay.tile_start);
   const char* half = std::getenv("JAX_DWDP_GATHER_HALF_TILES");  // read at each call: "0" turns the skip off
   a.half_tiles = !(half && std::string(half) == "0");
+  const char* bulk = std::getenv("JAX_DWDP_GATHER_BULK_STORE");  // the persistent form's stores (a measurement switch)
+  a.bulk_store = !(bulk && std::string(bulk) == "0");
   a.sm_count = sm_count;
   a.tile_counter = reinterpret_cast<int32_t*>(ws + lay.counter);
   a.stream = stream;

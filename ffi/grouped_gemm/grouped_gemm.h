@@ -62,6 +62,7 @@ struct GatherArgs {
   const int32_t* rows = nullptr;        // [G]: the rows of each group (clipped to M)
   int half_tiles = 1;                   // a warpgroup with none of the tile's rows skips its wgmma (gather_gemm.cuh)
   int sm_count = 0;                     // the device's SMs (the persistent form's grid)
+  int bulk_store = 1;                   // the persistent form stores by bulk async copies (0: 16-byte stores)
   int32_t* tile_counter = nullptr;      // the persistent form's work-unit counter (device; zeroed by the setup kernel)
   cudaStream_t stream = nullptr;
 };
