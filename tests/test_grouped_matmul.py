@@ -231,12 +231,12 @@ def _check(out, x, w, sizes, label, ref_fn=reference):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, *range(6)])  # the automatic choice, then every built configuration
+@pytest.mark.parametrize("config", [None, *range(5)])  # the automatic choice, then every built configuration
 @pytest.mark.parametrize("n,k", [(1024, 2048), (2048, 512), (264, 136)])
 def test_cutlass_matches_fp64(rng, n, k, config):
     _gpu_only()
     cutlass = _require_library()
-    assert len(cutlass.config_names()) == 6, f"the library's configs changed: {cutlass.config_names()}"
+    assert len(cutlass.config_names()) == 5, f"the library's configs changed: {cutlass.config_names()}"
     g = 16
     # Uneven groups, empty groups (first, middle, last), groups larger than one 256-row tile, rows past the sum.
     x, w, sizes = make_case(rng, 3000, g, n, k, empty=(0, 7, g - 1), slack=61)

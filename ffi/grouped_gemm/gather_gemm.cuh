@@ -24,25 +24,12 @@
 // tiles a group wastes half a tile on average; a 35b-a3b layer at 16K tokens has ~512 rows per expert, so about
 // half its experts end in a tile of a few rows.) $JAX_DWDP_GATHER_HALF_TILES=0, read at each call, turns it off
 // (for the side-by-side measurement); the stored rows are the same bits either way.
-//
-// kPersistent (the fused SwiGLU form only): one CTA per SM takes (M tile, N tile) work units in the order the
-// one-CTA-per-tile grid lists them, from a global counter (a dynamic scheduler: the CTAs stay within a window of
-// about one unit each, as the hardware's in-order dispatch of the grid keeps them; a static stride let them drift
-// apart, which is the likeliest reason the first persistent form, commit a5ded09, measured 5-17% slower). The
-// producer warpgroup runs on into the next unit's stages while the consumers finish this one, so the next unit's
-// first loads (the gathered rows' latency) overlap this unit's epilogue. The epilogue computes SiLU(gate) * up in
-// registers (a thread's wgmma fragment holds gate column c and up column c + BLK_N / 2), stages the [BLK_M,
-// BLK_N / 2] activation in shared memory of its own beside the four stages, and leaves it as one bulk async copy
-// (cp.async.bulk, the TMA unit) per row of the group: the consumers go on to the next unit's wgmma while the
-// copies drain.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
@@ -60,16 +47,10 @@ namespace jax_dwdp_gmm {
 // (per expert, I gate rows then I up rows, N = 2I): the B tile is two TMA boxes, kTileN / 2 gate rows and the same
 // features' up rows, so a CTA's accumulator holds gate and up of kTileN / 2 features side by side; out is [M, I].
 // The activation reads them rounded to bf16, as the unfused path (this GEMM's bf16 output, then XLA's SwiGLU) does.
-template <int kTileM, int kTileN, int kTileK, bool kTmaB = false, bool kSwiglu = false, bool kPersistent = false>
+template <int kTileM, int kTileN, int kTileK, bool kTmaB = false, bool kSwiglu = false>
 struct GatherGemm {
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
-  static_assert(!kPersistent || kSwiglu, "the persistent form is built for the fused SwiGLU kernel");
-  // The persistent form's staged activation: [BLK_M, BLK_N / 2] bf16 rows padded by 16 bytes (conflict-free
-  // fragment stores; each row 16-byte aligned for its bulk copy), and the unit ring (2 ids, 4 barriers).
-  static constexpr int kActStride = kTileN / 2 + 8;
-  static constexpr int kActBytes = kPersistent ? kTileM * kActStride * static_cast<int>(sizeof(Element)) : 0;
-  static constexpr int kRingBytes = 64;
   // CUTLASS's cp.async warp-specialized cooperative mainloop: its TiledMma (two consumer warpgroups), its swizzled
   // stage layouts and its pipeline. Only its consumer half (mma / mma_tail) is called; the loads are ours.
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -77,7 +58,7 @@ struct GatherGemm {
       Element, cutlass::layout::RowMajor, 8,
       Element, cutlass::layout::ColumnMajor, 8,
       float, TileShape, cute::Shape<cute::_1, cute::_1, cute::_1>,
-      cutlass::gemm::collective::StageCountAutoCarveout<kPersistent ? kActBytes + kRingBytes + 64 : 0>,
+      cutlass::gemm::collective::StageCountAuto,
       cutlass::gemm::KernelCpAsyncWarpSpecializedCooperative>::CollectiveOp;
   using TiledMma = typename Mainloop::TiledMma;
   using SmemLayoutA = typename Mainloop::SmemLayoutA;  // (BLK_M, BLK_K, stage)
@@ -99,30 +80,16 @@ struct GatherGemm {
   static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warpgroups");
   static_assert((kEpiStride * sizeof(Element)) % 16 == 0, "16-byte rows in the staged tile");
 
-  struct SharedStorageStaged {  // the output tile staged in the mainloop's stages (free after the last k tile)
+  struct SharedStorage {
     union Tensors {
       typename Mainloop::TensorStorage mainloop;
       cute::array_aligned<Element, kTileM * kEpiStride> epilogue;
     } tensors;
     alignas(16) typename Mainloop::PipelineStorage pipeline;
   };
-  struct SharedStoragePersistent {  // the activation staged beside the stages, which the producer keeps filling
-    struct Tensors {
-      typename Mainloop::TensorStorage mainloop;
-      cute::array_aligned<Element, kTileM * kActStride> activation;
-    } tensors;
-    alignas(16) typename Mainloop::PipelineStorage pipeline;
-    alignas(8) uint64_t unit_full[2];   // a unit id is in ring[s] (1 arrival: the producer's thread 0)
-    alignas(8) uint64_t unit_empty[2];  // every thread has read ring[s] (kThreads arrivals)
-    int32_t ring[2];
-  };
-  using SharedStorage = std::conditional_t<kPersistent, SharedStoragePersistent, SharedStorageStaged>;
-  static_assert(kPersistent || sizeof(typename Mainloop::TensorStorage) >= sizeof(Element) * kTileM * kEpiStride,
+  static_assert(sizeof(typename Mainloop::TensorStorage) >= sizeof(Element) * kTileM * kEpiStride,
                 "the staged output tile must fit in the mainloop's stages");
-  static_assert(!kPersistent || Mainloop::DispatchPolicy::Stages >= 4,
-                "the persistent form should keep the four stages of the one-CTA-per-tile kernel");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
-  static constexpr bool kIsPersistent = kPersistent;
   static constexpr bool kUseTmaB = kTmaB;
   static constexpr bool kFuseSwiglu = kSwiglu;
   static_assert(!kSwiglu || kTmaB, "the fused SwiGLU variant loads its two weight boxes by TMA");
@@ -331,250 +298,19 @@ __global__ void __launch_bounds__(G::kThreads, 1) gather_gemm_kernel(const __gri
 #endif
 }
 
-// ---- the persistent form (G::kIsPersistent) ----------------------------------------------------------------------
-
-// One bulk async copy (the TMA unit) of `bytes` (a multiple of 16) from shared to global memory, in this thread's
-// bulk group; and the group's commit and waits.
-__device__ __forceinline__ void bulk_copy_s2g(void* gmem, const void* smem, int bytes) {
-  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem), "r"(s), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-// Keeps the compiler from moving memory accesses across this point (the mbarrier asm carries no memory clobber;
-// the hardware ordering is the mbarrier's release / acquire).
-__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
-// Generic-proxy shared-memory writes made visible to the async proxy (the bulk copies that read them).
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// gridDim.x CTAs (at most one per SM). CTA b's first work unit is b; each further one is gridDim.x + the old value of
-// *p.tile_counter (zeroed by the setup kernel), fetched by the producer's thread 0 one unit ahead and handed to all
-// 384 threads through a two-slot ring in shared memory (unit_full / unit_empty mbarriers). A unit id past the work
-// count ends every role's loop. Work unit w: M tile w / n_blocks, N tile w % n_blocks (the staged grid's order).
-template <class G>
-__global__ void __launch_bounds__(G::kThreads, 1)
-    gather_gemm_persistent_kernel(const __grid_constant__ typename G::Params params) {
-  const GatherArgs& p = params.a;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using namespace cute;
-  using Element = typename G::Element;
-  using Barrier = cutlass::arch::ClusterBarrier;
-  static_assert(G::kIsPersistent && G::kFuseSwiglu && G::kUseTmaB, "the persistent fused SwiGLU form");
-  constexpr int kTileM = size<0>(typename G::TileShape{});
-  constexpr int kTileN = size<1>(typename G::TileShape{});
-  constexpr int kTileK = size<2>(typename G::TileShape{});
-  extern __shared__ __align__(128) char smem_raw[];
-  auto& ss = *reinterpret_cast<typename G::SharedStorage*>(smem_raw);
-
-  const int32_t* tile_start = p.tile_start;
-  const int out_ld = p.n / 2;
-  const int n_blocks = (out_ld + G::kOutCols - 1) / G::kOutCols;
-  const int work = tile_start[p.groups] * n_blocks;
-  const int k_tiles = (p.k + kTileK - 1) / kTileK;
-  auto locate = [&](int w, int& g, int& row0, int& rows, int& n_blk) {
-    const int tile = w / n_blocks;
-    n_blk = w - tile * n_blocks;
-    int lo = 0, hi = p.groups;  // tile_start[lo] <= tile < tile_start[hi]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (tile_start[mid] <= tile) lo = mid; else hi = mid;
-    }
-    g = lo;
-    row0 = p.row_start[g] + (tile - tile_start[g]) * kTileM;
-    rows = min(kTileM, p.row_start[g] + p.rows[g] - row0);
-  };
-
-  const int warp_group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
-  typename G::Pipeline::Params pp;
-  pp.role = warp_group == 0 ? G::Pipeline::ThreadCategory::Producer : G::Pipeline::ThreadCategory::Consumer;
-  pp.producer_arv_count = G::kProducerThreads;
-  pp.consumer_arv_count = G::kConsumerThreads;
-  typename G::Pipeline pipeline(ss.pipeline, pp);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < 2; ++s) {
-      Barrier::init(&ss.unit_full[s], 1);
-      Barrier::init(&ss.unit_empty[s], G::kThreads);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // unit 0 of this CTA
-    ss.ring[0] = blockIdx.x;
-    compiler_fence();
-    Barrier::arrive(&ss.unit_full[0]);
-  }
-  // The id of this CTA's i-th unit, read by every thread (slot i % 2, its (i / 2)-th use).
-  auto read_unit = [&](int i) {
-    const int s = i & 1;
-    Barrier::wait(&ss.unit_full[s], (i >> 1) & 1);
-    compiler_fence();  // (CUTLASS's barrier asm has no memory clobber: keep the ring's load between wait and arrive)
-    const int w = ss.ring[s];
-    compiler_fence();
-    Barrier::arrive(&ss.unit_empty[s]);
-    return w;
-  };
-
-  if (warp_group == 0) {
-    // Producer warpgroup, as in gather_gemm_kernel (thread t: chunk t % 8 of rows t / 8 + 16 i of the A tile; the
-    // two weight boxes by TMA from thread 0), over every unit of this CTA.
-    const int t = threadIdx.x;
-    const int c = t % G::kChunksPerRow, r0 = t / G::kChunksPerRow;
-    Tensor sA = make_tensor(make_smem_ptr(ss.tensors.mainloop.smem_A.data()), typename G::SmemLayoutA{});
-    Tensor mB = params.tma_b.get_tma_tensor(make_shape(p.groups * p.n, p.k));
-    Element* smem_b = ss.tensors.mainloop.smem_B.data();
-    typename G::PipelineState state = cutlass::make_producer_start_state<typename G::Pipeline>();
-    for (int i = 0;; ++i) {
-      const int w = read_unit(i);
-      if (w >= work) break;
-      if (t == 0) {  // publish unit i + 1 (its slot's last use, unit i - 1, has been read by all)
-        const int next = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
-        const int s = (i + 1) & 1;
-        if (i >= 1) Barrier::wait(&ss.unit_empty[s], (((i + 1) >> 1) - 1) & 1);
-        compiler_fence();
-        ss.ring[s] = next;
-        compiler_fence();
-        Barrier::arrive(&ss.unit_full[s]);
-      }
-      int g, row0, rows, n_blk;
-      locate(w, g, row0, rows, n_blk);
-      const Element* a_src[G::kARows];
-      bool a_ok[G::kARows];
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < G::kARows; ++j) {
-        const int r = r0 + G::kRowsPerPass * j;
-        const int32_t tok = r < rows ? p.row_token[row0 + r] : -1;
-        const bool ok = tok >= 0 && tok < p.tokens;  // a row past the group, or a bad token index: zeros
-        a_ok[j] = ok;
-        a_src[j] = reinterpret_cast<const Element*>(p.x) + (ok ? static_cast<int64_t>(tok) * p.k : 0) + c * G::kChunk;
-      }
-      const int box0 = g * p.n + n_blk * G::kBoxRows;  // the gate box; the up box is p.n / 2 rows on
-      Tensor gB0 = local_tile(domain_offset(make_coord(box0, 0), mB),
-                              make_shape(Int<G::kBoxRows>{}, Int<kTileK>{}), make_coord(0, _));
-      Tensor gB1 = local_tile(domain_offset(make_coord(box0 + p.n / 2, 0), mB),
-                              make_shape(Int<G::kBoxRows>{}, Int<kTileK>{}), make_coord(0, _));
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        pipeline.producer_acquire(state);
-        const int stage = state.index();
-        const int col = kt * kTileK + c * G::kChunk;
-        const bool kin = col < p.k;  // K % 8 == 0: a chunk is wholly in or out
-        const int off = kin ? kt * kTileK : 0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < G::kARows; ++j)
-          cp_async_16(&sA(r0 + G::kRowsPerPass * j, c * G::kChunk, stage), a_src[j] + off, a_ok[j] && kin);
-        auto* bar = pipeline.producer_get_barrier(state);
-        cutlass::arch::cpasync_barrier_arrive(bar);  // this thread's A copies
-        if (t == 0) {  // its arrival carries the TMA's bytes
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, G::kTmaBytesB);
-          CUTLASS_PRAGMA_UNROLL
-          for (int box = 0; box < 2; ++box) {
-            Tensor sBox = make_tensor(make_smem_ptr(smem_b + stage * kTileN * kTileK + box * G::kBoxRows * kTileK),
-                                      typename G::SmemLayoutBox{});
-            auto [tBg, tBs] = tma_partition(params.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBox),
-                                            group_modes<0, 2>(box == 0 ? gB0 : gB1));
-            copy(params.tma_b.with(*bar), tBg(_, kt), tBs);
-          }
-        } else {
-          pipeline.producer_commit(state);
-        }
-        ++state;
-      }
-    }
-    pipeline.producer_tail(state);
-  } else {
-    // Consumer warpgroups: per unit CUTLASS's wgmma mainloop, SiLU(gate) * up in registers, the activation staged
-    // in shared memory, one bulk copy per row (consumer threads 0-127, row = thread).
-    const int mma_thread = threadIdx.x - G::kProducerThreads;
-    typename G::TiledMma tiled_mma;
-    Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(typename G::TileShape{}));
-    // The fragment of a 64x256 wgmma per warpgroup, ((2, 2, 32), 1, 1): element e's column is 8 (e / 4) + ..., so
-    // element e + 64 is column + 128: the up value of the gate value e (gate columns [0, 128), up [128, 256)).
-    static_assert(kTileN == 256 && size(decltype(accum){}) == 128 && size<0, 2>(decltype(accum){}) == 32 &&
-                      size<1>(decltype(accum){}) == 1 && size<2>(decltype(accum){}) == 1,
-                  "the fragment layout the register SwiGLU assumes");
-    constexpr int kHalf = 64;
-    Tensor tCcC = tiled_mma.get_thread_slice(mma_thread)
-                      .partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
-    typename G::PipelineState state;
-    Element* act = ss.tensors.activation.data();
-    Element* out = reinterpret_cast<Element*>(p.out);
-    for (int i = 0;; ++i) {
-      const int w = read_unit(i);
-      if (w >= work) break;
-      int g, row0, rows, n_blk;
-      locate(w, g, row0, rows, n_blk);
-      consume_tile<G>(pipeline, state, accum, k_tiles, mma_thread, warpgroup_computes<G>(p, mma_thread, rows),
-                      ss.tensors.mainloop);
-      state.advance(k_tiles);
-      if (mma_thread < kTileM) bulk_wait_read();  // the last unit's copies have read `act`
-      cutlass::arch::NamedBarrier::sync(G::kConsumerThreads, 1);
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kHalf; e += 2) {  // silu(gate) * up in fp32 from both rounded to bf16, as the staged form
-        const int r = get<0>(tCcC(e)), cn = get<1>(tCcC(e));
-        const float g0 = static_cast<float>(Element(accum(e))), g1 = static_cast<float>(Element(accum(e + 1)));
-        const float u0 = static_cast<float>(Element(accum(e + kHalf)));
-        const float u1 = static_cast<float>(Element(accum(e + 1 + kHalf)));
-        *reinterpret_cast<__nv_bfloat162*>(act + r * G::kActStride + cn) =
-            __floats2bfloat162_rn(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
-      }
-      fence_proxy_async_smem();
-      cutlass::arch::NamedBarrier::sync(G::kConsumerThreads, 1);
-      if (p.bulk_store) {
-        if (mma_thread < rows) {
-          const int col0 = n_blk * G::kOutCols;
-          const int cols = min(G::kOutCols, out_ld - col0);
-          bulk_copy_s2g(out + static_cast<int64_t>(row0 + mma_thread) * out_ld + col0,
-                        act + mma_thread * G::kActStride, cols * static_cast<int>(sizeof(Element)));
-          bulk_commit();
-        }
-      } else {  // 16-byte stores from the consumer threads (the next unit's first barrier orders the reads of act)
-        constexpr int kOutChunks = G::kOutCols / G::kChunk;
-#pragma unroll 4
-        for (int idx = mma_thread; idx < kTileM * kOutChunks; idx += G::kConsumerThreads) {
-          const int r = idx / kOutChunks, cc = idx % kOutChunks;
-          const int col = n_blk * G::kOutCols + cc * G::kChunk;
-          if (r >= rows || col >= out_ld) continue;
-          *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * out_ld + col) =
-              *reinterpret_cast<const uint4*>(act + r * G::kActStride + cc * G::kChunk);
-        }
-      }
-    }
-    if (mma_thread < kTileM) bulk_wait_all();
-  }
-#endif
-}
-
-template <class G>
-constexpr auto gather_kernel_of() {
-  if constexpr (G::kIsPersistent) return &gather_gemm_persistent_kernel<G>;
-  else return &gather_gemm_kernel<G>;
-}
-
 template <class G>
 const char* run_gather_gemm(const GatherArgs& a) {
   static_assert(G::kSmemBytes <= 227 * 1024, "shared memory");
-  constexpr auto kernel = gather_kernel_of<G>();
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
+  cudaError_t e = cudaFuncSetAttribute(gather_gemm_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       G::kSmemBytes);
   if (e != cudaSuccess) return "cudaFuncSetAttribute (shared memory) failed";
   constexpr int kTileM = cute::size<0>(typename G::TileShape{});
   const long long m_tiles = (a.m + kTileM - 1) / kTileM + a.groups;  // each group adds at most one partial tile
   if (m_tiles > 65535) return "too many rows for the gather GEMM's grid (M / 128 + G > 65535)";
   const int out_cols = G::kFuseSwiglu ? a.n / 2 : a.n;
-  const long long n_tiles = (out_cols + G::kOutCols - 1) / G::kOutCols;
+  const dim3 grid((out_cols + G::kOutCols - 1) / G::kOutCols, static_cast<unsigned>(m_tiles));
   typename G::Params params{a, G::make_tma_b(reinterpret_cast<const typename G::Element*>(a.w), a.groups * a.n, a.k)};
-  if constexpr (G::kIsPersistent) {  // one CTA per SM at most; the work count is the setup kernel's, on the device
-    if (a.sm_count <= 0 || a.tile_counter == nullptr) return "the persistent gather GEMM needs the SM count and a counter";
-    if (m_tiles * n_tiles + a.sm_count > INT32_MAX) return "too many work units for the persistent gather GEMM";
-    const unsigned ctas = static_cast<unsigned>(std::min<long long>(a.sm_count, m_tiles * n_tiles));
-    kernel<<<ctas, G::kThreads, G::kSmemBytes, a.stream>>>(params);
-  } else {
-    const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles));
-    kernel<<<grid, G::kThreads, G::kSmemBytes, a.stream>>>(params);
-  }
+  gather_gemm_kernel<G><<<grid, G::kThreads, G::kSmemBytes, a.stream>>>(params);
   return nullptr;
 }
 

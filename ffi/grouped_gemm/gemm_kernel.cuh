@@ -25,7 +25,7 @@ namespace jax_dwdp_gmm {
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
 using StrideRowMajor = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
 
-template <bool kPingpong, int kTileM, int kTileN, int kTileK, int kClusterM, bool kSwiglu = false, int kClusterN = 1>
+template <bool kPingpong, int kTileM, int kTileN, int kTileK, int kClusterM, bool kSwiglu = false>
 struct GroupedGemm {
   using Element = cutlass::bfloat16_t;
   using Accum = float;
@@ -35,9 +35,7 @@ struct GroupedGemm {
   static constexpr int kAlign = 16 / sizeof(Element);  // 16-byte TMA alignment: K % 8 == 0, N % 8 == 0
 
   using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
-  // A cluster along M shares each weight (B) tile between CTAs on neighbouring M tiles; along N, the CTAs on
-  // neighbouring N tiles of one M tile (always the same group) share the A tile by TMA multicast.
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   using KernelSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                             cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
   using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,

@@ -70,7 +70,7 @@ struct Layout {
 };
 
 const GemmConfig* const kConfigs[] = {&kCoop128x256x64C2, &kPingpong64x128x128C2, &kPingpong128x128x64C2,
-                                      &kCoop128x256x64C1, &kPingpong64x128x128C1, &kCoop128x256x64C1x2};
+                                      &kCoop128x256x64C1, &kPingpong64x128x128C1};
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
 const GemmConfig* const kSwigluConfigs[] = {&kCoop128x256x64C1Swiglu, &kPingpong64x128x128C1Swiglu};
 constexpr int kNumSwigluConfigs = sizeof(kSwigluConfigs) / sizeof(kSwigluConfigs[0]);
@@ -150,8 +150,7 @@ __global__ void zero_tail_rows_kernel(const long long* total_rows, long long m, 
 // group, tile_start[groups] = the tile count, and the rows covered (for zero_tail_rows_kernel).
 __global__ void __launch_bounds__(kSetupThreads)
     setup_gather_kernel(const int32_t* __restrict__ group_sizes, int groups, long long m, int tile_rows,
-                        int32_t* row_start, int32_t* rows_out, int32_t* tile_start, long long* total_rows,
-                        int32_t* tile_counter) {
+                        int32_t* row_start, int32_t* rows_out, int32_t* tile_start, long long* total_rows) {
   __shared__ long long warp_sums[32];
   __shared__ long long carry_rows, carry_tiles;
   if (threadIdx.x == 0) carry_rows = carry_tiles = 0;
@@ -181,13 +180,12 @@ __global__ void __launch_bounds__(kSetupThreads)
   if (threadIdx.x == 0) {
     tile_start[groups] = static_cast<int32_t>(carry_tiles);
     *total_rows = min(carry_rows, m);
-    *tile_counter = 0;  // the persistent form's work-unit counter
   }
 }
 
 // The gather GEMM's workspace: row_start, rows, tile_start and the covered-row count.
 struct GatherLayout {
-  size_t row_start, rows, tile_start, total, counter, bytes;
+  size_t row_start, rows, tile_start, total, bytes;
   static GatherLayout make(int groups) {
     GatherLayout l{};
     size_t off = 0;
@@ -201,7 +199,6 @@ struct GatherLayout {
     l.rows = take(g * 4);
     l.tile_start = take((g + 1) * 4);
     l.total = take(sizeof(long long));
-    l.counter = take(sizeof(int32_t));
     l.bytes = off + kAlign;
     return l;
   }
@@ -209,7 +206,7 @@ struct GatherLayout {
 
 const GatherConfig* const kGatherConfigs[] = {&kGatherTmaB128x256x64, &kGatherCoop128x256x64};
 constexpr int kNumGatherConfigs = sizeof(kGatherConfigs) / sizeof(kGatherConfigs[0]);
-const GatherConfig* const kGatherSwigluConfigs[] = {&kGatherSwiglu128x256x64, &kGatherSwigluPersistent128x256x64};
+const GatherConfig* const kGatherSwigluConfigs[] = {&kGatherSwiglu128x256x64};
 constexpr int kNumGatherSwigluConfigs = sizeof(kGatherSwigluConfigs) / sizeof(kGatherSwigluConfigs[0]);
 
 int sm_count_of(int device) {
@@ -402,16 +399,12 @@ ffi::Error gather_gemm_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi
   a.tile_start = reinterpret_cast<int32_t*>(ws + lay.tile_start);
   const char* half = std::getenv("JAX_DWDP_GATHER_HALF_TILES");  // read at each call: "0" turns the skip off
   a.half_tiles = !(half && std::string(half) == "0");
-  const char* bulk = std::getenv("JAX_DWDP_GATHER_BULK_STORE");  // the persistent form's stores (a measurement switch)
-  a.bulk_store = !(bulk && std::string(bulk) == "0");
-  a.sm_count = sm_count;
-  a.tile_counter = reinterpret_cast<int32_t*>(ws + lay.counter);
   a.stream = stream;
   auto* total_rows = reinterpret_cast<long long*>(ws + lay.total);
 
   setup_gather_kernel<<<1, kSetupThreads, 0, stream>>>(group_sizes.typed_data(), a.groups, m, cfg.tile_rows,
                                                        const_cast<int32_t*>(a.row_start), const_cast<int32_t*>(a.rows),
-                                                       const_cast<int32_t*>(a.tile_start), total_rows, a.tile_counter);
+                                                       const_cast<int32_t*>(a.tile_start), total_rows);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(who, "setup kernel launch", e);
   if (ffi::Error err = launch_zero_tail(who, total_rows, m, n_out, out_ptr, sm_count, stream); err.failure())
     return err;

@@ -41,7 +41,6 @@ extern const GemmConfig kPingpong64x128x128C2;
 extern const GemmConfig kPingpong128x128x64C2;
 extern const GemmConfig kCoop128x256x64C1;
 extern const GemmConfig kPingpong64x128x128C1;
-extern const GemmConfig kCoop128x256x64C1x2;  // the A tile multicast over a 1x2 cluster (along N)
 // The same tiles with the fused SwiGLU epilogue (out has N / 2 columns; swiglu_epilogue.cuh).
 extern const GemmConfig kCoop128x256x64C1Swiglu;
 extern const GemmConfig kPingpong64x128x128C1Swiglu;
@@ -61,9 +60,6 @@ struct GatherArgs {
   const int32_t* row_start = nullptr;   // [G]: the first row of each group
   const int32_t* rows = nullptr;        // [G]: the rows of each group (clipped to M)
   int half_tiles = 1;                   // a warpgroup with none of the tile's rows skips its wgmma (gather_gemm.cuh)
-  int sm_count = 0;                     // the device's SMs (the persistent form's grid)
-  int bulk_store = 1;                   // the persistent form stores by bulk async copies (0: 16-byte stores)
-  int32_t* tile_counter = nullptr;      // the persistent form's work-unit counter (device; zeroed by the setup kernel)
   cudaStream_t stream = nullptr;
 };
 
@@ -76,6 +72,5 @@ struct GatherConfig {
 extern const GatherConfig kGatherCoop128x256x64;
 extern const GatherConfig kGatherTmaB128x256x64;
 extern const GatherConfig kGatherSwiglu128x256x64;  // SiLU(gate) * up fused (out [M, N / 2])
-extern const GatherConfig kGatherSwigluPersistent128x256x64;  // the same, one CTA per SM over the work units
 
 }  // namespace jax_dwdp_gmm

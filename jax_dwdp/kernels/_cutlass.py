@@ -91,9 +91,9 @@ def gather_config_names() -> list[str]:
 
 
 def gather_swiglu_config_names() -> list[str]:
-    """The configurations of the gather grouped GEMM with the fused SwiGLU (`grouped_matmul_gather_swiglu`). (A
-    persistent form, one CTA per SM with the next tile's loads under this one's epilogue, measured 5-17% slower on
-    an H200 and was removed: benchmarks/RESULTS.md, twenty-first session.)"""
+    """The configurations of the gather grouped GEMM with the fused SwiGLU (`grouped_matmul_gather_swiglu`). (Two
+    persistent forms, one CTA per SM with the next tile's loads under this one's epilogue, measured slower on an
+    H200 and were removed: benchmarks/RESULTS.md, twenty-first and twenty-second sessions.)"""
     lib = _lib()
     return [lib.JaxDwdpGatherGroupedGemmSwigluConfigName(i).decode()
             for i in range(lib.JaxDwdpGatherGroupedGemmSwigluNumConfigs())]
