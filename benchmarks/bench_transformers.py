@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{cfg.summary()}; transformers {transformers.__version__}, torch {torch.__version__}, {dtype}; random init "
           f"{init_s:.1f} s on {name}; attention sdpa, experts {hf_cfg._experts_implementation}, gated delta rule "
           f"{gdn}", flush=True)
+    result = {"device": name, "transformers": transformers.__version__, "torch": torch.__version__, "rows": []}
     print(f"{'tokens':>8} {'first s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
     rows = []
     for t in sorted(args.seq_lens):
@@ -108,10 +109,11 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(f"{t:>8} {first_s:>9.1f} {sec * 1e3:>10.1f} {t / sec:>10.0f} {tflops:>8.1f} {tflops / PEAK_TFLOPS:>6.1%} "
               f"{peak or float('nan'):>8.2f}  finite={finite}", flush=True)
-    result = {"device": name, "transformers": transformers.__version__, "torch": torch.__version__, "rows": rows}
+        if args.out:  # after every row: a run cut by its time limit keeps the rows it finished
+            args.out.write_text(json.dumps(dict(result, rows=rows), indent=1))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
-    return result
+        args.out.write_text(json.dumps(dict(result, rows=rows), indent=1))
+    return dict(result, rows=rows)
 
 
 if __name__ == "__main__":
