@@ -9,6 +9,7 @@ stage benchmark's FFI variants (the store needs GPUs) run over FakeStore, an XLA
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -380,6 +381,28 @@ def test_transformers_reference_runs_the_same_rows(tmp_path):
     (row,) = saved["rows"]
     assert (row["seq_len"], row["layers"], row["impl"], row["logits_finite"]) == (32, 4, "transformers", True)
     assert row["prefill_ms"] > 0 and row["tokens_per_s"] > 0
+
+
+def test_probe_power_summarizes_loaded_samples_and_runs_without_nvidia_smi(tmp_path, monkeypatch):
+    """probe_power: the samples under --min-watts (idle) and unparsable ones are left out, the median / min / max and
+    the throttle-reason counts come from the rest; without nvidia-smi the matmul and the command still run, with no
+    samples."""
+    probe = load("probe_power")
+    rows = [["1980", "120.5", "40", "0x0000000000000000"],  # idle: under 300 W
+            ["1700", "650.0", "60", "0x0000000000000004"], ["1500", "699.0", "64", "0x0000000000000004"],
+            ["1900", "[N/A]", "61", "0x0000000000000000"],  # unparsable power
+            ["1800", "600.0", "62", "0x0000000000000000"]]
+    got = probe.summarize(rows, 300.0)
+    assert got["samples"] == 3 and got["clock_mhz_median"] == 1700 and got["clock_mhz_min"] == 1500
+    assert got["power_w_max"] == 699.0 and got["temp_c_max"] == 64.0
+    assert got["throttle_reasons"] == {"0x0000000000000004": 2, "0x0000000000000000": 1}
+    assert probe.summarize(rows[:1], 300.0) == {"samples": 0}
+    monkeypatch.setattr(probe.shutil, "which", lambda name: None)
+    result, saved = run("probe_power", ["--n", "64", "--calls", "2", "--cmd", f"{sys.executable} -c pass"],
+                        tmp_path / "power.json")
+    dense, cmd = saved["rows"]
+    assert dense["calls"] == 2 and dense["tflops"] > 0 and dense["gpu"] == {"samples": 0}
+    assert cmd["rc"] == 0 and cmd["gpu"] == {"samples": 0}
 
 
 NCU_HEADER = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
