@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import importlib
 import json
 import math
@@ -580,16 +579,6 @@ def half_tiles_ab(fn, want, rounds: int) -> dict:
     return dict(half_ms=half, full_ms=full, full_over_half=full / half, rounds=times)
 
 
-def configs_ab(fa, fb, rounds: int) -> dict:
-    """Two callables timed in alternating rounds (each a `timed` median, ABBA order): median ms of each, b / a."""
-    times = {"a": [], "b": []}
-    for r in range(2 * rounds):
-        mode = ("a", "b")[(r % 2) ^ ((r // 2) % 2)]
-        times[mode].append(timed(fa if mode == "a" else fb, 3) * 1e3)
-    a, b = float(np.median(times["a"])), float(np.median(times["b"]))
-    return dict(a_ms=a, b_ms=b, b_over_a=b / a, rounds=times)
-
-
 def bench_gather(args) -> dict:
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -604,16 +593,13 @@ def bench_gather(args) -> dict:
 
     try:
         configs = _cutlass.gather_config_names()
-        swiglu_configs = _cutlass.gather_swiglu_config_names()
     except Exception as e:  # noqa: BLE001
-        configs, swiglu_configs, results["notes"] = [], [], f"n/a ({reason(e)})"
-    print(f"gather configs: {configs}; with the fused SwiGLU: {swiglu_configs}", flush=True)
+        configs, results["notes"] = [], f"n/a ({reason(e)})"
+    print(f"gather configs: {configs}", flush=True)
     gather_k = jax.jit(lambda x, t, w, s: gm.grouped_matmul_gather(x, t, w, s, implementation="cutlass"))
     gather_cfg = jax.jit(lambda x, t, w, s, c: _cutlass.grouped_matmul_gather(x, t, w, s, config=c),
                          static_argnums=4)
     fused_act = jax.jit(lambda x, t, w, s: _cutlass.grouped_matmul_gather_swiglu(x, t, w, s))
-    fused_cfg = jax.jit(lambda x, t, w, s, c: _cutlass.grouped_matmul_gather_swiglu(x, t, w, s, config=c),
-                        static_argnums=4)
     unfused_act = jax.jit(lambda x, t, w, s: gm.swiglu(*jnp.split(_cutlass.grouped_matmul_gather(x, t, w, s), 2, 1),
                                                        x.dtype))
     two_step = jax.jit(lambda x, t, w, s: gm.grouped_matmul(gather_rows(x, t), w, s, implementation="cutlass"))
@@ -666,26 +652,13 @@ def bench_gather(args) -> dict:
                         del a, b
                         record("gather swiglu-fused", lambda: fused_act(xt, tok, w, gs))
                         record("gather swiglu-unfused", lambda: unfused_act(xt, tok, w, gs))
-                        want = np.asarray(fused_act(xt, tok, w, gs), np.float32)
-                        for cfg_name in swiglu_configs[1:]:  # the other fused configurations: same bits, timed
-                            try:
-                                fc = functools.partial(fused_cfg, xt, tok, w, gs, cfg_name)
-                                if not np.array_equal(np.asarray(fc(), np.float32), want):
-                                    raise AssertionError(f"{cfg_name} differs from the default fused kernel")
-                                record(f"gather swiglu {cfg_name}", fc)
-                                if args.half_tiles_rounds:  # and interleaved with the default
-                                    ab = configs_ab(lambda: fused_act(xt, tok, w, gs), fc, args.half_tiles_rounds)
-                                    row.setdefault("configs_ab", {})[cfg_name] = ab
-                                    print(f"    {cfg_name} vs the default ({args.half_tiles_rounds} rounds each, "
-                                          f"ABBA): {ab['b_ms']:.3f} / {ab['a_ms']:.3f} ms, default / it "
-                                          f"{ab['a_ms'] / ab['b_ms']:.3f}x", flush=True)
-                            except Exception as ex:  # noqa: BLE001
-                                row["notes"][f"gather swiglu {cfg_name}"] = reason(ex)
                         # the half-tile skip on and off, interleaved (the library reads the switch at each call)
                         if args.half_tiles_rounds:
                             try:
+                                want = np.asarray(fused_act(xt, tok, w, gs), np.float32)
                                 row["half_tiles"] = half_tiles_ab(lambda: fused_act(xt, tok, w, gs), want,
                                                                   args.half_tiles_rounds)
+                                del want
                             except Exception as ex:  # noqa: BLE001
                                 row["notes"]["half tiles a/b"] = reason(ex)
                     except Exception as ex:  # noqa: BLE001
@@ -751,8 +724,7 @@ def parser() -> argparse.ArgumentParser:
     case_args(p, iters=10)
     p.add_argument("--no-block", action="store_true", help="skip the whole routed-expert block")
     p.add_argument("--half-tiles-rounds", type=int, default=0,
-                   help="also time the fused kernel with the half-tile skip on and off, and each other fused "
-                        "configuration against the default, interleaved, in this many rounds each")
+                   help="also time the fused kernel with the half-tile skip on and off in this many rounds each")
     p.add_argument("--out", default=None, help="JSON results path")
     return ap
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -109,10 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(f"{t:>8} {first_s:>9.1f} {sec * 1e3:>10.1f} {t / sec:>10.0f} {tflops:>8.1f} {tflops / PEAK_TFLOPS:>6.1%} "
               f"{peak or float('nan'):>8.2f}  finite={finite}", flush=True)
-        if args.out:  # after every row: a run cut by its time limit keeps the rows it finished
-            args.out.write_text(json.dumps(dict(result, rows=rows), indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(dict(result, rows=rows), indent=1))
+        if args.out:  # after every row (whole files only): a run cut by its time limit keeps the rows it finished
+            tmp = args.out.with_name(args.out.name + ".tmp")
+            tmp.write_text(json.dumps(dict(result, rows=rows), indent=1))
+            os.replace(tmp, args.out)
     return dict(result, rows=rows)
 
 

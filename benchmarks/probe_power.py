@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import statistics
@@ -27,31 +28,38 @@ QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
 class Sampler:
-    """nvidia-smi every `period_ms` into a temporary file while the block runs (nothing without nvidia-smi)."""
+    """nvidia-smi every `period_ms` into a temporary file while the block runs (nothing without nvidia-smi); the
+    process is stopped and the file read and removed on every exit from the block, `rows` then holds the samples."""
 
     def __init__(self, period_ms: int):
-        self.period_ms, self.proc, self.path = period_ms, None, None
+        self.period_ms, self.proc, self.rows = period_ms, None, []
 
     def __enter__(self):
         if shutil.which("nvidia-smi"):
-            fd, self.path = tempfile.mkstemp(suffix=".csv")
-            self.file = open(fd, "w")
-            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                                          f"-lms={self.period_ms}"], stdout=self.file, stderr=subprocess.DEVNULL)
+            self.file = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+            try:
+                self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                                              f"-lms={self.period_ms}"], stdout=self.file, stderr=subprocess.DEVNULL)
+            except BaseException:
+                self.file.close()
+                raise
         return self
 
     def __exit__(self, *exc):
-        if self.proc is not None:
+        if self.proc is None:
+            return
+        try:
             self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.file.close()
-
-    def samples(self) -> list[list[str]]:
-        if self.path is None:
-            return []
-        rows = [line.split(", ") for line in Path(self.path).read_text().splitlines() if line.strip()]
-        Path(self.path).unlink(missing_ok=True)
-        return [r for r in rows if len(r) == 4]
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.file.seek(0)
+            lines = self.file.read().splitlines()
+            self.rows = [r for r in (line.split(", ") for line in lines if line.strip()) if len(r) == 4]
+        finally:
+            self.file.close()  # a NamedTemporaryFile: closing removes it
 
 
 def summarize(rows: list[list[str]], min_watts: float) -> dict:
@@ -76,6 +84,8 @@ def summarize(rows: list[list[str]], min_watts: float) -> dict:
 
 
 def dense_rate(n: int, calls: int) -> dict:
+    if calls < 1:
+        raise ValueError(f"--calls: at least one call, got {calls}")
     import jax
     import jax.numpy as jnp
 
@@ -100,11 +110,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--min-watts", type=float, default=300.0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    # This process keeps its JAX client while --cmd runs: it must not hold the GPU memory the command needs.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     result: dict = dict(query=QUERY, rows=[])
     for calls in args.calls:
         with Sampler(args.period_ms) as s:
             rate = dense_rate(args.n, calls)
-        row = dict(what=f"dense {args.n}^3 bf16 x {calls}", **rate, gpu=summarize(s.samples(), args.min_watts))
+        row = dict(what=f"dense {args.n}^3 bf16 x {calls}", **rate, gpu=summarize(s.rows, args.min_watts))
         result["rows"].append(row)
         print(f"{row['what']}: {rate['tflops']:.1f} TFLOP/s over {rate['seconds']:.2f} s; {row['gpu']}", flush=True)
     if args.cmd:
@@ -112,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
             t = time.perf_counter()
             rc = subprocess.call(shlex.split(args.cmd))
             dt = time.perf_counter() - t
-        row = dict(what=args.cmd, rc=rc, seconds=dt, gpu=summarize(s.samples(), args.min_watts))
+        row = dict(what=args.cmd, rc=rc, seconds=dt, gpu=summarize(s.rows, args.min_watts))
         result["rows"].append(row)
         print(f"command (rc {rc}, {dt:.1f} s): {row['gpu']}", flush=True)
     if args.out:
@@ -121,4 +133,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    rows = main()["rows"]
+    sys.exit(max([r.get("rc", 0) for r in rows], default=0))  # the command's exit status, if one ran

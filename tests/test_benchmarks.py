@@ -8,8 +8,10 @@ stage benchmark's FFI variants (the store needs GPUs) run over FakeStore, an XLA
 
 import importlib.util
 import json
+import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -403,6 +405,27 @@ def test_probe_power_summarizes_loaded_samples_and_runs_without_nvidia_smi(tmp_p
     dense, cmd = saved["rows"]
     assert dense["calls"] == 2 and dense["tflops"] > 0 and dense["gpu"] == {"samples": 0}
     assert cmd["rc"] == 0 and cmd["gpu"] == {"samples": 0}
+
+
+def test_probe_power_sampler_stops_nvidia_smi_and_removes_its_file_on_every_path(tmp_path, monkeypatch):
+    """The sampler's process is stopped and its temporary file removed when the block ends, and when it raises; the
+    samples are read before the file goes (a fake nvidia-smi on PATH prints a line every 20 ms)."""
+    probe = load("probe_power")
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nwhile true; do echo '1700, 650.0, 60, 0x0000000000000004'; sleep 0.02; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    with probe.Sampler(20) as s:
+        time.sleep(0.3)
+    assert s.proc.poll() is not None and not Path(s.file.name).exists()
+    assert s.rows and probe.summarize(s.rows, 300.0)["throttle_reasons"] == {"0x0000000000000004": len(s.rows)}
+    with pytest.raises(RuntimeError, match="inside"):
+        with probe.Sampler(20) as s2:
+            raise RuntimeError("inside the block")
+    assert s2.proc.poll() is not None and not Path(s2.file.name).exists()
+    with pytest.raises(ValueError, match="at least one call"):
+        probe.dense_rate(64, 0)
 
 
 NCU_HEADER = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
