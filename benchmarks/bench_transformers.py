@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{cfg.summary()}; transformers {transformers.__version__}, torch {torch.__version__}, {dtype}; random init "
           f"{init_s:.1f} s on {name}; attention sdpa, experts {hf_cfg._experts_implementation}, gated delta rule "
           f"{gdn}", flush=True)
-    result = {"device": name, "transformers": transformers.__version__, "torch": torch.__version__, "rows": []}
+    result = {"device": name, "transformers": transformers.__version__, "torch": torch.__version__}
     print(f"{'tokens':>8} {'first s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
     rows = []
     for t in sorted(args.seq_lens):

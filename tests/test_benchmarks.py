@@ -428,6 +428,31 @@ def test_probe_power_sampler_stops_nvidia_smi_and_removes_its_file_on_every_path
         probe.dense_rate(64, 0)
 
 
+def test_bundle_out_tars_the_top_level_files_only_past_eight(tmp_path):
+    """gpu/_bundle_out.sh: a folder of at most 8 files is left alone; past 8 its top-level files go into logs.tgz
+    (the originals removed), a subfolder stays."""
+    import subprocess
+    import tarfile
+
+    def bundle(d):
+        subprocess.run(["bash", "-c", f'source "{BENCHMARKS}/gpu/_bundle_out.sh" && bundle_out "{d}"'], check=True)
+
+    few, many = tmp_path / "few", tmp_path / "many"
+    for d, n in ((few, 8), (many, 9)):
+        d.mkdir()
+        for i in range(n):
+            (d / f"log{i}.txt").write_text(f"line {i}\n")
+    (many / "trace").mkdir()
+    (many / "trace" / "t.json").write_text("{}")
+    bundle(few)
+    bundle(many)
+    assert sorted(p.name for p in few.iterdir()) == [f"log{i}.txt" for i in range(8)]
+    assert sorted(p.name for p in many.iterdir()) == ["logs.tgz", "trace"]
+    with tarfile.open(many / "logs.tgz") as tar:
+        assert sorted(m.name.removeprefix("./") for m in tar.getmembers()) == [f"log{i}.txt" for i in range(9)]
+        assert tar.extractfile("./log3.txt").read() == b"line 3\n"
+
+
 NCU_HEADER = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
 
 

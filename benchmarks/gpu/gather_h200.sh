@@ -64,7 +64,5 @@ for step in $STEPS; do
       done ;;
   esac
 done
-# The device tool returns at most 8 files from $OUT: past that, everything goes back as one tarball.
-if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
-  tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT" && echo "logs: $OUT.tgz"
-fi
+source benchmarks/gpu/_bundle_out.sh
+bundle_out "$OUT"  # past 8 files, one $OUT/logs.tgz (the device tool returns at most 8)

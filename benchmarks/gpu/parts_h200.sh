@@ -47,8 +47,5 @@ if [ "${HF:-0}" = 1 ]; then
     --seq-lens ${HF_SEQ:-4096 16384} --iters 3 --out "$OUT/prefill40_transformers.json" 2>&1 | quiet | tail -5 \
     | sed "s/^/transformers: /"
 fi
-# The device tool returns at most 8 files from $OUT: past that, the logs and JSON go back as one tarball.
-if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
-  (cd "$OUT" && find . -maxdepth 1 -type f ! -name '*.tgz' -print0 | tar czf logs.tgz --null -T - --remove-files) \
-    && echo "logs: $OUT/logs.tgz"
-fi
+source benchmarks/gpu/_bundle_out.sh
+bundle_out "$OUT"  # past 8 files, one $OUT/logs.tgz (the device tool returns at most 8)
