@@ -4,6 +4,10 @@ its kernels summed by name (per call), and for every XLA fusion among them the o
 optimized HLO, also written to OUT_DIR), so that a costly fusion can be named ("the conv", "a transpose of q").
 
     python benchmarks/probe_layer_kernels.py --tokens 16384 --out-dir DIR [--preset 35b-a3b] [--calls 5]
+        [--parts linear_attention full_attention moe]
+
+Each row also gives the span of the traced calls per call (first kernel's start to last kernel's end over the calls
+run back to back, divided by their count): the span less the kernels is the time the GPU stood idle between them.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", default="35b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[16384])
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--parts", nargs="+", default=["linear_attention", "full_attention"],
+                    choices=["linear_attention", "full_attention", "moe"],
+                    help="what to trace: a whole layer of either kind, or the MoE block alone (the linear layer's)")
     ap.add_argument("--out-dir", type=Path, default=Path("/tmp/probe_layers"))
     args = ap.parse_args(argv)
 
@@ -79,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = init_model(cfg, dtype=jnp.bfloat16, seed=0)
     layers = {kind: next(layer for layer in model.layers if layer.layer_type == kind)
               for kind in ("linear_attention", "full_attention")}
+    layers["moe"] = layers["linear_attention"].mlp
+    layers = {kind: layers[kind] for kind in args.parts}
     rng = np.random.default_rng(0)
     report = {"device": jax.devices()[0].device_kind, "preset": args.preset, "rows": []}
     for t in args.tokens:
@@ -87,7 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
         positions = jnp.arange(t, dtype=jnp.int32)[None]
         for kind, layer in layers.items():
             graph, state = nnx.split(layer)
-            fn = jax.jit(lambda s, x, p, n: nnx.merge(graph, s)(x, p, n))
+            if kind == "moe":  # the block alone, on [T, H] tokens
+                fn = jax.jit(lambda s, x, p, n, graph=graph: nnx.merge(graph, s)(x[0]))
+            else:
+                fn = jax.jit(lambda s, x, p, n, graph=graph: nnx.merge(graph, s)(x, p, n))
             compiled = fn.lower(state, x, positions, lengths).compile()
             hlo = compiled.as_text()
             (args.out_dir / f"{kind}_{t}.hlo.txt").write_text(hlo)
@@ -99,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
                         out = compiled(state, x, positions, lengths)
                     jax.block_until_ready(out)
                 summary = summarize(load(trace_dir), top=40)
-            print(f"\n{kind}, {t} tokens: {summary['total_ms'] / args.calls:.3f} ms of kernels per call "
+            print(f"\n{kind}, {t} tokens: {summary['total_ms'] / args.calls:.3f} ms of kernels per call over a "
+                  f"span of {summary['span_ms'] / args.calls:.3f} ms per call (the {args.calls} calls back to back) "
                   f"({'device' if summary['device'] else 'HOST'} events)")
             kernels = []
             for name, calls, ms in summary["kernels"]:
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
                 kernels.append({"name": name, "calls": calls // args.calls, "ms": round(per, 4), "ops": what})
                 print(f"  {per:8.4f} ms  x{calls // args.calls:<2} {name[:60]:<60} {what[:150]}")
             report["rows"].append({"layer": kind, "tokens": t, "kernel_ms": summary["total_ms"] / args.calls,
-                                   "kernels": kernels})
+                                   "span_ms": summary["span_ms"] / args.calls, "kernels": kernels})
     (args.out_dir / "kernels.json").write_text(json.dumps(report, indent=1))
     return report
 

@@ -523,6 +523,11 @@ def test_layer_kernel_probe_names_each_fusion(tmp_path):
     ops = mod.fusion_ops(hlo)
     assert ops and all(v.startswith("-> ") and "root " in v for v in ops.values())
     assert json.loads((tmp_path / "kernels.json").read_text())["rows"][0]["tokens"] == 16
+    assert all(0 < r["kernel_ms"] for r in result["rows"]) and all("span_ms" in r for r in result["rows"])
+    moe = mod.main(["--preset", "tiny", "--tokens", "16", "--calls", "1", "--parts", "moe", "--out-dir",
+                    str(tmp_path / "moe")])
+    assert [r["layer"] for r in moe["rows"]] == ["moe"] and moe["rows"][0]["kernels"]
+    assert "sort" in (tmp_path / "moe" / "moe_16.hlo.txt").read_text()  # the CPU's routing: an argsort
     text = """%fused_pair (p0: f32[4], p1: f32[4]) -> (f32[4], f32[4]) {
   %p0 = f32[4]{0} parameter(0)
   %p1 = f32[4]{0} parameter(1)
