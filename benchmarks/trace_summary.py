@@ -1,10 +1,15 @@
 """Where a traced call's device time goes: the kernels of a `jax.profiler` Perfetto trace, summed by name.
 
-    python benchmarks/trace_summary.py TRACE_DIR [--top 25]
+    python benchmarks/trace_summary.py TRACE_DIR [--top 25] [--gap-us 5]
 
 TRACE_DIR is what `jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)` wrote (the newest
 perfetto_trace.json.gz under it is read). Device events are those of processes whose name names a GPU or device;
 when the trace has none (no CUPTI), the host events are summarised instead and the output says so.
+
+Gaps: the idle time between the device's busy intervals (the union of every device event, whatever its stream),
+each gap of at least --gap-us microseconds put on the pair (kernel that ended last before it, kernel that starts
+after it), pairs summed and listed by total: where the span's time outside the kernels goes (launch gaps inside a
+program, or the boundary between two programs).
 """
 
 from __future__ import annotations
@@ -24,8 +29,35 @@ def load(trace_dir: str | pathlib.Path) -> dict:
         return json.load(f)
 
 
-def summarize(trace: dict, top: int = 25) -> dict:
-    """{'device': bool, 'total_ms', 'span_ms', 'kernels': [(name, calls, total ms)] by total, descending}."""
+def gaps(chosen: list[dict], min_us: float = 5.0, top: int = 15) -> dict:
+    """The idle time between the union of the events' intervals: {'idle_ms' (all of it), 'counted_ms' / 'count'
+    (gaps >= min_us), 'pairs': [(before, after, count, total ms)] by total, descending}."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e.get("name", "?")) for e in chosen)
+    idle = counted = 0.0
+    count = 0
+    pairs: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    if spans:
+        end, last = spans[0][1], spans[0][2]
+        for start, stop, name in spans[1:]:
+            if start > end:
+                gap = start - end
+                idle += gap
+                if gap >= min_us:
+                    counted += gap
+                    count += 1
+                    pair = pairs[last[:60], name[:60]]
+                    pair[0] += 1
+                    pair[1] += gap / 1e3
+            if stop >= end:
+                end, last = stop, name
+    rows = sorted(((b, a, c, round(ms, 3)) for (b, a), (c, ms) in pairs.items()), key=lambda r: -r[3])
+    return dict(idle_ms=round(idle / 1e3, 3), counted_ms=round(counted / 1e3, 3), count=count, min_us=min_us,
+                pairs=rows[:top])
+
+
+def summarize(trace: dict, top: int = 25, gap_us: float = 5.0) -> dict:
+    """{'device': bool, 'total_ms', 'span_ms', 'kernels': [(name, calls, total ms)] by total, descending, 'gaps':
+    `gaps(...)` of the chosen events}."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -41,7 +73,8 @@ def summarize(trace: dict, top: int = 25) -> dict:
     start = min((e["ts"] for e in chosen), default=0.0)
     end = max((e["ts"] + e["dur"] for e in chosen), default=0.0)
     return dict(device=bool(device_pids), processes=sorted(names.values()), events=len(chosen),
-                total_ms=round(sum(r[2] for r in rows), 3), span_ms=round((end - start) / 1e3, 3), kernels=rows[:top])
+                total_ms=round(sum(r[2] for r in rows), 3), span_ms=round((end - start) / 1e3, 3), kernels=rows[:top],
+                gaps=gaps(chosen, gap_us))
 
 
 def render(summary: dict) -> str:
@@ -49,6 +82,11 @@ def render(summary: dict) -> str:
     lines = [f"{kind} events: {summary['events']}, summed {summary['total_ms']:.2f} ms over a span of "
              f"{summary['span_ms']:.2f} ms", f"{'ms':>9} {'calls':>6}  name"]
     lines += [f"{ms:>9.3f} {calls:>6}  {name[:110]}" for name, calls, ms in summary["kernels"]]
+    g = summary.get("gaps")
+    if g:
+        lines.append(f"idle between busy intervals: {g['idle_ms']:.3f} ms, of it {g['counted_ms']:.3f} ms in "
+                     f"{g['count']} gaps of >= {g['min_us']:g} us, by the kernels on either side:")
+        lines += [f"{ms:>9.3f} {c:>6}  {b}  ->  {a}" for b, a, c, ms in g["pairs"]]
     return "\n".join(lines)
 
 
@@ -56,8 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace_dir")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--gap-us", type=float, default=5.0, help="the shortest idle gap put on its kernel pair")
     args = ap.parse_args(argv)
-    summary = summarize(load(args.trace_dir), args.top)
+    summary = summarize(load(args.trace_dir), args.top, args.gap_us)
     print(render(summary))
     return summary
 

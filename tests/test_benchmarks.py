@@ -374,6 +374,14 @@ def test_trace_summary_sums_device_kernels_by_name():
     assert s["device"] and s["events"] == 3 and s["kernels"] == [("gemm", 2, 0.8), ("copy", 1, 0.1)]
     assert s["total_ms"] == pytest.approx(0.9) and s["span_ms"] == pytest.approx(1.0)
     assert "gemm" in ts.render(s)
+    # the idle time between the union of busy intervals, each gap on the kernels either side of it
+    assert s["gaps"]["idle_ms"] == pytest.approx(0.1) and s["gaps"]["count"] == 1
+    assert s["gaps"]["pairs"] == [("gemm", "gemm", 1, 0.1)]
+    overlapping = [dict(ph="X", pid=1, name="a", ts=0.0, dur=100.0), dict(ph="X", pid=1, name="b", ts=50.0, dur=20.0),
+                   dict(ph="X", pid=1, name="c", ts=103.0, dur=10.0), dict(ph="X", pid=1, name="d", ts=130.0, dur=5.0)]
+    g = ts.gaps(overlapping, min_us=5.0)
+    assert g["idle_ms"] == pytest.approx(0.02) and g["count"] == 1 and g["pairs"] == [("c", "d", 1, 0.017)]
+    assert "c  ->  d" in ts.render(dict(s, gaps=g))
 
 
 def test_transformers_reference_runs_the_same_rows(tmp_path):
