@@ -31,11 +31,13 @@ def load(trace_dir: str | pathlib.Path) -> dict:
 
 def gaps(chosen: list[dict], min_us: float = 5.0, top: int = 15) -> dict:
     """The idle time between the union of the events' intervals: {'idle_ms' (all of it), 'counted_ms' / 'count'
-    (gaps >= min_us), 'pairs': [(before, after, count, total ms)] by total, descending}."""
+    (gaps >= min_us), 'pairs': [(before, after, count, total ms)] by total, descending, 'largest': [(ms from the
+    first event's start, gap ms, before, after)] of the `top` longest gaps, in time order}."""
     spans = sorted((e["ts"], e["ts"] + e["dur"], e.get("name", "?")) for e in chosen)
     idle = counted = 0.0
     count = 0
     pairs: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    every = []
     if spans:
         end, last = spans[0][1], spans[0][2]
         for start, stop, name in spans[1:]:
@@ -48,11 +50,13 @@ def gaps(chosen: list[dict], min_us: float = 5.0, top: int = 15) -> dict:
                     pair = pairs[last[:60], name[:60]]
                     pair[0] += 1
                     pair[1] += gap / 1e3
+                    every.append((round((end - spans[0][0]) / 1e3, 3), round(gap / 1e3, 3), last[:60], name[:60]))
             if stop >= end:
                 end, last = stop, name
     rows = sorted(((b, a, c, round(ms, 3)) for (b, a), (c, ms) in pairs.items()), key=lambda r: -r[3])
+    largest = sorted(sorted(every, key=lambda r: -r[1])[:top])
     return dict(idle_ms=round(idle / 1e3, 3), counted_ms=round(counted / 1e3, 3), count=count, min_us=min_us,
-                pairs=rows[:top])
+                pairs=rows[:top], largest=largest)
 
 
 def summarize(trace: dict, top: int = 25, gap_us: float = 5.0) -> dict:
@@ -87,6 +91,8 @@ def render(summary: dict) -> str:
         lines.append(f"idle between busy intervals: {g['idle_ms']:.3f} ms, of it {g['counted_ms']:.3f} ms in "
                      f"{g['count']} gaps of >= {g['min_us']:g} us, by the kernels on either side:")
         lines += [f"{ms:>9.3f} {c:>6}  {b}  ->  {a}" for b, a, c, ms in g["pairs"]]
+        lines.append("the longest gaps, at ms from the first event's start:")
+        lines += [f"{at:>9.3f} {ms:>7.3f} ms  {b}  ->  {a}" for at, ms, b, a in g.get("largest", [])]
     return "\n".join(lines)
 
 

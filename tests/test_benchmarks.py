@@ -381,6 +381,7 @@ def test_trace_summary_sums_device_kernels_by_name():
                    dict(ph="X", pid=1, name="c", ts=103.0, dur=10.0), dict(ph="X", pid=1, name="d", ts=130.0, dur=5.0)]
     g = ts.gaps(overlapping, min_us=5.0)
     assert g["idle_ms"] == pytest.approx(0.02) and g["count"] == 1 and g["pairs"] == [("c", "d", 1, 0.017)]
+    assert g["largest"] == [(0.113, 0.017, "c", "d")]
     assert "c  ->  d" in ts.render(dict(s, gaps=g))
 
 
