@@ -35,7 +35,7 @@ from flax import nnx
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length
-from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope
+from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
 
 
 def period_of(layer_types: tuple[str, ...], interval: int) -> tuple[tuple[str, ...], int]:
@@ -101,18 +101,10 @@ class ScannedModel:
                                                         for i in range(len(leaves[0]))]))
         tail_layers = layers[blocks * p:]
         tail = tuple(nnx.state(layer) for layer in tail_layers)
-        shell_graph, shell_state = _shell(model)
+        shell_graph, shell_state = shell_of(model)
         return cls(model_graph=StaticGraph.of(shell_graph), model_state=shell_state, period=period, graphs=graphs,
                    blocks=blocks, stacked=tuple(stacked), tail_types=tuple(layer.layer_type for layer in tail_layers),
                    tail=tail, cfg=cfg, dtype=model.dtype)
-
-
-def _shell(model: Qwen35MoeForCausalLM):
-    """(graphdef, state) of the model's embedding, final norm and lm_head, without its layers."""
-    graphdef, state = nnx.split(model)
-    shell = nnx.merge(graphdef, state)  # new module objects: `model` itself keeps its layers
-    shell.layers = nnx.List([])
-    return nnx.split(shell)
 
 
 def _layer(kind: str, graph: StaticGraph, state, h, positions, lengths, cache_len: int):

@@ -265,6 +265,9 @@ class Qwen35MoeForCausalLM(nnx.Module):
             elif cache is not None:  # already the whole cache, the new positions written in
                 keys.append(out[0])
                 values.append(out[1])
+            elif cache_len == t:  # (an eager pad by nothing would still enqueue a copy of K and V)
+                keys.append(out[0])
+                values.append(out[1])
             else:
                 pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
                 keys.append(jnp.pad(out[0], pad))

@@ -42,7 +42,7 @@ from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.experts import AXIS, ExpertSource, Local, is_expert_weight
 from jax_dwdp.parallel.mesh import put
 from jax_dwdp.programs import (StaticGraph, canonical_graphs, embed_body, head_body, layer_body, precision_scope,
-                               run_embed, run_head, run_layer)
+                               run_embed, run_head, run_layer, shell_of)
 
 
 class StageRunner:
@@ -68,8 +68,9 @@ class StageRunner:
                 value = on_device(value, device)
             flat.append((path, type(var)(value)))
         self.graphdef, self.state = graphdef, nnx.from_flat_state(flat)
-        self.graph = StaticGraph.of(graphdef)
         self.stage = nnx.merge(graphdef, self.state)  # the layer structure the loop walks
+        shell_graph, self.shell_state = shell_of(self.stage)  # what embed and head read, without the layers
+        self.shell_graph = StaticGraph.of(shell_graph)
         self.layer_states = [nnx.state(layer) for layer in self.stage.layers]
         self.canonical = canonical_graphs(self.stage)
         self._programs: dict = {}
@@ -106,7 +107,11 @@ class StageRunner:
     def place(self, x):
         if self.mesh is not None:
             return put(x, NamedSharding(self.mesh, P(AXIS)))
-        return jax.device_put(x, self.device) if self.device is not None else jnp.asarray(x)
+        if self.device is not None:
+            return jax.device_put(x, self.device)
+        # A plain transfer: jnp.asarray of a host array also enqueues a copy program behind it (host time before
+        # the first layer, the GPU idle).
+        return x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x))
 
     def __call__(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None,
                  layerwise: bool = True, abort_on_error: bool = True, cache: Cache | None = None):
@@ -190,9 +195,9 @@ class StageRunner:
             return self._programs[(kind, *key)]
         b = P(AXIS)
         if kind == "embed":
-            fn, static, specs, out = embed_body, (self.graph,), (P(), b), b
+            fn, static, specs, out = embed_body, (self.shell_graph,), (P(), b), b
         elif kind == "head":
-            fn, static, specs, out = head_body, (self.graph, *key), (P(), b, b), b
+            fn, static, specs, out = head_body, (self.shell_graph, *key), (P(), b, b), b
         elif kind == "mixer":
             fn, static, specs, out = mixer_body, (self.canonical[key[0]],), (P(), b, b, b, P()), (b, b)
         elif kind == "moe":
@@ -218,7 +223,7 @@ class _Programs:
         self.runner, self.stage, self.source = runner, runner.stage, runner.source
 
     def embed(self, x):
-        return self.runner.program("embed")(self.runner.state, x)
+        return self.runner.program("embed")(self.runner.shell_state, x)
 
     def layer(self, i, layer, h, positions, lengths, pending, ahead, layer_cache):
         program = self.runner.program("layer", layer.layer_type)
@@ -226,7 +231,7 @@ class _Programs:
                                             layer_cache))
 
     def head(self, mode, h, lengths):
-        return self.runner.program("head", mode)(self.runner.state, h, lengths)
+        return self.runner.program("head", mode)(self.runner.shell_state, h, lengths)
 
 
 class _Traced:
