@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--time", action="store_true", help="also time the scanned and the layer-wise prefill")
+    ap.add_argument("--run", action="store_true",
+                    help="run the scanned prefill once and report whether it ran (an out-of-memory error is caught)")
     args = ap.parse_args(argv)
 
     import jax
@@ -85,6 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx_state(model)))
     scanned = ScannedModel.from_model(model)
     del model
+    stats = jax.devices()[0].memory_stats() or {}
+    result["after_restack_gib"] = {k: round(stats[k] / 2**30, 3) for k in ("bytes_in_use", "peak_bytes_in_use",
+                                                                         "bytes_limit") if k in stats}
     exe = jit_prefill_scanned(scanned, logits="last").compile(tokens, lengths)
     mem = exe.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
@@ -103,6 +108,15 @@ def main(argv: list[str] | None = None) -> dict:
           f" compiled program {result['memory_gib']}")
     for r in result["largest_entry_instructions"]:
         print(f"  {r['gib']:>8.3f} GiB  {r['op']:<14} {r['line'][:300]}")
+    if args.run and not args.time:
+        try:
+            jax.block_until_ready(jit_prefill_scanned(scanned, logits="last")(tokens, lengths))
+            result["ran"] = "ok"
+        except jax.errors.JaxRuntimeError as e:
+            result["ran"] = str(e).splitlines()[0][:300]
+        stats = jax.devices()[0].memory_stats() or {}
+        result["peak_gib"] = round(stats.get("peak_bytes_in_use", 0) / 2**30, 3)
+        print(f"  after restacking {result['after_restack_gib']}; one run: {result['ran']}; peak {result['peak_gib']} GiB")
     if args.time:
         prefill = jit_prefill_scanned(scanned, logits="last")
         result["scan_ms"] = round(median_seconds(lambda: prefill(tokens, lengths), 5)[0] * 1e3, 2)
