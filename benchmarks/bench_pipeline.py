@@ -2,7 +2,8 @@
 
     python benchmarks/bench_pipeline.py --preset 35b-a3b --num-layers 8 --seq-len 4096 --microbatches 1 2 4 8
 
-One device vs `--pipeline` stages (layer-wise compiled stage programs), one sequence of --seq-len tokens per
+One device vs `--pipeline` stages (layer-wise compiled stage programs; with --scan, both sides scanned: one program
+per stage, `Pipeline(..., scan=True)`), one sequence of --seq-len tokens per
 microbatch, M microbatches; the one-device baseline runs the same microbatches one after another. Each stage is
 timed alone on one microbatch (t_s); the pipeline's wall time W for M microbatches gives stage s an idle fraction
 1 - M t_s / W, printed beside the GPipe bubble (P-1)/(M+P-1). JSON with --out: {"what": "pipeline", "args",
@@ -33,12 +34,13 @@ def bench_pipeline(cfg, args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     tokens_all = np.random.default_rng(0).integers(0, cfg.vocab_size, (max(args.microbatches), args.seq_len))
     tokens_all = tokens_all.astype(np.int32)
-    one = Pipeline.random(cfg, 1, dtype=dtype, seed=0)
-    pipe = Pipeline.random(cfg, args.pipeline, dtype=dtype, seed=0)
+    one = Pipeline.random(cfg, 1, dtype=dtype, seed=0, scan=args.scan)
+    pipe = Pipeline.random(cfg, args.pipeline, dtype=dtype, seed=0, scan=args.scan)
+    layerwise = not args.scan
     for m in args.microbatches:
         tokens = tokens_all[:m]
-        t_one = timed(lambda: one.prefill(tokens, microbatches=m, logits="last", layerwise=True), args.iters)
-        t_pipe = timed(lambda: pipe.prefill(tokens, microbatches=m, logits="last", layerwise=True), args.iters)
+        t_one = timed(lambda: one.prefill(tokens, microbatches=m, logits="last", layerwise=layerwise), args.iters)
+        t_pipe = timed(lambda: pipe.prefill(tokens, microbatches=m, logits="last", layerwise=layerwise), args.iters)
         stage_t = []
         x = jnp.asarray(tokens[:1])
         lens = jnp.full((1,), args.seq_len, jnp.int32)
@@ -48,7 +50,7 @@ def bench_pipeline(cfg, args) -> list[dict]:
             stage_t.append(timed(lambda runner=runner, x=x, ln=ln: runner(x, ln, logits="last"), args.iters))
             x, _ = runner(x, ln, logits="last")
         idle = [round(1 - m * t / t_pipe, 3) for t in stage_t]
-        row = dict(microbatches=m, tokens=m * args.seq_len, one_device_ms=round(t_one * 1e3, 2),
+        row = dict(scan=args.scan, microbatches=m, tokens=m * args.seq_len, one_device_ms=round(t_one * 1e3, 2),
                    pipeline_ms=round(t_pipe * 1e3, 2), speedup=round(t_one / t_pipe, 3),
                    stage_ms=[round(t * 1e3, 2) for t in stage_t], idle_fraction=idle,
                    gpipe_ideal_bubble=round((args.pipeline - 1) / (m + args.pipeline - 1), 3),
@@ -67,6 +69,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--pipeline", type=int, default=2)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--scan", action="store_true", help="every stage (and the one device) as one scanned program")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args(argv)

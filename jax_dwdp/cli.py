@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layerwise", action="store_true",
                    help="compile one program per layer type instead of the whole model (fast compile for deep models)")
     p.add_argument("--scan", action="store_true",
-                   help="one device: the layer stack as one scanned program over stacked weights (compile time "
-                        "independent of depth, one dispatch per prefill)")
+                   help="the layer stack (of the model, or of each --pipeline stage) as one scanned program over "
+                        "stacked weights (compile time independent of depth, one dispatch per prefill or per stage "
+                        "and microbatch)")
     p.add_argument("--prefill-chunk", type=int, metavar="C",
                    help="prefill the prompt in pieces of C tokens, each continuing the previous piece's cache "
                         "(chunked prefill; one device)")
@@ -176,10 +177,10 @@ def _check_options(args) -> None:
         raise UsageError(f"--dwdp-backend {args.dwdp_backend} is for --dwdp; --dep has one way to move tokens")
     if args.dwdp_backend == "ffi" and args.dwdp < 2:
         raise UsageError("--dwdp-backend ffi needs --dwdp N with N >= 2 ranks")
-    if args.scan and (max(args.pipeline, args.microbatches, _ranks(args)) > 1 or args.layerwise
-                      or args.prefill_chunk is not None):
-        raise UsageError("--scan runs the whole model on one device as one program: it does not combine with "
-                         "--pipeline, --dwdp, --dep, --microbatches, --layerwise or --prefill-chunk")
+    if args.scan and (_ranks(args) > 1 or args.layerwise or args.prefill_chunk is not None):
+        raise UsageError("--scan runs the model (or each --pipeline stage) on one device as one program: it does not "
+                         "combine with --dwdp, --dep (their experts move between layers), --layerwise or "
+                         "--prefill-chunk")
 
 
 def _check_layout(args, cfg, batch: int) -> None:
@@ -221,10 +222,12 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
         try:
             if args.checkpoint is not None:
                 pipe = Pipeline.from_checkpoint(args.checkpoint, args.pipeline, dwdp=ranks, dtype=dtype, cfg=cfg,
-                                                boundaries=boundaries, fused_swiglu=args.fused_swiglu, experts=experts)
+                                                boundaries=boundaries, fused_swiglu=args.fused_swiglu, experts=experts,
+                                                scan=args.scan)
             else:
                 pipe = Pipeline.random(cfg, args.pipeline, dwdp=ranks, dtype=dtype, seed=args.seed,
-                                       boundaries=boundaries, fused_swiglu=args.fused_swiglu, experts=experts)
+                                       boundaries=boundaries, fused_swiglu=args.fused_swiglu, experts=experts,
+                                       scan=args.scan)
         except ValueError as e:  # layout and mesh problems (too many stages, too few devices)
             raise UsageError(str(e)) from None
         resources.enter_context(pipe)
@@ -238,8 +241,9 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
         pad = size * used - batch
         padding = f" ({pad} padding row{'s' if pad > 1 else ''} of length 0)" if pad else ""
         scheme = "dep" if args.dep > 1 else f"dwdp ({experts})" if args.dwdp > 1 else "dwdp"
+        scanned = ", each stage scanned" if args.scan else ""
         return run, run, (f"pipeline {args.pipeline} stages {stages}, {scheme} {ranks} ranks per stage, "
-                          f"{used} microbatches of {size} sequences{padding}")
+                          f"{used} microbatches of {size} sequences{padding}{scanned}")
     if args.checkpoint is not None:
         from jax_dwdp.weights import load_checkpoint
 
@@ -257,7 +261,7 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
 
         scanned = ScannedModel.from_model(model)
         prefill = jit_prefill_scanned(scanned, logits=mode)
-        source = f"{source}, scanned: {scanned.blocks} blocks of {len(scanned.period)} layers + {len(scanned.tail)}"
+        source = f"{source}, {scanned.describe()}"
     else:
         prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
     return (lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile, source

@@ -1,25 +1,28 @@
-"""One compiled program for any depth: the layer stack as a `lax.scan` over stacked weights (single device).
+"""One compiled program for any depth: a layer stack as a `lax.scan` over stacked weights (one device).
 
 Qwen3.5's layers repeat a pattern (3 linear-attention layers, then a full-attention layer: `full_attention_interval`
-= 4). `ScannedModel` holds the whole model's layers as one stacked state per position in that period (leading axis:
-the blocks) plus the layers after the last whole period (the tail, unrolled), and `jit_prefill_scanned` compiles
-embed, a scan over the blocks (one body: one period of layers), the tail and the head as one program: its compile
-time does not grow with depth, and a prefill is one dispatch.
+= 4). `ScannedModel` holds the layers of a model or of one pipeline stage [start_layer, end_layer) as one stacked
+state per position in that period (leading axis: the blocks) plus the layers after the last whole period (the tail,
+unrolled), and compiles embed (first stage), a scan over the blocks (one body: one period of layers), the tail and
+the head (last stage) as one program: its compile time does not grow with depth, and a prefill (or a stage's share
+of one microbatch) is one dispatch. A stage may start anywhere in the pattern: its period is read from its own
+first layers (a stage starting at layer 2 of a 3 + 1 pattern repeats linear, full, linear, linear).
 
 Memory: `ScannedModel.from_model(model)` restacks the weights of a loaded (or random) model on its device, one
 weight at a time, each layer's copy deleted as soon as it is in the stack: the peak above the model is one stacked
 weight (for 35b-a3b, a position's expert gate_up over 10 blocks, 10.7 GB), never a second copy of the model. The
 model it consumed is unusable afterwards (its layer weights are deleted), and so is every model that shares those
-arrays (e.g. `set_fused_swiglu`'s result and its source, and programs built from them). Compile time is that of
-one period plus the tail: independent of depth for patterns that repeat from the first layer (Qwen3.5's); an
-irregular pattern leaves more layers in the unrolled tail. Not yet measured on a GPU: inside the scan each block's
-weights are slices of the stacks, which XLA may copy before a custom call (the grouped GEMM, the GDN kernels).
+arrays (e.g. `set_fused_swiglu`'s result and its source, and programs built from them); `consume=False` keeps the
+model (the stacks are then a second copy: tests, and pipelines split from a caller's model). Compile time is that
+of one period plus the tail: independent of depth for patterns that repeat (Qwen3.5's); an irregular pattern
+leaves more layers in the unrolled tail.
 
-Which drivers keep the layer-wise path, and why: pipeline stages, DWDP (XLA gather, CUDA VMM store), DEP and
-independent ranks run through `parallel.runner.StageRunner` layer by layer, because their expert sources act
-between layers (a gather issued one layer ahead, the store's copy of layer l+1 waited on before layer l+1, a
-process's hand-off) and keep per-layer expert weights; one process per device already gives each of them its own
-host thread. Chunked prefill (continuing a cache) also stays layer-wise.
+Which drivers keep the layer-wise path, and why: DWDP (XLA gather, CUDA VMM store), DEP and independent ranks run
+through `parallel.runner.StageRunner` layer by layer, because their expert sources act between layers (a gather
+issued one layer ahead, the store's copy of layer l+1 waited on before layer l+1, a process's hand-off) and keep
+per-layer expert weights. Pipeline stages with their own experts (`Pipeline(..., scan=True)`, `--pipeline P
+--scan`) run scanned: one dispatch per stage and microbatch instead of one per layer, so the one host thread that
+drives every stage is not the bottleneck. Chunked prefill (continuing a cache) stays layer-wise.
 """
 
 from __future__ import annotations
@@ -54,21 +57,24 @@ def _put(stack, value, index):
     return stack.at[index].set(value)
 
 
-def _stack(arrays: list[jax.Array]) -> jax.Array:
-    """One stacked array from same-shape arrays on one device; each input deleted once it is in (donated writes)."""
+def _stack(arrays: list[jax.Array], consume: bool) -> jax.Array:
+    """One stacked array from same-shape arrays on one device; with `consume`, each input is deleted once it is in
+    (donated writes)."""
     first = arrays[0]
     stack = jnp.zeros((len(arrays), *first.shape), first.dtype, device=next(iter(first.devices())))
     for i, a in enumerate(arrays):
         stack = _put(stack, a, i)
-        a.delete()
+        if consume:
+            a.delete()
     return stack
 
 
 @dataclasses.dataclass
 class ScannedModel:
-    """The whole model for `jit_prefill_scanned`: embedding, head, the stacked period and the tail."""
+    """A model or pipeline stage for one scanned program: its shell (embedding and/or head), the stacked period
+    and the tail. `scanned(x, lengths, logits=, cache_len=)` runs it (see `__call__`)."""
 
-    model_graph: StaticGraph  # the model without its layers (embedding, final norm, lm_head)
+    model_graph: StaticGraph  # the model without its layers (embedding, final norm, lm_head: those it has)
     model_state: nnx.State
     period: tuple[str, ...]  # layer types of one period
     graphs: dict  # layer type -> StaticGraph (the first layer of the type's)
@@ -78,51 +84,117 @@ class ScannedModel:
     tail: tuple  # per tail layer: its state
     cfg: object
     dtype: object
+    start_layer: int = 0
+    end_layer: int | None = None
+    device: object = None
+    _executables: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.end_layer is None:
+            self.end_layer = self.cfg.num_hidden_layers
+
+    @property
+    def is_first(self) -> bool:
+        return self.start_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end_layer == self.cfg.num_hidden_layers
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return self.cfg.layer_ids(FULL_ATTENTION, self.start_layer, self.end_layer)
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return self.cfg.layer_ids(LINEAR_ATTENTION, self.start_layer, self.end_layer)
 
     @classmethod
-    def from_model(cls, model: Qwen35MoeForCausalLM) -> "ScannedModel":
-        """Restacks a whole model's layers (see the module docstring: `model` is consumed)."""
-        if not (model.is_first and model.is_last):
-            raise ValueError("ScannedModel needs the whole model (a pipeline stage runs layer-wise)")
+    def from_model(cls, model: Qwen35MoeForCausalLM, *, consume: bool = True) -> "ScannedModel":
+        """Restacks a model's (or a stage's) layers; `model` is consumed unless `consume=False` (see the module
+        docstring)."""
         cfg = model.cfg
         devices = {d for leaf in jax.tree.leaves(nnx.state(model)) for d in leaf.devices()}
         if len(devices) != 1:
             raise ValueError(f"ScannedModel needs a model on one device; its weights are on {len(devices)}")
         graphs = canonical_graphs(model)
-        period, blocks = period_of(cfg.layer_types, cfg.full_attention_interval)
         layers = list(model.layers)
+        period, blocks = period_of(tuple(layer.layer_type for layer in layers), cfg.full_attention_interval)
         p = len(period)
         stacked = []
         for j in range(p if blocks else 0):
             states = [nnx.state(layers[b * p + j]) for b in range(blocks)]
             leaves = [jax.tree.leaves(s) for s in states]
             treedef = jax.tree.structure(states[0])
-            stacked.append(jax.tree.unflatten(treedef, [_stack([ls[i] for ls in leaves])
+            stacked.append(jax.tree.unflatten(treedef, [_stack([ls[i] for ls in leaves], consume)
                                                         for i in range(len(leaves[0]))]))
         tail_layers = layers[blocks * p:]
         tail = tuple(nnx.state(layer) for layer in tail_layers)
         shell_graph, shell_state = shell_of(model)
         return cls(model_graph=StaticGraph.of(shell_graph), model_state=shell_state, period=period, graphs=graphs,
                    blocks=blocks, stacked=tuple(stacked), tail_types=tuple(layer.layer_type for layer in tail_layers),
-                   tail=tail, cfg=cfg, dtype=model.dtype)
+                   tail=tail, cfg=cfg, dtype=model.dtype, start_layer=model.start_layer, end_layer=model.end_layer,
+                   device=devices.pop())
+
+    def describe(self) -> str:
+        return (f"scanned: {self.blocks} block{'' if self.blocks == 1 else 's'} of {len(self.period)} layers"
+                f" + {len(self.tail)}")
+
+    # ---- running -----------------------------------------------------------------------------------------------
+    def executable(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None):
+        """The compiled program for x's shape (tokens [B, T] on the first stage, else hidden states [B, T, H]),
+        this logits mode (a last stage's; others return hidden states) and cache length."""
+        length = cache_length(x.shape[1], cache_len)
+        mode = logits if self.is_last else "none"
+        key = (tuple(x.shape), str(x.dtype), mode, length)
+        if key not in self._executables:
+            static = (self.model_graph, tuple(sorted(self.graphs.items())), self.period, self.tail_types,
+                      self.is_first, self.is_last, mode, length)
+            self._executables[key] = _forward.lower(*static, *self._dynamic(x, lengths)).compile()
+        return self._executables[key], length
+
+    def _dynamic(self, x, lengths):
+        return self.model_state, self.stacked, self.tail, self.place(x), self.place(lengths)
+
+    def place(self, x):
+        """x on this model's device (a host array is transferred without a copy program behind it)."""
+        if isinstance(x, jax.Array) and x.devices() == {self.device}:
+            return x
+        return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), self.device)
+
+    def __call__(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None):
+        """x: tokens [B, T] int32 (first stage) or hidden states [B, T, H] (other stages), right-padded; lengths [B]
+        int32. Returns (logits, or the hidden states on a stage that is not the last; the range's Cache), as the
+        layer-wise StageRunner does. Inputs are not validated here (`jit_prefill_scanned` and `Pipeline.prefill`
+        check tokens)."""
+        exe, length = self.executable(x, lengths, logits=logits, cache_len=cache_len)
+        out, caches = exe(*self._dynamic(x, lengths))
+        return out, self._cache(caches, self.place(lengths), x.shape[0], length)
+
+    def _cache(self, caches, lengths, b: int, cache_len: int) -> Cache:
+        (conv, recurrent), (key, value) = caches[LINEAR_ATTENTION], caches[FULL_ATTENTION]
+        return Cache.assemble(self.cfg, self.dtype, key=key, value=value, conv=conv, recurrent=recurrent,
+                              lengths=lengths, batch=b, cache_len=cache_len, full_layer_ids=self.full_layer_ids,
+                              linear_layer_ids=self.linear_layer_ids, device=self.device)
 
 
 def _layer(kind: str, graph: StaticGraph, state, h, positions, lengths, cache_len: int):
     """One layer; its K/V padded to cache_len (the Cache layout), its conv / recurrent state as it is."""
     h, out = nnx.merge(graph.value, state)(h, positions, lengths)
-    if kind == FULL_ATTENTION:  # K, V [B, T, nkv, hd]
+    if kind == FULL_ATTENTION and cache_len != h.shape[1]:  # K, V [B, T, nkv, hd]
         pad = ((0, 0), (0, cache_len - h.shape[1]), (0, 0), (0, 0))
         out = (jnp.pad(out[0], pad), jnp.pad(out[1], pad))
     return h, out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
-def _forward(model_graph, graphs, period, tail_types, mode, cache_len, model_state, stacked, tail, tokens, lengths):
+@functools.partial(jax.jit, static_argnums=tuple(range(8)))
+def _forward(model_graph, graphs, period, tail_types, is_first, is_last, mode, cache_len, model_state, stacked, tail,
+             x, lengths):
     graphs = dict(graphs)
     shell = nnx.merge(model_graph.value, model_state)
-    h = shell.embed(tokens)
+    h = shell.embed(x) if is_first else x
     with precision_scope(h.dtype):
-        b, t = tokens.shape
+        b, t = x.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
         def body(h, states):
@@ -149,46 +221,28 @@ def _forward(model_graph, graphs, period, tail_types, mode, cache_len, model_sta
             parts = [pair[k] for typ, pair in outs if typ == kind]
             return jnp.concatenate(parts) if parts else None
 
-        logits = shell.head(h, lengths, mode)
-        return logits, {kind: (gather(kind, 0), gather(kind, 1)) for kind in (LINEAR_ATTENTION, FULL_ATTENTION)}
+        out = shell.head(h, lengths, mode) if is_last else h
+        return out, {kind: (gather(kind, 0), gather(kind, 1)) for kind in (LINEAR_ATTENTION, FULL_ATTENTION)}
 
 
 def jit_prefill_scanned(scanned: ScannedModel, *, logits: LogitsMode = "all", cache_len: int | None = None):
     """prefill(tokens [B, T], lengths [B] | None) -> (logits, Cache), the same results as `jit_prefill` on the model
-    the ScannedModel was made from, compiled as one program (one per shape). `prefill.compile(tokens, lengths)`
-    compiles ahead of time."""
+    the ScannedModel was made from (the whole model), compiled as one program (one per shape).
+    `prefill.compile(tokens, lengths)` compiles ahead of time."""
     from jax_dwdp.prefill import check_tokens
 
-    cfg = scanned.cfg
-    graphs = tuple(sorted(scanned.graphs.items()))
-    executables = {}  # (tokens shape, cache length) -> compiled program
-
-    def executable(tokens, lengths):
-        tokens, lengths = check_tokens(tokens, cfg.vocab_size, lengths)
-        length = cache_length(tokens.shape[1], cache_len)
-        key = (tokens.shape, length)
-        if key not in executables:
-            static = (scanned.model_graph, graphs, scanned.period, scanned.tail_types, logits, length)
-            executables[key] = _forward.lower(*static, *dynamic(tokens, lengths)).compile()
-        return executables[key], tokens, lengths, length
-
-    def dynamic(tokens, lengths):
-        return scanned.model_state, scanned.stacked, scanned.tail, jnp.asarray(tokens), jnp.asarray(lengths)
+    if not (scanned.is_first and scanned.is_last):
+        raise ValueError("jit_prefill_scanned needs the whole model; a pipeline stage's ScannedModel is called with "
+                         "its stage's input (Pipeline(..., scan=True))")
+    vocab = scanned.cfg.vocab_size
 
     def prefill(tokens, lengths=None):
-        exe, tokens, lengths, length = executable(tokens, lengths)
-        out, caches = exe(*dynamic(tokens, lengths))
-        return out, _cache(scanned, caches, lengths, tokens.shape[0], length)
+        tokens, lengths = check_tokens(tokens, vocab, lengths)
+        return scanned(tokens, lengths, logits=logits, cache_len=cache_len)
 
-    prefill.compile = lambda tokens, lengths=None: executable(tokens, lengths)[0]
+    def compile_(tokens, lengths=None):
+        tokens, lengths = check_tokens(tokens, vocab, lengths)
+        return scanned.executable(tokens, lengths, logits=logits, cache_len=cache_len)[0]
+
+    prefill.compile = compile_
     return prefill
-
-
-def _cache(scanned: ScannedModel, caches, lengths, b: int, cache_len: int) -> Cache:
-    cfg = scanned.cfg
-    (conv, recurrent), (key, value) = caches[LINEAR_ATTENTION], caches[FULL_ATTENTION]
-    device = next(iter(jax.tree.leaves(scanned.model_state)[0].devices()))
-    return Cache.assemble(cfg, scanned.dtype, key=key, value=value, conv=conv, recurrent=recurrent,
-                          lengths=jax.device_put(np.asarray(lengths, np.int32), device), batch=b,
-                          cache_len=cache_len, full_layer_ids=cfg.layer_ids(FULL_ATTENTION),
-                          linear_layer_ids=cfg.layer_ids(LINEAR_ATTENTION), device=device)

@@ -216,13 +216,15 @@ def test_dwdp_layouts_runs_what_fits_and_skips_the_rest(tmp_path):
     assert skipped == {"layout": "4x4", "skipped": f"needs 16 devices, {jax.device_count()} present"}
 
 
-def test_pipeline_reports_speedup_and_idle_fractions(tmp_path):
-    """bench_pipeline.py: one device vs two stages, each stage's time and idle fraction, the GPipe bubble."""
-    rows, saved = run("bench_pipeline", [*TINY, "--num-layers", "2", "--seq-len", "8", "--microbatches", "2"],
-                      tmp_path / "pipeline.json")
+@pytest.mark.parametrize("scan", [False, True])
+def test_pipeline_reports_speedup_and_idle_fractions(tmp_path, scan):
+    """bench_pipeline.py: one device vs two stages (layer-wise or scanned), each stage's time and idle fraction,
+    the GPipe bubble."""
+    rows, saved = run("bench_pipeline", [*TINY, "--num-layers", "2", "--seq-len", "8", "--microbatches", "2",
+                                         *(["--scan"] if scan else [])], tmp_path / "pipeline.json")
     assert saved["what"] == "pipeline" and saved["rows"] == rows
     (row,) = rows
-    assert (row["microbatches"], row["tokens"], row["gpipe_ideal_bubble"]) == (2, 16, 0.333)
+    assert (row["scan"], row["microbatches"], row["tokens"], row["gpipe_ideal_bubble"]) == (scan, 2, 16, 0.333)
     assert len(row["stage_ms"]) == len(row["idle_fraction"]) == 2
     assert row["speedup"] == ratio(row["one_device_ms"], row["pipeline_ms"])
     for t, idle in zip(row["stage_ms"], row["idle_fraction"]):

@@ -112,7 +112,7 @@ def test_refusals(rng):
     cfg = ModelConfig.preset("tiny")
     stage = init_model(cfg, dtype=jnp.float32, seed=0, start_layer=0, end_layer=2)
     with pytest.raises(ValueError, match="whole model"):
-        ScannedModel.from_model(stage)
+        jit_prefill_scanned(ScannedModel.from_model(stage))
     prefill = jit_prefill_scanned(ScannedModel.from_model(init_model(cfg, dtype=jnp.float32, seed=0)), cache_len=8)
     with pytest.raises(ValueError, match="shorter than the prompt"):
         prefill(rng.integers(0, cfg.vocab_size, (1, 16)).astype(np.int32))
@@ -129,4 +129,76 @@ def test_cli_scan_equals_layerwise(tmp_path):
     assert main(base + ["--scan", "--logits-out", str(tmp_path / "b.npy")]) == 0
     a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
     assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
-    assert main(base + ["--scan", "--pipeline", "2"]) == 2
+    assert main(base + ["--scan", "--dwdp", "2"]) == 2
+    assert main(base + ["--scan", "--layerwise"]) == 2
+
+
+# --- pipeline stages, each one scanned program ------------------------------------------------------------------
+
+PIPELINE_CASES = [  # (layers, stages, microbatches, boundaries): stages that start inside the 3 + 1 pattern
+    (10, 2, 2, [5]),  # stage 1 = layers 5-9: period (linear, linear, full, linear), one block and a tail of one
+    (10, 3, 4, [2, 7]),  # [0, 2): a period of two linear layers; [2, 7): (L, F, L, L) + a tail; [7, 10): (F, L, L)
+    (10, 1, 2, None),  # one stage, two microbatches: two blocks and a tail of two
+    (9, 2, 1, [4]),  # [4, 9): a stage that starts on the pattern's first layer, one block and a tail of one
+]
+
+
+@pytest.mark.parametrize("layers,stages,microbatches,boundaries", PIPELINE_CASES)
+def test_scanned_pipeline_equals_layerwise_pipeline(rng, layers, stages, microbatches, boundaries):
+    """fp32, stages on their own CPU devices: a pipeline whose stages are scanned programs gives the logits and
+    per-stage caches of the layer-wise pipeline of the same layout (1e-6; measured equal or ~1e-7), each stage
+    compiles one program for all its microbatches, and the caller's model is left usable (consume=False)."""
+    from jax_dwdp.model.qwen35_moe import Cache
+    from jax_dwdp.parallel import Pipeline
+
+    cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=layers)
+    tokens = rng.integers(0, cfg.vocab_size, (4, 40)).astype(np.int32)
+    lengths = np.array([40, 17, 1, 33], np.int32)
+    model = init_model(cfg, dtype=jnp.float32, seed=5)
+    want, want_caches = Pipeline.from_model(model, stages, boundaries=boundaries).prefill(
+        tokens, lengths, microbatches=microbatches, cache_len=48, layerwise=True)
+    pipe = Pipeline.from_model(model, stages, boundaries=boundaries, scan=True)
+    got, caches = pipe.prefill(tokens, lengths, microbatches=microbatches, cache_len=48)
+    assert got.devices() == {pipe.devices[-1]}
+    shapes = [f"[{r.start_layer},{r.end_layer}) {r.describe()}" for r in pipe.runners]
+    err = rel_err(got, want)
+    print(f"{layers} layers, P={stages}, M={microbatches}, stages {shapes}: scanned vs layer-wise pipeline logits "
+          f"{err:.1e}")
+    assert err <= 1e-6
+    for stage, (cache, want_cache) in enumerate(zip(caches, want_caches)):
+        assert (cache.full_layer_ids, cache.linear_layer_ids) == (want_cache.full_layer_ids,
+                                                                    want_cache.linear_layer_ids)
+        for field in CACHE_FIELDS:
+            a, b = np.asarray(getattr(cache, field), np.float32), np.asarray(getattr(want_cache, field), np.float32)
+            assert a.shape == b.shape, (stage, field)
+            assert a.size == 0 or np.abs(a - b).max() <= 1e-6 * max(np.abs(b).max(), 1.0), (stage, field)
+        assert set(cache.key.devices()) == {pipe.devices[stage]}
+    assert all(len(r._executables) == 1 for r in pipe.runners)  # one program per stage, every microbatch
+    merged = Cache.concat_layers(caches, jax.devices()[0])
+    assert merged.linear_layer_ids == cfg.layer_ids("linear_attention")
+    again, _ = jit_prefill(model, layerwise=True, cache_len=48)(tokens, lengths)  # the model is still whole
+    assert rel_err(again, want) <= 1e-5
+
+
+def test_scanned_pipeline_refusals():
+    from jax_dwdp.parallel import Pipeline
+
+    cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=4)
+    model = init_model(cfg, dtype=jnp.float32, seed=0)
+    with pytest.raises(ValueError, match="run layer-wise"):
+        Pipeline.from_model(model, 1, dwdp=2, scan=True)
+    pipe = Pipeline.from_model(model, 2, scan=True)
+    with pytest.raises(ValueError, match="scanned programs"):
+        pipe.prefill(np.zeros((1, 4), np.int32) + 1, layerwise=True)
+
+
+def test_cli_scanned_pipeline_equals_layerwise(tmp_path):
+    """`jax-dwdp prefill --pipeline 2 --microbatches 2 --scan` writes the layer-wise pipeline's logits."""
+    from jax_dwdp.cli import main
+
+    base = ["prefill", "--preset", "tiny", "--batch", "2", "--seq-len", "20", "--dtype", "float32", "--iters", "1",
+            "--pipeline", "2", "--microbatches", "2"]
+    assert main(base + ["--layerwise", "--logits-out", str(tmp_path / "a.npy")]) == 0
+    assert main(base + ["--scan", "--logits-out", str(tmp_path / "b.npy")]) == 0
+    a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
+    assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()

@@ -4,7 +4,9 @@ Each stage is a model built for its range [start_layer, end_layer) on its own de
 layers' weights (loaders skip other layers' tensors without reading them) and allocates caches only for them, one
 slot per linear- or full-attention layer of the range. Stages may cut through the 3 linear + 1 full pattern.
 
-The prefill is GPipe-style and MPMD: each stage is its own compiled program. The driver enqueues stage s for
+The prefill is GPipe-style and MPMD: each stage is its own compiled program (with `scan=True`, one scanned program per
+stage over its stacked layers, `jax_dwdp.scan`: one dispatch per stage and microbatch; otherwise the stage runner's
+programs, one per layer type with `layerwise`). The driver enqueues stage s for
 microbatch m right after stage s-1, and JAX's asynchronous dispatch lets stage s work on microbatch m while stage
 s-1 works on m+1; activations move between the stages' devices with device_put (a device-to-device copy).
 
@@ -112,12 +114,16 @@ class Pipeline:
     holding their experts and back; `Dispatch`). Default: "xla" with N > 1 ranks, else "local". With ranks the
     batch is split over them. (SGLang refuses DWDP together with pipeline parallelism; here the two compose.)
 
+    `scan=True` (one device per stage, its own experts): each stage is restacked into a `ScannedModel` once built
+    (its per-layer weights consumed, unless the pipeline was split from a caller's model) and runs as one scanned
+    program per microbatch, so the host enqueues one call per stage and microbatch instead of one per layer.
+
     With N > 1 ranks a stage is built one layer at a time (`make_range(stage, a, b)` gives layers [a, b) on the
     stage's first device; dwdp.build_placed), each layer placed on the row before the next is made.
     """
 
     def __init__(self, cfg: ModelConfig, stages: list[StageSpec], mesh, make_range, *, dtype,
-                 experts: str | None = None, owned: bool = True):
+                 experts: str | None = None, owned: bool = True, scan: bool = False):
         """make_range(stage index, a, b) -> the model of layers [a, b) on the stage's first device; `owned`: its
         arrays belong to this pipeline (made for it), so they are freed as soon as they are placed."""
         self.cfg, self.stages, self.mesh, self.dtype = cfg, stages, mesh, dtype
@@ -132,6 +138,11 @@ class Pipeline:
                              "processes with one stage, or stages across processes without ranks)")
         self.experts = experts = experts or ("xla" if self.ranks > 1 else "local")
         check_experts_choice(experts, self.ranks)
+        self.scan = scan
+        if scan and (self.ranks > 1 or experts != "local"):
+            raise ValueError(f"scan=True runs each stage as one scanned program on one device with its own experts; "
+                             f"{self.ranks} ranks per stage with experts {experts!r} run layer-wise (their expert "
+                             f"sources act between layers)")
         if experts == "ffi":
             from jax_dwdp.parallel.dwdp_ffi import require_gpus
 
@@ -160,8 +171,14 @@ class Pipeline:
         else:
             sources = [Local() for _ in self.models]
         mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(self.models)
-        self.runners = [None if m is None else StageRunner(m, source, mesh=row)
-                        for m, source, row in zip(self.models, sources, mesh_of)]
+        if scan:
+            from jax_dwdp.scan import ScannedModel
+
+            # The stage models' layer weights now live in the stacks (deleted from the models when owned).
+            self.runners = [None if m is None else ScannedModel.from_model(m, consume=owned) for m in self.models]
+        else:
+            self.runners = [None if m is None else StageRunner(m, source, mesh=row)
+                            for m, source, row in zip(self.models, sources, mesh_of)]
 
     @property
     def holds_logits(self) -> bool:
@@ -194,7 +211,8 @@ class Pipeline:
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: ModelConfig, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
-               boundaries=None, devices=None, fused_swiglu: bool = False, experts: str | None = None) -> "Pipeline":
+               boundaries=None, devices=None, fused_swiglu: bool = False, experts: str | None = None,
+               scan: bool = False) -> "Pipeline":
         """Random weights drawn per stage on its own device (no stage ever holds another's weights); they depend
         on the global layer only, so every layout of one seed is the same model.
         `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
@@ -204,11 +222,11 @@ class Pipeline:
         def make_range(stage, a, b):
             return init_model(cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b,
                               device=builder_device(mesh.devices[stage]), fused_swiglu=fused_swiglu)
-        return cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts)
+        return cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts, scan=scan)
 
     @classmethod
     def from_model(cls, model: Qwen35MoeForCausalLM, pipeline: int, *, dwdp: int = 1, boundaries=None,
-                   devices=None, experts: str | None = None) -> "Pipeline":
+                   devices=None, experts: str | None = None, scan: bool = False) -> "Pipeline":
         """Splits a whole model into stages (for comparing with the one-device model); `model` is left as it was."""
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(model.cfg, pipeline, boundaries)
@@ -217,12 +235,12 @@ class Pipeline:
             if mesh.shape[AXIS] == 1:
                 return stage_from_model(model, a, b, mesh.devices[stage, 0])
             return model_range(model, a, b)  # placed from where it is, not copied first
-        return cls(model.cfg, stages, mesh, make_range, dtype=model.dtype, experts=experts, owned=False)
+        return cls(model.cfg, stages, mesh, make_range, dtype=model.dtype, experts=experts, owned=False, scan=scan)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
                         boundaries=None, devices=None, cfg: ModelConfig | None = None,
-                        fused_swiglu: bool = False, experts: str | None = None) -> "Pipeline":
+                        fused_swiglu: bool = False, experts: str | None = None, scan: bool = False) -> "Pipeline":
         """Each stage loads only its own layers (HF or Orbax folder), straight onto its device (one rank) or one
         layer at a time onto its first device, each placed on the row before the next loads (N ranks).
         `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
@@ -249,7 +267,7 @@ class Pipeline:
             reports.append(report)
             return model
         try:
-            pipe = cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts)
+            pipe = cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts, scan=scan)
         finally:
             for loader in loaders.values():
                 loader.close()
@@ -283,7 +301,10 @@ class Pipeline:
 
         Any batch: microbatches of ceil(B / microbatches) sequences rounded up to a multiple of the ranks, padded
         with rows of length 0 that the results leave out (`microbatch_rows`).
-        layerwise=True compiles one program per layer type instead of one per stage (FFI experts: always)."""
+        layerwise=True compiles one program per layer type instead of one per stage (FFI experts: always); a scanned
+        pipeline (`scan=True`) has one program per stage and refuses it."""
+        if layerwise and self.scan:
+            raise ValueError("layerwise=True: this pipeline's stages are scanned programs (built with scan=True)")
         tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
         batch = tokens.shape[0]
         size, used = microbatch_rows(batch, microbatches, self.ranks)
@@ -301,7 +322,8 @@ class Pipeline:
                     continue
                 x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
                 lens = put(lengths[rows], self.input_shardings[s])
-                x, cache = wait(runner(x, lens, logits=logits, cache_len=cache_len, layerwise=layerwise))
+                options = {} if self.scan else {"layerwise": layerwise}
+                x, cache = wait(runner(x, lens, logits=logits, cache_len=cache_len, **options))
                 caches[s].append(cache)
             outs.append(x)
         out = None if logits == "none" or not self.holds_logits else jnp.concatenate(outs, axis=0)
