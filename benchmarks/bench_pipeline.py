@@ -4,7 +4,8 @@
 
 One device vs `--pipeline` stages (layer-wise compiled stage programs; with --scan, both sides scanned: one program
 per stage, `Pipeline(..., scan=True)`), one sequence of --seq-len tokens per
-microbatch, M microbatches; the one-device baseline runs the same microbatches one after another. Each stage is
+microbatch, M microbatches; the one-device baseline runs the same microbatches one after another. The pipeline is
+timed with each stage enqueued from its own host thread (the default) and from one thread (`one_thread_*`). Each stage is
 timed alone on one microbatch (t_s); the pipeline's wall time W for M microbatches gives stage s an idle fraction
 1 - M t_s / W, printed beside the GPipe bubble (P-1)/(M+P-1). JSON with --out: {"what": "pipeline", "args",
 "device", "rows"}. Pipeline x DWDP layouts: `bench_dwdp.py layouts`.
@@ -41,6 +42,8 @@ def bench_pipeline(cfg, args) -> list[dict]:
         tokens = tokens_all[:m]
         t_one = timed(lambda: one.prefill(tokens, microbatches=m, logits="last", layerwise=layerwise), args.iters)
         t_pipe = timed(lambda: pipe.prefill(tokens, microbatches=m, logits="last", layerwise=layerwise), args.iters)
+        t_turn = timed(lambda: pipe.prefill(tokens, microbatches=m, logits="last", layerwise=layerwise,
+                                            stage_threads=False), args.iters)
         stage_t = []
         x = jnp.asarray(tokens[:1])
         lens = jnp.full((1,), args.seq_len, jnp.int32)
@@ -52,6 +55,7 @@ def bench_pipeline(cfg, args) -> list[dict]:
         idle = [round(1 - m * t / t_pipe, 3) for t in stage_t]
         row = dict(scan=args.scan, microbatches=m, tokens=m * args.seq_len, one_device_ms=round(t_one * 1e3, 2),
                    pipeline_ms=round(t_pipe * 1e3, 2), speedup=round(t_one / t_pipe, 3),
+                   one_thread_pipeline_ms=round(t_turn * 1e3, 2), one_thread_speedup=round(t_one / t_turn, 3),
                    stage_ms=[round(t * 1e3, 2) for t in stage_t], idle_fraction=idle,
                    gpipe_ideal_bubble=round((args.pipeline - 1) / (m + args.pipeline - 1), 3),
                    tokens_per_s_one=round(m * args.seq_len / t_one),

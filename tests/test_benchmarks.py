@@ -227,6 +227,7 @@ def test_pipeline_reports_speedup_and_idle_fractions(tmp_path, scan):
     assert (row["scan"], row["microbatches"], row["tokens"], row["gpipe_ideal_bubble"]) == (scan, 2, 16, 0.333)
     assert len(row["stage_ms"]) == len(row["idle_fraction"]) == 2
     assert row["speedup"] == ratio(row["one_device_ms"], row["pipeline_ms"])
+    assert row["one_thread_speedup"] == ratio(row["one_device_ms"], row["one_thread_pipeline_ms"])
     for t, idle in zip(row["stage_ms"], row["idle_fraction"]):
         assert abs(idle - (1 - 2 * t / row["pipeline_ms"])) < 0.01
 

@@ -215,3 +215,43 @@ def test_cli_closes_the_pipeline_it_opens(capsys, monkeypatch):
     monkeypatch.setattr(Pipeline, "prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
     assert main(argv) == 1 and len(closed) == 2 and isinstance(closed[1], RuntimeError)
     assert "error: RuntimeError: device lost" in capsys.readouterr().err
+
+
+def test_stage_threads_give_the_one_thread_results(references):
+    """Each stage enqueued from its own host thread (the default with several stages in one process) gives the same
+    logits and caches, bit for bit, as one thread going stage by stage; both for layer-wise and whole-stage
+    programs."""
+    tokens, lengths, refs = references
+    model, _, _ = refs[10]
+    pipe = Pipeline.from_model(model, 3, boundaries=[2, 7])
+    for layerwise in (False, True):
+        a, ca = pipe.prefill(tokens, lengths, microbatches=4, cache_len=72, layerwise=layerwise, stage_threads=True)
+        b, cb = pipe.prefill(tokens, lengths, microbatches=4, cache_len=72, layerwise=layerwise, stage_threads=False)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for x, y in zip(ca, cb):
+            for name in ("key", "value", "conv", "recurrent", "lengths"):
+                np.testing.assert_array_equal(np.asarray(getattr(x, name)), np.asarray(getattr(y, name)))
+
+
+def test_a_failing_stage_stops_every_stage_thread(references, monkeypatch):
+    """A stage that raises on its second microbatch: prefill raises that error, the later stages stop without
+    waiting forever for its output, and no stage thread is left running."""
+    import threading
+
+    tokens, lengths, refs = references
+    model, _, _ = refs[6]
+    pipe = Pipeline.from_model(model, 3)
+    calls = []
+    runner = pipe.runners[1]
+
+    def failing(x, lens, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("stage 1 broke on microbatch 1")
+        return runner(x, lens, **kw)
+
+    monkeypatch.setattr(pipe, "runners", [pipe.runners[0], failing, pipe.runners[2]])
+    with pytest.raises(RuntimeError, match="stage 1 broke on microbatch 1"):
+        pipe.prefill(tokens, lengths, microbatches=4, cache_len=72)
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-stage")]
+    assert len(calls) == 2  # stage 1 took no microbatch after its failure

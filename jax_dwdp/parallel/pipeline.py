@@ -294,7 +294,8 @@ class Pipeline:
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
-                cache_len: int | None = None, layerwise: bool = False) -> tuple[jax.Array | None, list[Cache]]:
+                cache_len: int | None = None, layerwise: bool = False,
+                stage_threads: bool = True) -> tuple[jax.Array | None, list[Cache]]:
         """Returns (logits on the last stage's device, one Cache per stage on that stage's device). With one process
         per device, every process calls it with the same arguments; it returns the logits in the process that holds
         them (`holds_logits`, else None) and the caches of the stages it runs (None for the others).
@@ -302,7 +303,12 @@ class Pipeline:
         Any batch: microbatches of ceil(B / microbatches) sequences rounded up to a multiple of the ranks, padded
         with rows of length 0 that the results leave out (`microbatch_rows`).
         layerwise=True compiles one program per layer type instead of one per stage (FFI experts: always); a scanned
-        pipeline (`scan=True`) has one program per stage and refuses it."""
+        pipeline (`scan=True`) has one program per stage and refuses it.
+        stage_threads (one process, several stages): each stage is enqueued from its own host thread, which takes
+        the microbatches in order as the previous stage hands them on. From one thread, an enqueue that waits for a
+        full launch queue on one GPU (a long stage is thousands of kernels) holds back the next stage's work on the
+        other GPU; per-stage threads let each device's queue fill independently. False: one thread, stage by stage
+        within each microbatch."""
         if layerwise and self.scan:
             raise ValueError("layerwise=True: this pipeline's stages are scanned programs (built with scan=True)")
         tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
@@ -310,25 +316,87 @@ class Pipeline:
         size, used = microbatch_rows(batch, microbatches, self.ranks)
         tokens, lengths = pad_batch(tokens, lengths, size * used)
         wait = cpu_barrier(self.devices[0].platform)
-        outs, caches = [], [[] for _ in self.stages]
         hidden = (size, tokens.shape[1], self.cfg.hidden_size)
-        for m in range(used):
+        options = {} if self.scan else {"layerwise": layerwise}
+
+        def step(s: int, m: int, x):
+            """Stage s on microbatch m, whose input x is its tokens (stage 0) or stage s-1's output: (stage s's
+            output, its cache; None where another process runs the stage, x then passed on as it is)."""
             rows = slice(m * size, (m + 1) * size)
-            x = tokens[rows]
-            for s, runner in enumerate(self.runners):
-                if self.handoffs[s] is not None:  # stage s-1's process -> stage s's process
-                    x = wait(self.handoffs[s](x, hidden, self.dtype))
-                if runner is None:
-                    continue
-                x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
-                lens = put(lengths[rows], self.input_shardings[s])
-                options = {} if self.scan else {"layerwise": layerwise}
-                x, cache = wait(runner(x, lens, logits=logits, cache_len=cache_len, **options))
-                caches[s].append(cache)
-            outs.append(x)
+            if self.handoffs[s] is not None:  # stage s-1's process -> stage s's process
+                x = wait(self.handoffs[s](x, hidden, self.dtype))
+            if self.runners[s] is None:
+                return x, None
+            x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
+            lens = put(lengths[rows], self.input_shardings[s])
+            return wait(self.runners[s](x, lens, logits=logits, cache_len=cache_len, **options))
+
+        inputs = [tokens[m * size:(m + 1) * size] for m in range(used)]
+        threaded = stage_threads and len(self.stages) > 1 and not any(self.handoffs)
+        outs, caches = (_stages_in_threads if threaded else _stages_in_turn)(step, inputs, len(self.stages))
         out = None if logits == "none" or not self.holds_logits else jnp.concatenate(outs, axis=0)
         results = out, [Cache.concat_batch(c) if c else None for c in caches]
         return results if size * used == batch else _first_rows(results, batch)
+
+
+def _stages_in_turn(step, inputs: list, stages: int) -> tuple[list, list[list]]:
+    """Every microbatch through every stage, from this thread: (last outputs per microbatch, caches per stage)."""
+    outs, caches = [], [[] for _ in range(stages)]
+    for m, x in enumerate(inputs):
+        for s in range(stages):
+            x, cache = step(s, m, x)
+            if cache is not None:
+                caches[s].append(cache)
+        outs.append(x)
+    return outs, caches
+
+
+_STOP = object()  # handed down the stages when one has failed
+
+
+def _stages_in_threads(step, inputs: list, stages: int) -> tuple[list, list[list]]:
+    """The same as `_stages_in_turn`, each stage run by its own thread: stage s takes microbatch m's input from a
+    queue that stage s-1 fills, in microbatch order. The first error stops every stage (each finishes the step it
+    is in) and is raised here."""
+    import queue
+    import threading
+
+    links = [queue.SimpleQueue() for _ in range(stages + 1)]
+    for x in inputs:
+        links[0].put(x)
+    caches: list[list] = [[None] * len(inputs) for _ in range(stages)]
+    failed, errors = threading.Event(), []
+
+    def run(s: int):
+        for m in range(len(inputs)):
+            x = links[s].get()
+            if x is _STOP or failed.is_set():
+                break
+            try:
+                x, caches[s][m] = step(s, m, x)
+            except BaseException as e:  # noqa: BLE001 (re-raised by the caller's thread)
+                errors.append(e)
+                failed.set()
+                break
+            links[s + 1].put(x)
+        else:
+            return
+        links[s + 1].put(_STOP)
+
+    threads = [threading.Thread(target=run, args=(s,), name=f"pipeline-stage{s}", daemon=True)
+               for s in range(stages)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C while waiting: the stages stop after their current step
+        failed.set()
+        raise
+    if errors:
+        raise errors[0]
+    outs = [links[stages].get() for _ in inputs]
+    return outs, [[c for c in per_stage if c is not None] for per_stage in caches]
 
 
 def _crosses(mesh, s: int) -> bool:
