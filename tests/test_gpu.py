@@ -115,6 +115,45 @@ def test_gpu_prefill_matches_cpu_fp32(rng):
     assert err <= 1e-4
 
 
+@pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_gpu_scanned_stage_equals_the_layerwise_stage(rng, dtype, bound):
+    """A pipeline stage in the middle of the model, starting inside the 3 + 1 pattern ([3, 10) of 12 layers: period
+    (full, linear, linear, linear), one block and a tail of three), run on the GPU as one scanned program
+    (`ScannedModel`, as `Pipeline(..., scan=True)` runs it) gives the layer-wise StageRunner's hidden states and
+    cache: fp32 1e-5, bf16 within the project's bf16 bound (the two round differently; residual branches damped as
+    in the model's bf16 test). Also the whole model's scanned prefill against its layer-wise prefill."""
+    from jax_dwdp.config import ModelConfig
+    from jax_dwdp.model import init_model
+    from jax_dwdp.parallel.runner import StageRunner
+    from jax_dwdp.prefill import jit_prefill
+    from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
+    from tests.test_model import _damp_residual_branches
+
+    gpu = jax.devices("gpu")[0]
+    cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=12)
+    stage = _damp_residual_branches(init_model(cfg, dtype=dtype, seed=4, start_layer=3, end_layer=10, device=gpu),
+                                    0.2)
+    h = jax.device_put(jnp.asarray(rng.standard_normal((2, 150, cfg.hidden_size)), dtype), gpu)
+    lengths = jax.device_put(np.array([150, 77], np.int32), gpu)
+    want, want_cache = StageRunner(stage)(h, lengths, cache_len=160)
+    scanned = ScannedModel.from_model(stage, consume=False)
+    got, cache = scanned(h, lengths, cache_len=160)
+    errs = {"hidden": rel_err(got, want), **{name: rel_err(getattr(cache, name), getattr(want_cache, name))
+                                             for name in ("key", "value", "conv", "recurrent")}}
+    print(f"GPU {jnp.dtype(dtype).name} stage [3, 10) {scanned.describe()} vs layer-wise:",
+          " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    assert got.devices() == {gpu} and all(v <= bound for v in errs.values()), errs
+    assert cache.linear_layer_ids == want_cache.linear_layer_ids == (4, 5, 6, 8, 9)
+
+    tokens = rng.integers(0, cfg.vocab_size, (2, 150)).astype(np.int32)
+    model = _damp_residual_branches(init_model(cfg, dtype=dtype, seed=4, device=gpu), 0.2)
+    want_logits, _ = jit_prefill(model, layerwise=True)(tokens)
+    got_logits, _ = jit_prefill_scanned(ScannedModel.from_model(model))(tokens)
+    err = rel_err(got_logits, want_logits)
+    print(f"GPU {jnp.dtype(dtype).name} whole model scanned vs layer-wise logits: {err:.1e}")
+    assert err <= bound
+
+
 @pytest.mark.parametrize("grouped_matmul", ["default", "mosaic"])
 def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul):
     """bf16 on the GPU takes cuDNN attention, the Pallas gated delta rule and routing kernels (the conv kernel on
