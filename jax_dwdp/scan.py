@@ -84,14 +84,12 @@ class ScannedModel:
     tail: tuple  # per tail layer: its state
     cfg: object
     dtype: object
-    start_layer: int = 0
-    end_layer: int | None = None
-    device: object = None
+    start_layer: int
+    end_layer: int
+    full_layer_ids: tuple[int, ...]  # the range's full-attention layers (global ids), its cache's slots
+    linear_layer_ids: tuple[int, ...]
+    device: object
     _executables: dict = dataclasses.field(default_factory=dict, repr=False)
-
-    def __post_init__(self):
-        if self.end_layer is None:
-            self.end_layer = self.cfg.num_hidden_layers
 
     @property
     def is_first(self) -> bool:
@@ -100,14 +98,6 @@ class ScannedModel:
     @property
     def is_last(self) -> bool:
         return self.end_layer == self.cfg.num_hidden_layers
-
-    @property
-    def full_layer_ids(self) -> tuple[int, ...]:
-        return self.cfg.layer_ids(FULL_ATTENTION, self.start_layer, self.end_layer)
-
-    @property
-    def linear_layer_ids(self) -> tuple[int, ...]:
-        return self.cfg.layer_ids(LINEAR_ATTENTION, self.start_layer, self.end_layer)
 
     @classmethod
     def from_model(cls, model: Qwen35MoeForCausalLM, *, consume: bool = True) -> "ScannedModel":
@@ -134,7 +124,7 @@ class ScannedModel:
         return cls(model_graph=StaticGraph.of(shell_graph), model_state=shell_state, period=period, graphs=graphs,
                    blocks=blocks, stacked=tuple(stacked), tail_types=tuple(layer.layer_type for layer in tail_layers),
                    tail=tail, cfg=cfg, dtype=model.dtype, start_layer=model.start_layer, end_layer=model.end_layer,
-                   device=devices.pop())
+                   full_layer_ids=model.full_layer_ids, linear_layer_ids=model.linear_layer_ids, device=devices.pop())
 
     def describe(self) -> str:
         return (f"scanned: {self.blocks} block{'' if self.blocks == 1 else 's'} of {len(self.period)} layers"
