@@ -4,7 +4,8 @@
 
 Random weights are generated on the device once; each sequence length is compiled and timed in turn (shortest
 first, so the peak-memory reading after each run belongs to the largest run so far; with --scan it also covers the
-restacking: the model plus its largest stacked weight). MFU is against 781 TFLOP/s,
+building: the model made one layer at a time into its stacks, `ScannedModel.from_layers`, the model plus one
+layer). MFU is against 781 TFLOP/s,
 the dense bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md). "host ms" is one more call's host time
 (until it returns, before the device is waited for): near "prefill ms", the prefill is bound by the host's
 dispatch, not the GPU.
@@ -56,25 +57,31 @@ def main(argv: list[str] | None = None) -> dict:
     if args.num_layers:
         cfg = cfg.replace(num_hidden_layers=args.num_layers)
     t0 = time.perf_counter()
-    model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=0, fused_swiglu=args.fused_swiglu)
-    jax.block_until_ready(jax.tree.leaves(model))
+    dtype = jnp.dtype(args.dtype)
+    scanned = model = None
+    if args.scan:  # built one layer at a time into the stacks: the peak is the model plus one layer
+        scanned = ScannedModel.from_layers(cfg, lambda a, b: init_model(
+            cfg, dtype=dtype, seed=0, start_layer=a, end_layer=b, fused_swiglu=args.fused_swiglu))
+        jax.block_until_ready(jax.tree.leaves(scanned.stacked))
+        fused = args.fused_swiglu  # (init_model puts each layer in the layout asked for)
+    else:
+        model = init_model(cfg, dtype=dtype, seed=0, fused_swiglu=args.fused_swiglu)
+        jax.block_until_ready(jax.tree.leaves(model))
+        fused = fused_swiglu_enabled(model)
     init_s = time.perf_counter() - t0
     device = jax.devices()[0]
     rows = []
-    impl = default_implementation(jnp.dtype(args.dtype))
-    fused = fused_swiglu_enabled(model)
+    impl = default_implementation(dtype)
     if fused and impl != "cutlass":
         print(f"note: --fused-swiglu with the {impl!r} grouped matmul runs the unfused activation on interleaved weights")
     print(f"{cfg.summary()}; random init {init_s:.1f} s on {device.device_kind}; grouped matmul {impl}, "
           f"fused SwiGLU {fused}")
     print(f"{'tokens':>8} {'compile s':>9} {'prefill ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}"
           f" {'host ms':>8}")
-    scanned = None
     for t in sorted(args.seq_lens):
         tokens = np.random.default_rng(t).integers(0, cfg.vocab_size, (args.batch, t)).astype(np.int32)
         lengths = np.full((args.batch,), t, np.int32)
         if args.scan:
-            scanned = scanned or ScannedModel.from_model(model)  # consumes the model's per-layer weights
             prefill = jit_prefill_scanned(scanned, logits="last")
         else:
             prefill = jit_prefill(model, logits="last", layerwise=args.layerwise)

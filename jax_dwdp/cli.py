@@ -244,6 +244,13 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
         scanned = ", each stage scanned" if args.scan else ""
         return run, run, (f"pipeline {args.pipeline} stages {stages}, {scheme} {ranks} ranks per stage, "
                           f"{used} microbatches of {size} sequences{padding}{scanned}")
+    if args.scan:
+        from jax_dwdp.scan import jit_prefill_scanned
+
+        scanned, source = _scanned_model(args, cfg, dtype)
+        prefill = jit_prefill_scanned(scanned, logits=mode)
+        return ((lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile,
+                f"{source}, {scanned.describe()}")
     if args.checkpoint is not None:
         from jax_dwdp.weights import load_checkpoint
 
@@ -256,15 +263,31 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
     if args.prefill_chunk is not None:
         run = chunked_prefill(model, mode, args.prefill_chunk, args.layerwise)
         return run, run, f"{source}, prefill in pieces of {args.prefill_chunk} tokens"
-    if args.scan:
-        from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
-
-        scanned = ScannedModel.from_model(model)
-        prefill = jit_prefill_scanned(scanned, logits=mode)
-        source = f"{source}, {scanned.describe()}"
-    else:
-        prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
+    prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
     return (lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile, source
+
+
+def _scanned_model(args, cfg, dtype):
+    """(the whole model built one layer at a time straight into the scanned layout, where its weights came from):
+    `ScannedModel.from_layers`, so the peak is the model plus one layer."""
+    import jax
+
+    from jax_dwdp.scan import ScannedModel
+
+    if args.checkpoint is not None:
+        from jax_dwdp.parallel.dwdp import CheckpointLayers
+
+        loader = CheckpointLayers(args.checkpoint, cfg, dtype, jax.devices()[0], fused_swiglu=args.fused_swiglu)
+        try:
+            scanned = ScannedModel.from_layers(cfg, loader)
+        finally:
+            loader.close()
+        return scanned, loader.report(0, cfg.num_hidden_layers).line()
+    from jax_dwdp.model import init_model
+
+    return ScannedModel.from_layers(cfg, lambda a, b: init_model(cfg, dtype=dtype, seed=args.seed, start_layer=a,
+                                                                 end_layer=b, fused_swiglu=args.fused_swiglu)), \
+        "random weights"
 
 
 def chunked_prefill(model, mode, chunk: int, layerwise: bool):

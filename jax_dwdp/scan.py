@@ -126,6 +126,52 @@ class ScannedModel:
                    tail=tail, cfg=cfg, dtype=model.dtype, start_layer=model.start_layer, end_layer=model.end_layer,
                    full_layer_ids=model.full_layer_ids, linear_layer_ids=model.linear_layer_ids, device=devices.pop())
 
+    @classmethod
+    def from_layers(cls, cfg, make_range, start_layer: int = 0, end_layer: int | None = None, *,
+                    consume: bool = True) -> "ScannedModel":
+        """Builds the range [start_layer, end_layer) one layer at a time, straight into the stacked layout:
+        `make_range(a, a + 1)` gives layer a as a one-layer model on one device (with the embedding when a == 0,
+        the final norm and lm_head when a is the last layer): a checkpoint loader (`dwdp.CheckpointLayers`) or
+        `init_model`. Each layer's weights are written into their stacks and, with `consume`, deleted at once, so
+        the peak is the range's weights plus one layer's (from_model's restacking keeps a whole stacked weight
+        beside the model); no layer is ever held twice."""
+        from jax_dwdp.model import abstract_model
+
+        end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
+        period, blocks = period_of(tuple(cfg.layer_types[start_layer:end_layer]), cfg.full_attention_interval)
+        p = len(period)
+        stacks: list = [None] * p  # per position in the period: (treedef, [stacked leaf])
+        tail, graphs, shell, device, dtype = [], {}, {}, None, None
+        for i, layer_id in enumerate(range(start_layer, end_layer)):
+            piece = make_range(layer_id, layer_id + 1)
+            devices = {d for leaf in jax.tree.leaves(nnx.state(piece)) for d in leaf.devices()}
+            if len(devices) != 1 or (device is not None and devices != {device}):
+                raise ValueError(f"ScannedModel needs its layers on one device; layer {layer_id} is on {devices}, "
+                                 f"the layers before it on {device}")
+            device, dtype = devices.pop(), piece.dtype
+            layer = piece.layers[0]
+            graphs.setdefault(layer.layer_type, StaticGraph.of(nnx.graphdef(layer)))
+            shell.update(nnx.to_flat_state(shell_of(piece)[1]))  # the embedding (layer 0), the head (the last)
+            b, j = divmod(i, p)
+            if b >= blocks:
+                tail.append((layer.layer_type, nnx.state(layer)))
+                continue
+            leaves, treedef = jax.tree.flatten(nnx.state(layer))
+            if stacks[j] is None:
+                stacks[j] = (treedef, [jnp.zeros((blocks, *x.shape), x.dtype, device=device) for x in leaves])
+            for k, x in enumerate(leaves):
+                stacks[j][1][k] = _put(stacks[j][1][k], x, b)
+                if consume:
+                    x.delete()
+        shell_graph, _ = shell_of(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer))
+        return cls(model_graph=StaticGraph.of(shell_graph), model_state=nnx.from_flat_state(sorted(shell.items())),
+                   period=period, graphs=graphs, blocks=blocks,
+                   stacked=tuple(jax.tree.unflatten(treedef, leaves) for treedef, leaves in stacks),
+                   tail_types=tuple(typ for typ, _ in tail), tail=tuple(state for _, state in tail), cfg=cfg,
+                   dtype=dtype, start_layer=start_layer, end_layer=end_layer,
+                   full_layer_ids=cfg.layer_ids(FULL_ATTENTION, start_layer, end_layer),
+                   linear_layer_ids=cfg.layer_ids(LINEAR_ATTENTION, start_layer, end_layer), device=device)
+
     def describe(self) -> str:
         return (f"scanned: {self.blocks} block{'' if self.blocks == 1 else 's'} of {len(self.period)} layers"
                 f" + {len(self.tail)}")

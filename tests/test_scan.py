@@ -202,3 +202,79 @@ def test_cli_scanned_pipeline_equals_layerwise(tmp_path):
     assert main(base + ["--scan", "--logits-out", str(tmp_path / "b.npy")]) == 0
     a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
     assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+
+
+# --- built one layer at a time straight into the stacks ----------------------------------------------------------
+
+def test_from_layers_equals_from_model_with_one_layer_beside_the_stacks(monkeypatch):
+    """`ScannedModel.from_layers` (one layer made at a time, written into its stacks, then freed) gives from_model's
+    stacks bit for bit, for the whole model and for a stage starting inside the pattern; while it builds, the live
+    device bytes never exceed the range's weights plus one layer's (recorded after every write), and afterwards
+    they are the range's weights: no layer was ever held twice."""
+    from jax_dwdp import scan
+
+    cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=10)
+
+    def make(a, b):
+        return init_model(cfg, dtype=jnp.float32, seed=3, start_layer=a, end_layer=b)
+
+    for start, end in ((0, 10), (3, 9)):
+        want = ScannedModel.from_model(make(start, end))
+        layer_bytes = max(sum(x.nbytes for x in jax.tree.leaves(nnx.state(make(i, i + 1).layers[0])))
+                          for i in range(start, end))
+        range_bytes = sum(x.nbytes for x in jax.tree.leaves((want.stacked, want.tail, want.model_state)))
+        before = sum(a.nbytes for a in jax.live_arrays())
+        peaks, put = [], scan._put
+
+        def recording_put(stack, value, index):
+            out = put(stack, value, index)
+            peaks.append(sum(a.nbytes for a in jax.live_arrays()))
+            return out
+
+        monkeypatch.setattr(scan, "_put", recording_put)
+        got = ScannedModel.from_layers(cfg, make, start, end)
+        monkeypatch.setattr(scan, "_put", put)
+        after = sum(a.nbytes for a in jax.live_arrays())
+        print(f"[{start}, {end}) {got.describe()}: range {range_bytes} B, one layer <= {layer_bytes} B; live bytes "
+              f"added while building: peak {max(peaks) - before}, after {after - before}")
+        assert max(peaks) - before <= range_bytes + layer_bytes
+        assert after - before <= range_bytes
+        assert (got.period, got.blocks, got.tail_types) == (want.period, want.blocks, want.tail_types)
+        assert (got.full_layer_ids, got.linear_layer_ids, got.is_first, got.is_last) == (
+            want.full_layer_ids, want.linear_layer_ids, want.is_first, want.is_last)
+        assert got.model_graph == want.model_graph and got.graphs == want.graphs
+        for a, b in zip(jax.tree.leaves((want.stacked, want.tail, want.model_state)),
+                        jax.tree.leaves((got.stacked, got.tail, got.model_state)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        del want, got
+
+
+def test_scanned_from_an_hf_checkpoint_cli_and_pipeline(tmp_path, rng):
+    """A real (random) HF checkpoint: `prefill --checkpoint DIR --scan` (the model loaded layer by layer into its
+    stacks) writes the layer-wise command's logits, and a scanned pipeline loaded from it equals the layer-wise
+    pipeline, each stage's load report counting its own tensors once."""
+    from jax_dwdp.cli import main
+    from jax_dwdp.parallel import Pipeline
+    from tests.hf_reference import random_hf_model, save_hf
+
+    cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=6)
+    hf = random_hf_model(cfg, int(rng.integers(1 << 30)))
+    ckpt = save_hf(hf, tmp_path / "hf")
+    base = ["prefill", "--checkpoint", str(ckpt), "--batch", "2", "--seq-len", "20", "--dtype", "float32",
+            "--iters", "1"]
+    assert main(base + ["--layerwise", "--logits-out", str(tmp_path / "a.npy")]) == 0
+    assert main(base + ["--scan", "--logits-out", str(tmp_path / "b.npy")]) == 0
+    a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
+    assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+
+    tokens = rng.integers(0, cfg.vocab_size, (2, 20)).astype(np.int32)
+    want, _ = Pipeline.from_checkpoint(ckpt, 2, dtype=jnp.float32, boundaries=[3]).prefill(tokens, layerwise=True)
+    pipe = Pipeline.from_checkpoint(ckpt, 2, dtype=jnp.float32, boundaries=[3], scan=True)
+    got, _ = pipe.prefill(tokens, microbatches=2)
+    assert rel_err(got, want) <= 1e-5
+    state = hf.state_dict()
+    for spec, report in zip(pipe.stages, pipe.load_reports, strict=True):
+        own = [k for k in state if any(k.startswith(f"model.layers.{i}.") for i in range(spec.start_layer,
+                                                                                            spec.end_layer))]
+        own += ["model.embed_tokens.weight"] if spec.start_layer == 0 else ["model.norm.weight", "lm_head.weight"]
+        assert report.tensors_loaded == len(own) and report.bytes_read == sum(state[k].numel() * 4 for k in own)

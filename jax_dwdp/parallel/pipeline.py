@@ -114,9 +114,11 @@ class Pipeline:
     holding their experts and back; `Dispatch`). Default: "xla" with N > 1 ranks, else "local". With ranks the
     batch is split over them. (SGLang refuses DWDP together with pipeline parallelism; here the two compose.)
 
-    `scan=True` (one device per stage, its own experts): each stage is restacked into a `ScannedModel` once built
-    (its per-layer weights consumed, unless the pipeline was split from a caller's model) and runs as one scanned
-    program per microbatch, so the host enqueues one call per stage and microbatch instead of one per layer.
+    `scan=True` (one device per stage, its own experts): each stage is built one layer at a time straight into a
+    `ScannedModel`'s stacks (`ScannedModel.from_layers`: make_range(stage, l, l + 1) per layer, each layer's arrays
+    freed once stacked unless the pipeline was split from a caller's model; `models` then holds None) and runs as one
+    scanned program per microbatch, so the host enqueues one call per stage and microbatch instead of one per
+    layer.
 
     With N > 1 ranks a stage is built one layer at a time (`make_range(stage, a, b)` gives layers [a, b) on the
     stage's first device; dwdp.build_placed), each layer placed on the row before the next is made.
@@ -152,8 +154,16 @@ class Pipeline:
         self.stores: list = []
         self.load_reports: list = []  # one per stage when loaded from a checkpoint
         try:
-            self.models = [self._build(st, make_range, dtype, owned) if self.mine[st.stage] else None
+            if scan:
+                from jax_dwdp.scan import ScannedModel
+
+                self.models = [None] * len(stages)
+                scanned = [ScannedModel.from_layers(self.cfg, functools.partial(make_range, st.stage), st.start_layer,
+                                                    st.end_layer, consume=owned) if self.mine[st.stage] else None
                            for st in stages]
+            else:
+                self.models = [self._build(st, make_range, dtype, owned) if self.mine[st.stage] else None
+                               for st in stages]
         except BaseException as e:
             self.close(e)
             raise
@@ -172,10 +182,7 @@ class Pipeline:
             sources = [Local() for _ in self.models]
         mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(self.models)
         if scan:
-            from jax_dwdp.scan import ScannedModel
-
-            # The stage models' layer weights now live in the stacks (deleted from the models when owned).
-            self.runners = [None if m is None else ScannedModel.from_model(m, consume=owned) for m in self.models]
+            self.runners = scanned
         else:
             self.runners = [None if m is None else StageRunner(m, source, mesh=row)
                             for m, source, row in zip(self.models, sources, mesh_of)]
@@ -254,10 +261,10 @@ class Pipeline:
 
         def make_range(stage, a, b):
             device = builder_device(mesh.devices[stage])
-            if dwdp > 1:
+            if dwdp > 1 or scan:  # (a scanned stage is loaded one layer at a time)
                 if stage not in loaders:
                     # Replicated experts ("local") are loaded whole: splitting them first would only gather them back.
-                    row = None if experts == "local" else Mesh(mesh.devices[stage], (AXIS,))
+                    row = None if experts == "local" or dwdp == 1 else Mesh(mesh.devices[stage], (AXIS,))
                     loaders[stage] = CheckpointLayers(checkpoint_dir, cfg, dtype, device, fused_swiglu=fused_swiglu,
                                                       row=row)
                 return loaders[stage](a, b)
@@ -271,8 +278,8 @@ class Pipeline:
         finally:
             for loader in loaders.values():
                 loader.close()
-        if dwdp > 1:
-            reports = [loaders[st.stage].report(st.start_layer, st.end_layer) for st in stages]
+        if dwdp > 1 or scan:
+            reports = [loaders[st.stage].report(st.start_layer, st.end_layer) for st in stages if st.stage in loaders]
         pipe.load_reports = reports
         return pipe
 
