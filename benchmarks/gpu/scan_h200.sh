@@ -25,7 +25,7 @@ SEQS=${SEQS:-"4096 16384 32768"}
 quiet() { grep -v "^\s*@\|^E1[0-9]*\|^W1[0-9]*\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(\|^\s*%\|^\s*}"; }
 DEADLINE=${DEADLINE:-570}
 limit() { local left=$((DEADLINE - SECONDS)); echo $(( $1 < left ? $1 : left )); }  # limit SECONDS_WANTED
-cli() { python3 -c "import sys; from jax_dwdp.entry import main; sys.argv[0] = 'jax-dwdp'; sys.exit(main())" "$@"; }
+CLI=(python3 -c "import sys; from jax_dwdp.entry import main; sys.argv[0] = 'jax-dwdp'; sys.exit(main())")
 ls -la jax_dwdp/_lib
 echo "layers $LAYERS, pipeline layers $PLAYERS"
 for step in $STEPS; do
@@ -50,7 +50,7 @@ for step in $STEPS; do
     pipeline)
       for mode in --layerwise --scan; do
         echo "== pipeline (one stage) $mode"
-        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PIPE_TIMEOUT:-100}) cli prefill --preset 35b-a3b \
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PIPE_TIMEOUT:-100}) "${CLI[@]}" prefill --preset 35b-a3b \
           --num-layers "$PLAYERS" --batch 4 --seq-len "$PSEQ" --microbatches 4 --iters 3 $mode \
           > "$OUT/pipeline${mode}.log" 2>&1
         echo "rc $?"; quiet < "$OUT/pipeline${mode}.log" | grep -E "model:|compile|tokens/s|peak|rror" | tail -6
