@@ -204,8 +204,9 @@ class ScannedModel:
         layer-wise StageRunner does. Inputs are not validated here (`jit_prefill_scanned` and `Pipeline.prefill`
         check tokens)."""
         exe, length = self.executable(x, lengths, logits=logits, cache_len=cache_len)
-        out, caches = exe(*self._dynamic(x, lengths))
-        return out, self._cache(caches, self.place(lengths), x.shape[0], length)
+        x, lengths = self.place(x), self.place(lengths)
+        out, caches = exe(self.model_state, self.stacked, self.tail, x, lengths)
+        return out, self._cache(caches, lengths, x.shape[0], length)
 
     def _cache(self, caches, lengths, b: int, cache_len: int) -> Cache:
         (conv, recurrent), (key, value) = caches[LINEAR_ATTENTION], caches[FULL_ATTENTION]

@@ -47,12 +47,13 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scheme", [["--dwdp", "2"], ["--dep", "2"], ["--dwdp", "2", "--dwdp-backend", "local"],
-                                    ["--pipeline", "2", "--microbatches", "2"], ["--pipeline", "3"]],
-                         ids=["dwdp-xla", "dep", "replicated", "pipeline-2", "pipeline-3"])
+                                    ["--pipeline", "2", "--microbatches", "2"], ["--pipeline", "3"],
+                                    ["--pipeline", "2", "--microbatches", "2", "--scan"]],
+                         ids=["dwdp-xla", "dep", "replicated", "pipeline-2", "pipeline-3", "pipeline-2-scanned"])
 def test_processes_equal_one(tmp_path, reference, scheme):
     """3 sequences over 2 ranks in 2 processes (one padding row): DWDP's all-gather / DEP's all-to-all cross
     processes; or 2 (3) pipeline stages in 2 (3) processes, the hidden states handed from process to process (with
-    3, process 0 skips the hand-off between processes 1 and 2)."""
+    3, process 0 skips the hand-off between processes 1 and 2; scanned: each process's stage one scanned program)."""
     n = scheme[1]
     logits, proc = _prefill(["--preset", "tiny", "--batch", "3", "--seq-len", "24", "--num-processes", n, *scheme],
                             tmp_path / "mp.npy")
