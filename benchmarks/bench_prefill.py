@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = jnp.dtype(args.dtype)
     scanned = model = None
     if args.scan:  # built one layer at a time into the stacks: the peak is the model plus one layer
-        scanned = ScannedModel.from_layers(cfg, lambda a, b: init_model(
-            cfg, dtype=dtype, seed=0, start_layer=a, end_layer=b, fused_swiglu=args.fused_swiglu))
+        scanned = ScannedModel.random(cfg, dtype=dtype, seed=0, fused_swiglu=args.fused_swiglu)
         jax.block_until_ready(jax.tree.leaves(scanned.stacked))
         fused = args.fused_swiglu  # (init_model puts each layer in the layout asked for)
     else:

@@ -283,11 +283,7 @@ def _scanned_model(args, cfg, dtype):
         finally:
             loader.close()
         return scanned, loader.report(0, cfg.num_hidden_layers).line()
-    from jax_dwdp.model import init_model
-
-    return ScannedModel.from_layers(cfg, lambda a, b: init_model(cfg, dtype=dtype, seed=args.seed, start_layer=a,
-                                                                 end_layer=b, fused_swiglu=args.fused_swiglu)), \
-        "random weights"
+    return ScannedModel.random(cfg, dtype=dtype, seed=args.seed, fused_swiglu=args.fused_swiglu), "random weights"
 
 
 def chunked_prefill(model, mode, chunk: int, layerwise: bool):

@@ -21,8 +21,8 @@ Which drivers keep the layer-wise path, and why: DWDP (XLA gather, CUDA VMM stor
 through `parallel.runner.StageRunner` layer by layer, because their expert sources act between layers (a gather
 issued one layer ahead, the store's copy of layer l+1 waited on before layer l+1, a process's hand-off) and keep
 per-layer expert weights. Pipeline stages with their own experts (`Pipeline(..., scan=True)`, `--pipeline P
---scan`) run scanned: one dispatch per stage and microbatch instead of one per layer, so the one host thread that
-drives every stage is not the bottleneck. Chunked prefill (continuing a cache) stays layer-wise.
+--scan`) can run scanned: one dispatch per stage and microbatch instead of one per layer, so the host time a stage
+costs does not grow with its depth. Chunked prefill (continuing a cache) stays layer-wise.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _stack(arrays: list[jax.Array], consume: bool) -> jax.Array:
     return stack
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # (identity: its fields are arrays)
 class ScannedModel:
     """A model or pipeline stage for one scanned program: its shell (embedding and/or head), the stacked period
     and the tail. `scanned(x, lengths, logits=, cache_len=)` runs it (see `__call__`)."""
@@ -134,10 +134,14 @@ class ScannedModel:
         the final norm and lm_head when a is the last layer): a checkpoint loader (`dwdp.CheckpointLayers`) or
         `init_model`. Each layer's weights are written into their stacks and, with `consume`, deleted at once, so
         the peak is the range's weights plus one layer's (from_model's restacking keeps a whole stacked weight
-        beside the model); no layer is ever held twice."""
+        beside the model); no layer is ever held twice. (For a model that is already built, from_model is the one
+        that keeps the peak low: stacking it layer by layer would hold every stack beside the rest of the model.)"""
         from jax_dwdp.model import abstract_model
 
         end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
+        if not 0 <= start_layer < end_layer <= cfg.num_hidden_layers:
+            raise ValueError(f"layer range [{start_layer}, {end_layer}) is empty or outside [0, "
+                             f"{cfg.num_hidden_layers})")
         period, blocks = period_of(tuple(cfg.layer_types[start_layer:end_layer]), cfg.full_attention_interval)
         p = len(period)
         stacks: list = [None] * p  # per position in the period: (treedef, [stacked leaf])
@@ -145,9 +149,11 @@ class ScannedModel:
         for i, layer_id in enumerate(range(start_layer, end_layer)):
             piece = make_range(layer_id, layer_id + 1)
             devices = {d for leaf in jax.tree.leaves(nnx.state(piece)) for d in leaf.devices()}
-            if len(devices) != 1 or (device is not None and devices != {device}):
-                raise ValueError(f"ScannedModel needs its layers on one device; layer {layer_id} is on {devices}, "
-                                 f"the layers before it on {device}")
+            if len(devices) != 1:
+                raise ValueError(f"ScannedModel needs its layers on one device; layer {layer_id} is on {len(devices)}")
+            if device is not None and devices != {device}:
+                raise ValueError(f"ScannedModel needs its layers on one device; layer {layer_id} is on "
+                                 f"{devices.pop()}, the layers before it on {device}")
             device, dtype = devices.pop(), piece.dtype
             layer = piece.layers[0]
             graphs.setdefault(layer.layer_type, StaticGraph.of(nnx.graphdef(layer)))
@@ -171,6 +177,17 @@ class ScannedModel:
                    dtype=dtype, start_layer=start_layer, end_layer=end_layer,
                    full_layer_ids=cfg.layer_ids(FULL_ATTENTION, start_layer, end_layer),
                    linear_layer_ids=cfg.layer_ids(LINEAR_ATTENTION, start_layer, end_layer), device=device)
+
+    @classmethod
+    def random(cls, cfg, *, dtype, seed: int = 0, start_layer: int = 0, end_layer: int | None = None, device=None,
+               fused_swiglu: bool = False) -> "ScannedModel":
+        """Random weights (`init_model`'s: they depend on the global layer only, so this is the model init_model
+        draws for the same seed) made one layer at a time into the stacks (`from_layers`) on `device`."""
+        from jax_dwdp.model import init_model
+
+        return cls.from_layers(cfg, lambda a, b: init_model(cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b,
+                                                            device=device, fused_swiglu=fused_swiglu),
+                               start_layer, end_layer)
 
     def describe(self) -> str:
         return (f"scanned: {self.blocks} block{'' if self.blocks == 1 else 's'} of {len(self.period)} layers"

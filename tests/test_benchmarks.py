@@ -440,6 +440,21 @@ def test_probe_power_sampler_stops_nvidia_smi_and_removes_its_file_on_every_path
         probe.dense_rate(64, 0)
 
 
+def test_limits_cut_each_command_to_the_deadline_and_never_to_no_limit():
+    """gpu/_limits.sh: `limit N` is N while time is left, what is left when less, and 1 (never 0, which `timeout`
+    takes as no limit) past the deadline; `time_for` says a command is skipped once under MIN_LEFT seconds remain."""
+    import subprocess
+
+    def sh(script):
+        return subprocess.run(["bash", "-c", f'source "{BENCHMARKS}/gpu/_limits.sh"; {script}'], capture_output=True,
+                              text=True).stdout.split()
+
+    assert sh("DEADLINE=100; SECONDS=0; limit 30; limit 300; SECONDS=100; limit 30; SECONDS=200; limit 30") == [
+        "30", "100", "1", "1"]
+    assert sh("DEADLINE=100; SECONDS=50; time_for a && echo run; SECONDS=70; time_for b || echo skip")[-1] == "skip"
+    assert sh("DEADLINE=100; SECONDS=50; time_for a && echo run") == ["run"]
+
+
 def test_bundle_out_tars_the_top_level_files_only_past_eight(tmp_path):
     """gpu/_bundle_out.sh: a folder of at most 8 files is left alone; past 8 its top-level files go into logs.tgz
     (the originals removed), a subfolder stays."""

@@ -217,13 +217,18 @@ def test_cli_closes_the_pipeline_it_opens(capsys, monkeypatch):
     assert "error: RuntimeError: device lost" in capsys.readouterr().err
 
 
-def test_stage_threads_give_the_one_thread_results(references):
+def test_stage_threads_give_the_one_thread_results(references, monkeypatch):
     """Each stage enqueued from its own host thread (the default with several stages in one process) gives the same
     logits and caches, bit for bit, as one thread going stage by stage; both for layer-wise and whole-stage
     programs."""
+    from jax_dwdp.parallel import pipeline
+
     tokens, lengths, refs = references
     model, _, _ = refs[10]
     pipe = Pipeline.from_model(model, 3, boundaries=[2, 7])
+    threaded = []
+    real = pipeline._stages_in_threads
+    monkeypatch.setattr(pipeline, "_stages_in_threads", lambda *a: threaded.append(1) or real(*a))
     for layerwise in (False, True):
         a, ca = pipe.prefill(tokens, lengths, microbatches=4, cache_len=72, layerwise=layerwise, stage_threads=True)
         b, cb = pipe.prefill(tokens, lengths, microbatches=4, cache_len=72, layerwise=layerwise, stage_threads=False)
@@ -231,6 +236,7 @@ def test_stage_threads_give_the_one_thread_results(references):
         for x, y in zip(ca, cb):
             for name in ("key", "value", "conv", "recurrent", "lengths"):
                 np.testing.assert_array_equal(np.asarray(getattr(x, name)), np.asarray(getattr(y, name)))
+    assert len(threaded) == 2  # the default took the threads, stage_threads=False did not
 
 
 def test_a_failing_stage_stops_every_stage_thread(references, monkeypatch):
@@ -255,3 +261,37 @@ def test_a_failing_stage_stops_every_stage_thread(references, monkeypatch):
         pipe.prefill(tokens, lengths, microbatches=4, cache_len=72)
     assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-stage")]
     assert len(calls) == 2  # stage 1 took no microbatch after its failure
+
+
+def test_ctrl_c_while_the_stage_threads_run_stops_and_waits_for_them(references, monkeypatch):
+    """Ctrl-C while prefill waits for its stage threads: KeyboardInterrupt comes out of prefill only once every stage
+    thread has finished its current step and stopped (none left running with a pipeline that its caller is about to
+    close), and the stages take no further microbatch."""
+    import threading
+
+    tokens, lengths, refs = references
+    model, _, _ = refs[6]
+    pipe = Pipeline.from_model(model, 3)
+    calls = []
+
+    def counted(runner):
+        def run(*args, **kw):
+            calls.append(1)
+            return runner(*args, **kw)
+        return run
+
+    monkeypatch.setattr(pipe, "runners", [counted(r) for r in pipe.runners])
+    real_join, interrupted = threading.Thread.join, []
+
+    def join_interrupted_once(self, *args, **kw):
+        if not interrupted:
+            interrupted.append(1)
+            raise KeyboardInterrupt
+        return real_join(self, *args, **kw)
+
+    monkeypatch.setattr(threading.Thread, "join", join_interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.prefill(tokens, lengths, microbatches=4, cache_len=72)
+    monkeypatch.setattr(threading.Thread, "join", real_join)
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-stage")]
+    assert len(calls) < 3 * 4  # stopped before every stage had run every microbatch

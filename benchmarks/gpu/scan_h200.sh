@@ -10,8 +10,8 @@
 #             GPU): --layerwise, then --scan
 #   probe     probe_scan.py --run at 16K: memory after restacking, the scanned program's memory, one run's peak
 # $LAYERS defaults to 40 on a GPU with more than 100 GB (H200), else 32 (H100). Each command's time limit is cut to
-# what is left of $DEADLINE seconds (default 570), and a step with under 40 s left is skipped. Logs and JSON under
-# $OUT.
+# what is left of $DEADLINE seconds (default 570), and a command with under 40 s left is skipped (_limits.sh). Logs
+# and JSON under $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD JAX_DWDP_TEST_GPU=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,13 +23,12 @@ PLAYERS=${PLAYERS:-20}
 PSEQ=${PSEQ:-8192}
 SEQS=${SEQS:-"4096 16384 32768"}
 quiet() { grep -v "^\s*@\|^E1[0-9]*\|^W1[0-9]*\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(\|^\s*%\|^\s*}"; }
-DEADLINE=${DEADLINE:-570}
-limit() { local left=$((DEADLINE - SECONDS)); echo $(( $1 < left ? $1 : left )); }  # limit SECONDS_WANTED
+source benchmarks/gpu/_limits.sh
 CLI=(python3 -c "import sys; from jax_dwdp.entry import main; sys.argv[0] = 'jax-dwdp'; sys.exit(main())")
 ls -la jax_dwdp/_lib
 echo "layers $LAYERS, pipeline layers $PLAYERS"
 for step in $STEPS; do
-  [ $((DEADLINE - SECONDS)) -lt 40 ] && { echo "== $step skipped: $((DEADLINE - SECONDS)) s left"; continue; }
+  time_for "$step" || continue
   case $step in
     tests)
       echo "== tests"
@@ -43,12 +42,14 @@ for step in $STEPS; do
         --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --layerwise --iters 5 $trace \
         --out "$OUT/prefill_layerwise.json" 2>&1 | quiet > "$OUT/prefill_layerwise.log"
       echo "layerwise rc $?"; grep -E "^\{|^35b|tokens|gap|idle|busy" "$OUT/prefill_layerwise.log" | cut -c1-400 | tail -30
+      time_for "scanned prefill" || continue
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) python3 benchmarks/bench_prefill.py \
         --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --scan --iters 5 \
         --out "$OUT/prefill_scan.json" 2>&1 | quiet > "$OUT/prefill_scan.log"
       echo "scan rc $?"; grep -E "^\{|tokens" "$OUT/prefill_scan.log" | cut -c1-400 | tail -8 ;;
     pipeline)
       for mode in --layerwise --scan; do
+        time_for "pipeline $mode" || continue
         echo "== pipeline (one stage) $mode"
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PIPE_TIMEOUT:-100}) "${CLI[@]}" prefill --preset 35b-a3b \
           --num-layers "$PLAYERS" --batch 4 --seq-len "$PSEQ" --microbatches 4 --iters 3 $mode \

@@ -104,7 +104,8 @@ def microbatch_rows(batch: int, microbatches: int, ranks: int) -> tuple[int, int
 
 
 class Pipeline:
-    """Stages of one model on the rows of a (pipeline, dwdp) mesh, each run by a StageRunner.
+    """Stages of one model on the rows of a (pipeline, dwdp) mesh, each run by a StageRunner (or, with `scan=True`,
+    as one scanned program, `jax_dwdp.scan.ScannedModel`).
 
     `experts` is chosen once: "local" (each device holds all of its stage's experts; with a 'dwdp' axis of N > 1,
     the replicated baseline), "xla" (DWDP: each of the row's N ranks stores 1/N of its stage's experts, the
@@ -171,6 +172,9 @@ class Pipeline:
             self.input_shardings = [NamedSharding(row, P(AXIS)) for row in self.row_meshes]
         else:
             self.input_shardings = [SingleDeviceSharding(d) for d in self.devices]
+        if scan:
+            self.runners = scanned
+            return
         if experts == "ffi":
             sources = [Store(store, row) for store, row in zip(self.stores, self.row_meshes)]
         elif experts == "xla":
@@ -181,11 +185,8 @@ class Pipeline:
         else:
             sources = [Local() for _ in self.models]
         mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(self.models)
-        if scan:
-            self.runners = scanned
-        else:
-            self.runners = [None if m is None else StageRunner(m, source, mesh=row)
-                            for m, source, row in zip(self.models, sources, mesh_of)]
+        self.runners = [None if m is None else StageRunner(m, source, mesh=row)
+                        for m, source, row in zip(self.models, sources, mesh_of)]
 
     @property
     def holds_logits(self) -> bool:
@@ -249,7 +250,8 @@ class Pipeline:
                         boundaries=None, devices=None, cfg: ModelConfig | None = None,
                         fused_swiglu: bool = False, experts: str | None = None, scan: bool = False) -> "Pipeline":
         """Each stage loads only its own layers (HF or Orbax folder), straight onto its device (one rank) or one
-        layer at a time onto its first device, each placed on the row before the next loads (N ranks).
+        layer at a time onto its first device, each placed on the row before the next loads (N ranks); with
+        `scan=True` one layer at a time into the stage's stacks (`CheckpointLayers`, the file opened once).
         `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
         from jax_dwdp.weights import load_checkpoint
         from jax_dwdp.weights.hf_loader import load_config
@@ -315,7 +317,8 @@ class Pipeline:
         the microbatches in order as the previous stage hands them on. From one thread, an enqueue that waits for a
         full launch queue on one GPU (a long stage is thousands of kernels) holds back the next stage's work on the
         other GPU; per-stage threads let each device's queue fill independently. False: one thread, stage by stage
-        within each microbatch."""
+        within each microbatch. (JAX's thread-local settings, e.g. a `jax.default_device` or `transfer_guard`
+        context around this call, do not reach the stage threads; the stages place their inputs explicitly.)"""
         if layerwise and self.scan:
             raise ValueError("layerwise=True: this pipeline's stages are scanned programs (built with scan=True)")
         tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
@@ -364,7 +367,9 @@ _STOP = object()  # handed down the stages when one has failed
 def _stages_in_threads(step, inputs: list, stages: int) -> tuple[list, list[list]]:
     """The same as `_stages_in_turn`, each stage run by its own thread: stage s takes microbatch m's input from a
     queue that stage s-1 fills, in microbatch order. The first error stops every stage (each finishes the step it
-    is in) and is raised here."""
+    is in) and is raised here, the others' errors attached as notes. Ctrl-C while waiting stops the stages too and
+    waits for them to finish their steps (a second Ctrl-C stops waiting), so nothing a stage still uses (an FFI
+    expert store) is released under it."""
     import queue
     import threading
 
@@ -397,10 +402,14 @@ def _stages_in_threads(step, inputs: list, stages: int) -> tuple[list, list[list
     try:
         for t in threads:
             t.join()
-    except BaseException:  # Ctrl-C while waiting: the stages stop after their current step
+    except BaseException:  # Ctrl-C while waiting: the stages stop after their current step, which is waited for
         failed.set()
+        for t in threads:
+            t.join()
         raise
     if errors:
+        for other in errors[1:]:
+            errors[0].add_note(f"another pipeline stage failed too: {other!r}")
         raise errors[0]
     outs = [links[stages].get() for _ in inputs]
     return outs, [[c for c in per_stage if c is not None] for per_stage in caches]
