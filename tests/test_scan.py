@@ -78,15 +78,10 @@ def test_last_logits_and_the_program_is_one(rng):
     assert bodies[0] == bodies[1] >= 1
 
 
-def test_the_model_is_consumed_without_a_second_copy(monkeypatch):
-    """While restacking, the live device bytes never exceed the model plus one stacked weight (recorded after every
-    write into a stack); afterwards they are those of one model, and the consumed model's layer weights are
-    deleted."""
+def live_bytes_while(monkeypatch, build):
+    """(build()'s result, the live device bytes before, after every write into a stack, and after)."""
     from jax_dwdp import scan
 
-    cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=8)
-    model = init_model(cfg, dtype=jnp.float32, seed=0)
-    model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     before = sum(a.nbytes for a in jax.live_arrays())
     peaks, put = [], scan._put
 
@@ -96,8 +91,21 @@ def test_the_model_is_consumed_without_a_second_copy(monkeypatch):
         return out
 
     monkeypatch.setattr(scan, "_put", recording_put)
-    scanned = ScannedModel.from_model(model)
-    after = sum(a.nbytes for a in jax.live_arrays())
+    try:
+        result = build()
+    finally:
+        monkeypatch.setattr(scan, "_put", put)
+    return result, before, peaks, sum(a.nbytes for a in jax.live_arrays())
+
+
+def test_the_model_is_consumed_without_a_second_copy(monkeypatch):
+    """While restacking, the live device bytes never exceed the model plus one stacked weight (recorded after every
+    write into a stack); afterwards they are those of one model, and the consumed model's layer weights are
+    deleted."""
+    cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=8)
+    model = init_model(cfg, dtype=jnp.float32, seed=0)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    scanned, before, peaks, after = live_bytes_while(monkeypatch, lambda: ScannedModel.from_model(model))
     largest = max(x.nbytes for x in jax.tree.leaves(scanned.stacked))
     print(f"model {model_bytes} B; live before {before}, peak while stacking {max(peaks)}, after {after}; largest "
           f"stacked weight {largest} B")
@@ -211,8 +219,6 @@ def test_from_layers_equals_from_model_with_one_layer_beside_the_stacks(monkeypa
     stacks bit for bit, for the whole model and for a stage starting inside the pattern; while it builds, the live
     device bytes never exceed the range's weights plus one layer's (recorded after every write), and afterwards
     they are the range's weights: no layer was ever held twice."""
-    from jax_dwdp import scan
-
     cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=10)
 
     def make(a, b):
@@ -223,18 +229,8 @@ def test_from_layers_equals_from_model_with_one_layer_beside_the_stacks(monkeypa
         layer_bytes = max(sum(x.nbytes for x in jax.tree.leaves(nnx.state(make(i, i + 1).layers[0])))
                           for i in range(start, end))
         range_bytes = sum(x.nbytes for x in jax.tree.leaves((want.stacked, want.tail, want.model_state)))
-        before = sum(a.nbytes for a in jax.live_arrays())
-        peaks, put = [], scan._put
-
-        def recording_put(stack, value, index):
-            out = put(stack, value, index)
-            peaks.append(sum(a.nbytes for a in jax.live_arrays()))
-            return out
-
-        monkeypatch.setattr(scan, "_put", recording_put)
-        got = ScannedModel.from_layers(cfg, make, start, end)
-        monkeypatch.setattr(scan, "_put", put)
-        after = sum(a.nbytes for a in jax.live_arrays())
+        got, before, peaks, after = live_bytes_while(monkeypatch, lambda: ScannedModel.from_layers(cfg, make, start,
+                                                                                                    end))
         print(f"[{start}, {end}) {got.describe()}: range {range_bytes} B, one layer <= {layer_bytes} B; live bytes "
               f"added while building: peak {max(peaks) - before}, after {after - before}")
         assert max(peaks) - before <= range_bytes + layer_bytes
