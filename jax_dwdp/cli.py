@@ -249,8 +249,7 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
 
         scanned, source = _scanned_model(args, cfg, dtype)
         prefill = jit_prefill_scanned(scanned, logits=mode)
-        return ((lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile,
-                f"{source}, {scanned.describe()}")
+        return _one_device(prefill), prefill.compile, f"{source}, {scanned.describe()}"
     if args.checkpoint is not None:
         from jax_dwdp.weights import load_checkpoint
 
@@ -264,7 +263,15 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
         run = chunked_prefill(model, mode, args.prefill_chunk, args.layerwise)
         return run, run, f"{source}, prefill in pieces of {args.prefill_chunk} tokens"
     prefill = jit_prefill(model, logits=mode, layerwise=args.layerwise)
-    return (lambda t, n: (lambda out: (out[0], [out[1]]))(prefill(t, n))), prefill.compile, source
+    return _one_device(prefill), prefill.compile, source
+
+
+def _one_device(prefill):
+    """A one-device prefill(tokens, lengths) -> (logits, cache) as the runner the CLI drives: (logits, [cache])."""
+    def run(tokens, lengths):
+        logits, cache = prefill(tokens, lengths)
+        return logits, [cache]
+    return run
 
 
 def _scanned_model(args, cfg, dtype):
