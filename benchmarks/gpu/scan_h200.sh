@@ -5,9 +5,11 @@
 # probe"):
 #   tests     the GPU tests of the scanned stage and of the layer-wise runner (tests/test_gpu.py)
 #   prefill   bench_prefill.py, $LAYERS layers of 35b-a3b at $SEQS tokens: --layerwise, then --scan (one process
-#             each); the layer-wise run also traces one 16K call (kernels and idle gaps, $TRACE=0 skips it)
+#             each); each traces one call per length (kernels and idle gaps; the Perfetto files in
+#             $OUT/traces.tgz; $TRACE=0 skips it)
 #   pipeline  the CLI on $PLAYERS layers, batch 4 x $PSEQ tokens in 4 microbatches (Pipeline with one stage on this
 #             GPU): --layerwise, then --scan
+#   cli       the CLI's one-device prefill on $PLAYERS layers, batch 1 x $PSEQ tokens: --layerwise, then --scan
 #   probe     probe_scan.py --run at 16K: memory after restacking, the scanned program's memory, one run's peak
 # $LAYERS defaults to 40 on a GPU with more than 100 GB (H200), else 32 (H100). Each command's time limit is cut to
 # what is left of $DEADLINE seconds (default 570), and a command with under 40 s left is skipped (_limits.sh). Logs
@@ -43,10 +45,13 @@ for step in $STEPS; do
         --out "$OUT/prefill_layerwise.json" 2>&1 | quiet > "$OUT/prefill_layerwise.log"
       echo "layerwise rc $?"; grep -E "^\{|^35b|tokens|gap|idle|busy" "$OUT/prefill_layerwise.log" | cut -c1-400 | tail -30
       time_for "scanned prefill" || continue
+      trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/trace_scan"
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) python3 benchmarks/bench_prefill.py \
-        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --scan --iters 5 \
+        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --scan --iters 5 $trace \
         --out "$OUT/prefill_scan.json" 2>&1 | quiet > "$OUT/prefill_scan.log"
-      echo "scan rc $?"; grep -E "^\{|tokens" "$OUT/prefill_scan.log" | cut -c1-400 | tail -8 ;;
+      echo "scan rc $?"; grep -E "^\{|^35b|tokens|gap|idle|busy" "$OUT/prefill_scan.log" | cut -c1-400 | tail -30
+      [ "${TRACE:-1}" = 1 ] && (cd /tmp && find trace trace_scan -name "perfetto_trace.json.gz" 2>/dev/null \
+        | tar czf "$OUT/traces.tgz" -T -) ;;
     pipeline)
       for mode in --layerwise --scan; do
         time_for "pipeline $mode" || continue
@@ -55,6 +60,14 @@ for step in $STEPS; do
           --num-layers "$PLAYERS" --batch 4 --seq-len "$PSEQ" --microbatches 4 --iters 3 $mode \
           > "$OUT/pipeline${mode}.log" 2>&1
         echo "rc $?"; quiet < "$OUT/pipeline${mode}.log" | grep -E "model:|compile|tokens/s|peak|rror" | tail -6
+      done ;;
+    cli)
+      for mode in --layerwise --scan; do
+        time_for "cli $mode" || continue
+        echo "== cli (one device) $mode"
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PIPE_TIMEOUT:-100}) "${CLI[@]}" prefill --preset 35b-a3b \
+          --num-layers "$PLAYERS" --batch 1 --seq-len "$PSEQ" --iters 3 $mode > "$OUT/cli${mode}.log" 2>&1
+        echo "rc $?"; quiet < "$OUT/cli${mode}.log" | grep -E "model:|compile|tokens/s|peak|rror" | tail -6
       done ;;
     probe)
       echo "== probe_scan"
