@@ -35,6 +35,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # trace_summary, when 
 PEAK_TFLOPS = 781.0
 
 
+def host_profile(call, top: int) -> None:
+    """One call under cProfile (its host time only: the device is waited for after the profile stops); prints the
+    `top` functions by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    out = call()
+    prof.disable()
+    jax.block_until_ready(out)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="35b-a3b")
@@ -49,6 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--trace", metavar="DIR",
                     help="after timing, trace one more call per length with jax.profiler into DIR/<tokens> and "
                          "print its kernels by total time (benchmarks/trace_summary.py)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="after timing, profile one more call per length on the host (cProfile, the GPU not waited "
+                         "for inside it) and print its N costliest functions: where the GPU's idle start goes")
     ap.add_argument("--fused-swiglu", action="store_true",
                     help="expert gate_up weights in the fused SwiGLU epilogue's layout (CUTLASS only; default: off)")
     args = ap.parse_args(argv)
@@ -103,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
                 jax.block_until_ready(prefill(tokens, lengths))
             kernels = trace_summary.summarize(trace_summary.load(where))
             print(trace_summary.render(kernels), flush=True)
+        if args.host_profile:
+            host_profile(lambda: prefill(tokens, lengths), args.host_profile)
         n = args.batch * t
         tflops = cfg.prefill_flops(args.batch, t, args.batch) / sec / 1e12
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")

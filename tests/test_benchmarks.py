@@ -340,18 +340,20 @@ def test_layer_parts_chosen_variants_and_conv_configs(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["--layerwise", "--scan"])
-def test_prefill_bench_rows(tmp_path, mode):
+def test_prefill_bench_rows(tmp_path, capsys, mode):
     """bench_prefill on the tiny preset: one row per length with its timings, the host time of one more call, the
-    mode it ran, finite logits."""
-    trace = ["--trace", str(tmp_path / "trace")] if mode == "--layerwise" else []
+    mode it ran, finite logits; --host-profile prints the profiled call's functions."""
+    trace = ["--trace", str(tmp_path / "trace")] if mode == "--layerwise" else ["--host-profile", "5"]
     result, saved = run("bench_prefill", ["--preset", "tiny", "--seq-lens", "8", "16", "--iters", "2", "--dtype",
                                           "float32", mode, *trace], tmp_path / "prefill.json")
+    printed = capsys.readouterr().out
+    assert (printed.count("Ordered by: cumulative time") == 2) == (mode == "--scan")
     assert saved == json.loads(json.dumps(result))
     assert [r["seq_len"] for r in saved["rows"]] == [8, 16]
     for r in saved["rows"]:
         assert r["logits_finite"] and r["prefill_ms"] > 0 and r["host_ms"] > 0 and len(r["times_ms"]) == 2
         assert r["scan"] == (mode == "--scan") and r["layerwise"] == (mode == "--layerwise")
-        if trace:  # the CPU trace has no device events: host events, and it says so
+        if mode == "--layerwise":  # the CPU trace has no device events: host events, and it says so
             assert r["trace"]["events"] > 0 and not r["trace"]["device"] and r["trace"]["kernels"]
 
 

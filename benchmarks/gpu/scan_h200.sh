@@ -41,13 +41,13 @@ for step in $STEPS; do
       echo "== prefill, $LAYERS layers"
       trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/trace"
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) python3 benchmarks/bench_prefill.py \
-        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --layerwise --iters 5 $trace \
+        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --layerwise --iters 5 $trace --host-profile ${HOST_PROFILE:-25} \
         --out "$OUT/prefill_layerwise.json" 2>&1 | quiet > "$OUT/prefill_layerwise.log"
       echo "layerwise rc $?"; grep -E "^\{|^35b|tokens|gap|idle|busy" "$OUT/prefill_layerwise.log" | cut -c1-400 | tail -30
       time_for "scanned prefill" || continue
       trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/trace_scan"
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) python3 benchmarks/bench_prefill.py \
-        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --scan --iters 5 $trace \
+        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --scan --iters 5 $trace --host-profile ${HOST_PROFILE:-25} \
         --out "$OUT/prefill_scan.json" 2>&1 | quiet > "$OUT/prefill_scan.log"
       echo "scan rc $?"; grep -E "^\{|^35b|tokens|gap|idle|busy" "$OUT/prefill_scan.log" | cut -c1-400 | tail -30
       [ "${TRACE:-1}" = 1 ] && (cd /tmp && find trace trace_scan -name "perfetto_trace.json.gz" 2>/dev/null \
