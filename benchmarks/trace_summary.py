@@ -1,6 +1,6 @@
 """Where a traced call's device time goes: the kernels of a `jax.profiler` Perfetto trace, summed by name.
 
-    python benchmarks/trace_summary.py TRACE_DIR [--top 25] [--gap-us 5]
+    python benchmarks/trace_summary.py TRACE_DIR [--top 25] [--gap-us 5] [--versus OTHER_DIR]
 
 TRACE_DIR is what `jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)` wrote (the newest
 perfetto_trace.json.gz under it is read). Device events are those of processes whose name names a GPU or device;
@@ -59,8 +59,9 @@ def gaps(chosen: list[dict], min_us: float = 5.0, top: int = 15) -> dict:
                 pairs=rows[:top], largest=largest)
 
 
-def summarize(trace: dict, top: int = 25, gap_us: float = 5.0) -> dict:
-    """{'device': bool, 'total_ms', 'span_ms', 'kernels': [(name, calls, total ms)] by total, descending, 'gaps':
+def summarize(trace: dict, top: int | None = 25, gap_us: float = 5.0) -> dict:
+    """{'device': bool, 'total_ms', 'span_ms', 'kernels': [(name, calls, total ms)] by total, descending (the first
+    `top`, None: all), 'gaps':
     `gaps(...)` of the chosen events}."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
@@ -77,7 +78,8 @@ def summarize(trace: dict, top: int = 25, gap_us: float = 5.0) -> dict:
     start = min((e["ts"] for e in chosen), default=0.0)
     end = max((e["ts"] + e["dur"] for e in chosen), default=0.0)
     return dict(device=bool(device_pids), processes=sorted(names.values()), events=len(chosen),
-                total_ms=round(sum(r[2] for r in rows), 3), span_ms=round((end - start) / 1e3, 3), kernels=rows[:top],
+                total_ms=round(sum(r[2] for r in rows), 3), span_ms=round((end - start) / 1e3, 3),
+                kernels=rows if top is None else rows[:top],
                 gaps=gaps(chosen, gap_us))
 
 
@@ -96,12 +98,36 @@ def render(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def compare(a: dict, b: dict, top: int = 25) -> list[tuple[str, int, float, int, float]]:
+    """Two `summarize(..., top=None)` results: [(name, calls in a, ms in a, calls in b, ms in b)] for every kernel
+    name in either, by |ms in b - ms in a|, largest first (the first `top`)."""
+    left = {n: (c, ms) for n, c, ms in a["kernels"]}
+    right = {n: (c, ms) for n, c, ms in b["kernels"]}
+    rows = [(n, *left.get(n, (0, 0.0)), *right.get(n, (0, 0.0))) for n in left.keys() | right.keys()]
+    return sorted(rows, key=lambda r: (-abs(r[4] - r[2]), r[0]))[:top]
+
+
+def render_compare(a: dict, b: dict, rows, names=("A", "B")) -> str:
+    lines = [f"{names[0]}: {a['total_ms']:.3f} ms of kernels in a {a['span_ms']:.3f} ms span; {names[1]}: "
+             f"{b['total_ms']:.3f} ms in {b['span_ms']:.3f} ms (idle {a['gaps']['idle_ms']:.3f} / "
+             f"{b['gaps']['idle_ms']:.3f} ms)",
+             f"{'calls':>6} {names[0] + ' ms':>10} {'calls':>6} {names[1] + ' ms':>10} {'diff':>9}  name"]
+    lines += [f"{ca:>6} {ma:>10.3f} {cb:>6} {mb:>10.3f} {mb - ma:>+9.3f}  {n[:100]}" for n, ca, ma, cb, mb in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace_dir")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--gap-us", type=float, default=5.0, help="the shortest idle gap put on its kernel pair")
+    ap.add_argument("--versus", metavar="OTHER_DIR", help="compare with this trace, kernel name by kernel name")
     args = ap.parse_args(argv)
+    if args.versus:
+        a, b = (summarize(load(d), None, args.gap_us) for d in (args.trace_dir, args.versus))
+        rows = compare(a, b, args.top)
+        print(render_compare(a, b, rows, (pathlib.Path(args.trace_dir).name, pathlib.Path(args.versus).name)))
+        return dict(a=a, b=b, rows=rows)
     summary = summarize(load(args.trace_dir), args.top, args.gap_us)
     print(render(summary))
     return summary

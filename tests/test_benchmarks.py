@@ -390,6 +390,28 @@ def test_trace_summary_sums_device_kernels_by_name():
     assert "c  ->  d" in ts.render(dict(s, gaps=g))
 
 
+def test_trace_summary_compares_two_traces_kernel_by_kernel(tmp_path, capsys):
+    """--versus: every kernel name of either trace with its calls and ms in each, the largest difference first;
+    names in only one trace count 0 in the other."""
+    import gzip
+
+    ts = load("trace_summary")
+    gpu = dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0"))
+    a = [gpu, dict(ph="X", pid=1, name="gemm", ts=0.0, dur=1000.0), dict(ph="X", pid=1, name="norm", ts=1000.0,
+                                                                          dur=100.0)]
+    b = [gpu, dict(ph="X", pid=1, name="gemm", ts=0.0, dur=1100.0), dict(ph="X", pid=1, name="copy", ts=1200.0,
+                                                                          dur=400.0)]
+    for name, events in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        with gzip.open(tmp_path / name / "perfetto_trace.json.gz", "wt") as f:
+            json.dump(dict(traceEvents=events), f)
+    out = ts.main([str(tmp_path / "a"), "--versus", str(tmp_path / "b")])
+    assert out["rows"] == [("copy", 0, 0.0, 1, 0.4), ("gemm", 1, 1.0, 1, 1.1), ("norm", 1, 0.1, 0, 0.0)]
+    assert out["b"]["gaps"]["idle_ms"] == pytest.approx(0.1)
+    printed = capsys.readouterr().out
+    assert "+0.400  copy" in printed and "-0.100  norm" in printed
+
+
 def test_transformers_reference_runs_the_same_rows(tmp_path):
     """bench_transformers on the tiny preset (fp32 eager paths on the CPU): bench_prefill's row fields."""
     result, saved = run("bench_transformers", ["--preset", "tiny", "--seq-lens", "32", "--iters", "1"],
