@@ -128,6 +128,33 @@ def test_refusals(rng):
         prefill(np.full((1, 4), cfg.vocab_size, np.int32))
 
 
+def test_compiler_options_by_platform_and_env(monkeypatch, rng):
+    """XLA's dynamic-slice fusion on a GPU only, off with $JAX_DWDP_SCAN_SLICE_FUSION=0, a bad value refused; the
+    options reach the compile (here the GPU's set, passed on the CPU, where XLA accepts and ignores it: the
+    program is still the layer-wise one's numbers)."""
+    from jax_dwdp import scan
+
+    monkeypatch.delenv(scan.SLICE_FUSION_ENV, raising=False)
+    assert scan.compiler_options("gpu") == {"xla_gpu_enable_dynamic_slice_fusion": True}
+    assert scan.compiler_options("cuda") == scan.compiler_options("gpu") and scan.compiler_options("cpu") == {}
+    monkeypatch.setenv(scan.SLICE_FUSION_ENV, "0")
+    assert scan.compiler_options("gpu") == {}
+    monkeypatch.setenv(scan.SLICE_FUSION_ENV, "yes")
+    with pytest.raises(ValueError, match="JAX_DWDP_SCAN_SLICE_FUSION"):
+        scan.compiler_options("gpu")
+    monkeypatch.delenv(scan.SLICE_FUSION_ENV)
+    seen = []
+    monkeypatch.setattr(scan, "compiler_options", lambda platform: seen.append(platform) or {
+        "xla_gpu_enable_dynamic_slice_fusion": True})
+    cfg = ModelConfig.preset("tiny")
+    model = init_model(cfg, dtype=jnp.float32, seed=0)
+    tokens = rng.integers(0, cfg.vocab_size, (1, 12)).astype(np.int32)
+    want, _ = jit_prefill(model, logits="last")(tokens)
+    got, _ = jit_prefill_scanned(ScannedModel.from_model(model, consume=False), logits="last")(tokens)
+    assert seen == ["cpu"]
+    assert rel_err(got, want) < 1e-5
+
+
 def test_cli_scan_equals_layerwise(tmp_path):
     """`jax-dwdp prefill --scan` writes the same logits as --layerwise; --scan with --pipeline is one error line."""
     from jax_dwdp.cli import main

@@ -4,9 +4,11 @@
 # libraries in jax_dwdp/_lib (built on the CPU machine, carried). Steps ($STEPS, default "tests prefill pipeline
 # probe"):
 #   tests     the GPU tests of the scanned stage and of the layer-wise runner (tests/test_gpu.py)
-#   prefill   bench_prefill.py, $LAYERS layers of 35b-a3b at $SEQS tokens: --layerwise, then --scan (one process
-#             each); each traces one call per length (kernels and idle gaps; the Perfetto files in
-#             $OUT/traces.tgz; $TRACE=0 skips it)
+#   prefill   bench_prefill.py, $LAYERS layers of 35b-a3b at $SEQS tokens: --layerwise, then --scan once per value
+#             of $SCAN_FUSION (default "1"; "1 0" also times the scan without XLA's dynamic-slice fusion), one
+#             process each; each traces one call per length (kernels and idle gaps; the Perfetto files in
+#             $OUT/traces.tgz, each scan's kernels against the layer-wise ones'; $TRACE=0 skips it) and profiles
+#             one call's host time
 #   pipeline  the CLI on $PLAYERS layers, batch 4 x $PSEQ tokens in 4 microbatches (Pipeline with one stage on this
 #             GPU): --layerwise, then --scan
 #   cli       the CLI's one-device prefill on $PLAYERS layers, batch 1 x $PSEQ tokens: --layerwise, then --scan
@@ -39,19 +41,29 @@ for step in $STEPS; do
       echo "tests rc $?"; grep -E "^GPU|passed|failed|rror" "$OUT/tests.log" | tail -20 ;;
     prefill)
       echo "== prefill, $LAYERS layers"
-      trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/trace"
+      rows() { grep -E "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9]+|^device events|^idle between" "$1" | cut -c1-200; }
+      trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/traces/layerwise"
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) python3 benchmarks/bench_prefill.py \
-        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --layerwise --iters 5 $trace --host-profile ${HOST_PROFILE:-25} \
-        --out "$OUT/prefill_layerwise.json" 2>&1 | quiet > "$OUT/prefill_layerwise.log"
-      echo "layerwise rc $?"; grep -E "^\{|^35b|tokens|gap|idle|busy" "$OUT/prefill_layerwise.log" | cut -c1-400 | tail -30
-      time_for "scanned prefill" || continue
-      trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/trace_scan"
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) python3 benchmarks/bench_prefill.py \
-        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --scan --iters 5 $trace --host-profile ${HOST_PROFILE:-25} \
-        --out "$OUT/prefill_scan.json" 2>&1 | quiet > "$OUT/prefill_scan.log"
-      echo "scan rc $?"; grep -E "^\{|^35b|tokens|gap|idle|busy" "$OUT/prefill_scan.log" | cut -c1-400 | tail -30
-      [ "${TRACE:-1}" = 1 ] && (cd /tmp && find trace trace_scan -name "perfetto_trace.json.gz" 2>/dev/null \
-        | tar czf "$OUT/traces.tgz" -T -) ;;
+        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --layerwise --iters 5 $trace \
+        --host-profile ${HOST_PROFILE:-25} --out "$OUT/prefill_layerwise.json" 2>&1 | quiet > "$OUT/prefill_layerwise.log"
+      echo "layerwise rc $?"; rows "$OUT/prefill_layerwise.log"
+      for f in ${SCAN_FUSION:-1}; do  # $JAX_DWDP_SCAN_SLICE_FUSION: 1 (the default), 0 (the weights copied out)
+        time_for "scanned prefill, slice fusion $f" || continue
+        trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/traces/scan_f$f"
+        JAX_DWDP_SCAN_SLICE_FUSION=$f XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) \
+          python3 benchmarks/bench_prefill.py --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --scan \
+          --iters 5 $trace --host-profile ${HOST_PROFILE:-25} --out "$OUT/prefill_scan_f$f.json" 2>&1 | quiet \
+          > "$OUT/prefill_scan_f$f.log"
+        echo "scan (slice fusion $f) rc $?"; rows "$OUT/prefill_scan_f$f.log"
+      done
+      if [ "${TRACE:-1}" = 1 ]; then
+        (cd /tmp/traces && find . -name "perfetto_trace.json.gz" | tar czf "$OUT/traces.tgz" -T -)
+        for d in /tmp/traces/scan_f*; do
+          for t in $SEQS; do
+            [ -d "$d/$t" ] && python3 benchmarks/trace_summary.py /tmp/traces/layerwise/$t --versus "$d/$t" --top 8
+          done
+        done
+      fi ;;
     pipeline)
       for mode in --layerwise --scan; do
         time_for "pipeline $mode" || continue
