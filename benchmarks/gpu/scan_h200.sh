@@ -65,7 +65,7 @@ for step in $STEPS; do
         done
       fi ;;
     pipeline)
-      for mode in --layerwise --scan; do
+      for mode in ${PIPE_MODES:---layerwise --scan}; do
         time_for "pipeline $mode" || continue
         echo "== pipeline (one stage) $mode"
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PIPE_TIMEOUT:-100}) "${CLI[@]}" prefill --preset 35b-a3b \
