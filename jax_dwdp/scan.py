@@ -25,12 +25,13 @@ per-layer expert weights. Pipeline stages with their own experts (`Pipeline(...,
 costs does not grow with its depth. Chunked prefill (continuing a cache) stays layer-wise.
 
 The layer weights inside the scan: each iteration takes its block's weights out of the stacks with a dynamic slice.
-XLA copies such a slice into a buffer of its own unless the op reading it can take the address inside the stack: a
-custom call (the CUTLASS grouped GEMM, Pallas kernels) or, with XLA's dynamic-slice fusion, a cuBLAS GEMM. That
-fusion is off by default in XLA; without it every dense weight was copied each iteration (twenty-fifth session,
-one H100: 392 device-to-device copies, 2.8 ms of a 32-layer 4K prefill, ~3% of it, the whole of the scan's loss
-against the layer-wise programs). So the scanned program is compiled with `xla_gpu_enable_dynamic_slice_fusion` on
-a GPU (`compiler_options`); $JAX_DWDP_SCAN_SLICE_FUSION=0 compiles it without (for the side-by-side measurement).
+XLA copies such a slice into a buffer of its own unless the op reading it can take the address inside the stack.
+On a GPU it does so for the dense weights: a 32-layer 4K prefill on an H100 ran 392 device-to-device copies (2.8 ms,
+~3% of it, the whole of the scan's loss against the layer-wise programs; twenty-fifth session, run A); the expert
+weights (the CUTLASS custom calls' operands) were not copied. XLA's dynamic-slice fusion lets a cuBLAS GEMM (and a
+custom call) read the slice in place; it is off by default in XLA. $JAX_DWDP_SCAN_SLICE_FUSION=1 compiles the
+scanned program with it (`compiler_options`), opt-in until a GPU has run it: it has run on the CPU only (where the
+option is accepted and ignored), not yet on a GPU (no machine came for the measurement).
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ SLICE_FUSION_ENV = "JAX_DWDP_SCAN_SLICE_FUSION"
 
 
 def compiler_options(platform: str) -> dict[str, bool]:
-    """XLA options the scanned program is compiled with on `platform` ("gpu" / "cuda" / "cpu" ...): on a GPU,
-    XLA's dynamic-slice fusion (so the GEMMs read each block's weights inside the stacks, see the module doc),
-    unless $JAX_DWDP_SCAN_SLICE_FUSION=0."""
+    """XLA options the scanned program is compiled with on `platform` ("gpu" / "cuda" / "cpu" ...): with
+    $JAX_DWDP_SCAN_SLICE_FUSION=1, on a GPU, XLA's dynamic-slice fusion (the GEMMs read each block's weights inside
+    the stacks, see the module doc); none by default."""
     env = os.environ.get(SLICE_FUSION_ENV, "")
     if env not in ("", "0", "1"):
-        raise ValueError(f"${SLICE_FUSION_ENV}={env!r}: use 1 (XLA's dynamic-slice fusion, the default on a GPU) or 0")
-    if platform not in ("gpu", "cuda") or env == "0":
+        raise ValueError(f"${SLICE_FUSION_ENV}={env!r}: use 1 (XLA's dynamic-slice fusion) or 0 (the default)")
+    if platform not in ("gpu", "cuda") or env != "1":
         return {}
     return {"xla_gpu_enable_dynamic_slice_fusion": True}
 

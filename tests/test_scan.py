@@ -129,12 +129,14 @@ def test_refusals(rng):
 
 
 def test_compiler_options_by_platform_and_env(monkeypatch, rng):
-    """XLA's dynamic-slice fusion on a GPU only, off with $JAX_DWDP_SCAN_SLICE_FUSION=0, a bad value refused; the
-    options reach the compile (here the GPU's set, passed on the CPU, where XLA accepts and ignores it: the
+    """XLA's dynamic-slice fusion only with $JAX_DWDP_SCAN_SLICE_FUSION=1 and only on a GPU, a bad value refused;
+    the options reach the compile (here the GPU's set, passed on the CPU, where XLA accepts and ignores it: the
     program is still the layer-wise one's numbers)."""
     from jax_dwdp import scan
 
     monkeypatch.delenv(scan.SLICE_FUSION_ENV, raising=False)
+    assert scan.compiler_options("gpu") == {} and scan.compiler_options("cpu") == {}
+    monkeypatch.setenv(scan.SLICE_FUSION_ENV, "1")
     assert scan.compiler_options("gpu") == {"xla_gpu_enable_dynamic_slice_fusion": True}
     assert scan.compiler_options("cuda") == scan.compiler_options("gpu") and scan.compiler_options("cpu") == {}
     monkeypatch.setenv(scan.SLICE_FUSION_ENV, "0")

@@ -5,7 +5,7 @@
 # probe"):
 #   tests     the GPU tests of the scanned stage and of the layer-wise runner (tests/test_gpu.py)
 #   prefill   bench_prefill.py, $LAYERS layers of 35b-a3b at $SEQS tokens: --layerwise, then --scan once per value
-#             of $SCAN_FUSION (default "1"; "1 0" also times the scan without XLA's dynamic-slice fusion), one
+#             of $SCAN_FUSION (default "0 1": without, then with XLA's dynamic-slice fusion), one
 #             process each; each traces one call per length (kernels and idle gaps; the Perfetto files in
 #             $OUT/traces.tgz, each scan's kernels against the layer-wise ones'; $TRACE=0 skips it) and profiles
 #             one call's host time
@@ -47,7 +47,7 @@ for step in $STEPS; do
         --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --layerwise --iters 5 $trace \
         --host-profile ${HOST_PROFILE:-25} --out "$OUT/prefill_layerwise.json" 2>&1 | quiet > "$OUT/prefill_layerwise.log"
       echo "layerwise rc $?"; rows "$OUT/prefill_layerwise.log"
-      for f in ${SCAN_FUSION:-1}; do  # $JAX_DWDP_SCAN_SLICE_FUSION: 1 (the default), 0 (the weights copied out)
+      for f in ${SCAN_FUSION:-0 1}; do  # $JAX_DWDP_SCAN_SLICE_FUSION: 0 (the default: weights copied out), 1
         time_for "scanned prefill, slice fusion $f" || continue
         trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/traces/scan_f$f"
         JAX_DWDP_SCAN_SLICE_FUSION=$f XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) \
