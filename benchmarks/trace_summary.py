@@ -107,6 +107,17 @@ def compare(a: dict, b: dict, top: int = 25) -> list[tuple[str, int, float, int,
     return sorted(rows, key=lambda r: (-abs(r[4] - r[2]), r[0]))[:top]
 
 
+def labels(a: str, b: str) -> tuple[str, str]:
+    """Short names for two trace directories: their paths from the last folder in which they differ on (so
+    `traces/layerwise/4096` and `traces/scan/4096` read `layerwise/4096` and `scan/4096`)."""
+    pa, pb = pathlib.Path(a).parts, pathlib.Path(b).parts
+    tail = 0
+    while tail < min(len(pa), len(pb)) and pa[len(pa) - 1 - tail] == pb[len(pb) - 1 - tail]:
+        tail += 1
+    keep = tail + 1
+    return "/".join(pa[-keep:]), "/".join(pb[-keep:])
+
+
 def render_compare(a: dict, b: dict, rows, names=("A", "B")) -> str:
     lines = [f"{names[0]}: {a['total_ms']:.3f} ms of kernels in a {a['span_ms']:.3f} ms span; {names[1]}: "
              f"{b['total_ms']:.3f} ms in {b['span_ms']:.3f} ms (idle {a['gaps']['idle_ms']:.3f} / "
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.versus:
         a, b = (summarize(load(d), None, args.gap_us) for d in (args.trace_dir, args.versus))
         rows = compare(a, b, args.top)
-        print(render_compare(a, b, rows, (pathlib.Path(args.trace_dir).name, pathlib.Path(args.versus).name)))
+        print(render_compare(a, b, rows, labels(args.trace_dir, args.versus)))
         return dict(a=a, b=b, rows=rows)
     summary = summarize(load(args.trace_dir), args.top, args.gap_us)
     print(render(summary))

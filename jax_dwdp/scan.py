@@ -26,8 +26,8 @@ costs does not grow with its depth. Chunked prefill (continuing a cache) stays l
 
 The layer weights inside the scan: each iteration takes its block's weights out of the stacks with a dynamic slice.
 XLA copies such a slice into a buffer of its own unless the op reading it can take the address inside the stack.
-On a GPU it does so for the dense weights: a 32-layer 4K prefill on an H100 ran 392 device-to-device copies (2.8 ms,
-~3% of it, the whole of the scan's loss against the layer-wise programs; twenty-fifth session, run A); the expert
+On a GPU it does so for the dense weights: a 32-layer 4K prefill on an H100 ran 392 device-to-device copies (2.9 ms,
+~5% of it, the whole of the scan's extra kernel time against the layer-wise programs; twenty-fifth session, run A); the expert
 weights (the CUTLASS custom calls' operands) were not copied. XLA's dynamic-slice fusion lets a cuBLAS GEMM (and a
 custom call) read the slice in place; it is off by default in XLA. $JAX_DWDP_SCAN_SLICE_FUSION=1 compiles the
 scanned program with it (`compiler_options`), opt-in until a GPU has run it: it has run on the CPU only (where the
@@ -224,11 +224,11 @@ class ScannedModel:
         this logits mode (a last stage's; others return hidden states) and cache length."""
         length = cache_length(x.shape[1], cache_len)
         mode = logits if self.is_last else "none"
-        key = (tuple(x.shape), str(x.dtype), mode, length)
+        options = compiler_options(self.device.platform)  # ($JAX_DWDP_SCAN_SLICE_FUSION, read at each call)
+        key = (tuple(x.shape), str(x.dtype), mode, length, tuple(sorted(options.items())))
         if key not in self._executables:
             static = (self.model_graph, tuple(sorted(self.graphs.items())), self.period, self.tail_types,
                       self.is_first, self.is_last, mode, length)
-            options = compiler_options(self.device.platform)
             self._executables[key] = _forward.lower(*static, *self._dynamic(x, lengths)).compile(options or None)
         return self._executables[key], length
 

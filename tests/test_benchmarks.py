@@ -402,14 +402,16 @@ def test_trace_summary_compares_two_traces_kernel_by_kernel(tmp_path, capsys):
     b = [gpu, dict(ph="X", pid=1, name="gemm", ts=0.0, dur=1100.0), dict(ph="X", pid=1, name="copy", ts=1200.0,
                                                                           dur=400.0)]
     for name, events in (("a", a), ("b", b)):
-        (tmp_path / name).mkdir()
-        with gzip.open(tmp_path / name / "perfetto_trace.json.gz", "wt") as f:
+        (tmp_path / name / "4096").mkdir(parents=True)
+        with gzip.open(tmp_path / name / "4096" / "perfetto_trace.json.gz", "wt") as f:
             json.dump(dict(traceEvents=events), f)
-    out = ts.main([str(tmp_path / "a"), "--versus", str(tmp_path / "b")])
+    out = ts.main([str(tmp_path / "a" / "4096"), "--versus", str(tmp_path / "b" / "4096")])
     assert out["rows"] == [("copy", 0, 0.0, 1, 0.4), ("gemm", 1, 1.0, 1, 1.1), ("norm", 1, 0.1, 0, 0.0)]
     assert out["b"]["gaps"]["idle_ms"] == pytest.approx(0.1)
     printed = capsys.readouterr().out
     assert "+0.400  copy" in printed and "-0.100  norm" in printed
+    assert "a/4096 ms" in printed and "b/4096 ms" in printed  # each side named by where the paths differ
+    assert ts.labels("x/t/4096", "y/t/4096") == ("x/t/4096", "y/t/4096") and ts.labels("a", "b") == ("a", "b")
 
 
 def test_transformers_reference_runs_the_same_rows(tmp_path):

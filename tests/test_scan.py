@@ -146,15 +146,20 @@ def test_compiler_options_by_platform_and_env(monkeypatch, rng):
         scan.compiler_options("gpu")
     monkeypatch.delenv(scan.SLICE_FUSION_ENV)
     seen = []
-    monkeypatch.setattr(scan, "compiler_options", lambda platform: seen.append(platform) or {
-        "xla_gpu_enable_dynamic_slice_fusion": True})
+    options = {"xla_gpu_enable_dynamic_slice_fusion": True}
+    monkeypatch.setattr(scan, "compiler_options", lambda platform: seen.append(platform) or options)
     cfg = ModelConfig.preset("tiny")
     model = init_model(cfg, dtype=jnp.float32, seed=0)
     tokens = rng.integers(0, cfg.vocab_size, (1, 12)).astype(np.int32)
     want, _ = jit_prefill(model, logits="last")(tokens)
-    got, _ = jit_prefill_scanned(ScannedModel.from_model(model, consume=False), logits="last")(tokens)
+    scanned = ScannedModel.from_model(model, consume=False)
+    got, _ = jit_prefill_scanned(scanned, logits="last")(tokens)
     assert seen == ["cpu"]
     assert rel_err(got, want) < 1e-5
+    # the options do reach XLA: one it does not know is refused at compile time (a new key: no cached program)
+    options = {"xla_no_such_option_of_jax_dwdp": True}
+    with pytest.raises(Exception, match="No such compile option"):
+        jit_prefill_scanned(scanned, logits="last")(tokens)
 
 
 def test_cli_scan_equals_layerwise(tmp_path):
