@@ -123,8 +123,9 @@ def test_gpu_scanned_stage_equals_the_layerwise_stage(rng, monkeypatch, dtype, b
     (`ScannedModel`, as `Pipeline(..., scan=True)` runs it) gives the layer-wise StageRunner's hidden states and
     cache: fp32 1e-5, bf16 within the project's bf16 bound (the two round differently; residual branches damped as
     in the model's bf16 test). Also the whole model's scanned prefill against its layer-wise prefill. Both with and
-    without XLA's dynamic-slice fusion ($JAX_DWDP_SCAN_SLICE_FUSION; the count of its fusions in the whole model's
-    program is printed)."""
+    without XLA's dynamic-slice fusion ($JAX_DWDP_SCAN_SLICE_FUSION). The count of its fusions in the whole model's
+    program is printed, not asserted: which ops XLA can fuse at these tiny shapes (cuBLAS or Triton GEMMs) is its
+    choice; the 35b-a3b benchmark's trace (benchmarks/gpu/scan_h200.sh) shows whether the weight copies are gone."""
     from jax_dwdp.config import ModelConfig
     from jax_dwdp.model import init_model
     from jax_dwdp.parallel.runner import StageRunner
