@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +47,7 @@ from flax import nnx
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length
+from jax_dwdp.kernels._backend import env_flag
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
 
 
@@ -58,10 +58,8 @@ def compiler_options(platform: str) -> dict[str, bool]:
     """XLA options the scanned program is compiled with on `platform` ("gpu" / "cuda" / "cpu" ...): with
     $JAX_DWDP_SCAN_SLICE_FUSION=1, on a GPU, XLA's dynamic-slice fusion (the GEMMs read each block's weights inside
     the stacks, see the module doc); none by default."""
-    env = os.environ.get(SLICE_FUSION_ENV, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"${SLICE_FUSION_ENV}={env!r}: use 1 (XLA's dynamic-slice fusion) or 0 (the default)")
-    if platform not in ("gpu", "cuda") or env != "1":
+    fuse = env_flag(SLICE_FUSION_ENV, on="XLA's dynamic-slice fusion", off="the default")
+    if platform not in ("gpu", "cuda") or not fuse:
         return {}
     return {"xla_gpu_enable_dynamic_slice_fusion": True}
 

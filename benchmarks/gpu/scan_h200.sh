@@ -45,19 +45,17 @@ for step in $STEPS; do
       echo "== prefill, $LAYERS layers"
       rm -rf /tmp/traces  # (a warm machine may hold an earlier run's)
       rows() { grep -E "finite=|^device events|^idle between" "$1" | cut -c1-200; }
-      trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/traces/layerwise"
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) python3 benchmarks/bench_prefill.py \
-        --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --layerwise --iters 5 $trace \
-        --host-profile ${HOST_PROFILE:-25} --out "$OUT/prefill_layerwise.json" 2>&1 | quiet > "$OUT/prefill_layerwise.log"
-      echo "layerwise rc $?"; rows "$OUT/prefill_layerwise.log"
-      for f in ${SCAN_FUSION:-0 1}; do  # $JAX_DWDP_SCAN_SLICE_FUSION: 0 (the default: weights copied out), 1
-        time_for "scanned prefill, slice fusion $f" || continue
-        trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/traces/scan_f$f"
-        JAX_DWDP_SCAN_SLICE_FUSION=$f XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) \
-          python3 benchmarks/bench_prefill.py --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS --scan \
-          --iters 5 $trace --host-profile ${HOST_PROFILE:-25} --out "$OUT/prefill_scan_f$f.json" 2>&1 | quiet \
-          > "$OUT/prefill_scan_f$f.log"
-        echo "scan (slice fusion $f) rc $?"; rows "$OUT/prefill_scan_f$f.log"
+      # one process per mode: layerwise, then scan_f<F> for each F in $SCAN_FUSION ($JAX_DWDP_SCAN_SLICE_FUSION: 0,
+      # the default, the weights copied out of the stacks; 1, XLA's dynamic-slice fusion)
+      for name in layerwise $(for f in ${SCAN_FUSION:-0 1}; do echo scan_f$f; done); do
+        time_for "prefill $name" || continue
+        if [ "$name" = layerwise ]; then mode=--layerwise; fuse=0; else mode=--scan; fuse=${name#scan_f}; fi
+        trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/traces/$name"
+        JAX_DWDP_SCAN_SLICE_FUSION=$fuse XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) \
+          python3 benchmarks/bench_prefill.py --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS $mode \
+          --iters 5 $trace --host-profile ${HOST_PROFILE:-25} --out "$OUT/prefill_$name.json" 2>&1 | quiet \
+          > "$OUT/prefill_$name.log"
+        echo "$name rc $?"; rows "$OUT/prefill_$name.log"
       done
       if [ "${TRACE:-1}" = 1 ]; then  # (under $OUT/traces/: outside logs.tgz, so a large bundle loses no log)
         mkdir -p "$OUT/traces"

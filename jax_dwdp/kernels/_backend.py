@@ -37,6 +37,15 @@ def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def env_flag(env: str, *, on: str, off: str) -> bool | None:
+    """$env as a switch: "1" True, "0" False, unset or empty None (the caller's default); any other value refused,
+    naming the variable and what 1 (`on`) and 0 (`off`) mean."""
+    value = os.environ.get(env, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"${env}={value!r}: use 1 ({on}) or 0 ({off})")
+    return None if value == "" else value == "1"
+
+
 def choose(implementation: str | None, env: str, *, what: str) -> str | None:
     """The implementation asked for (the argument, else $env), validated; None when neither asks."""
     impl = implementation or os.environ.get(env) or None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +9,7 @@ from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.kernels._backend import env_flag
 from jax_dwdp.kernels.norm_rope import norm_rope
 from jax_dwdp.model.layers import Linear, RMSNorm, rope_cos_sin
 
@@ -24,11 +24,8 @@ MERGE_QKV_ENV = "JAX_DWDP_MERGE_QKV"
 
 def merge_qkv() -> bool:
     """Whether XLA may merge the q, k and v projections ($JAX_DWDP_MERGE_QKV: 1 yes, 0 or unset no)."""
-    env = os.environ.get(MERGE_QKV_ENV, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"${MERGE_QKV_ENV}={env!r}: use 1 (let XLA merge the q, k, v projections) or 0 (keep them "
-                         "apart, the default)")
-    return env == "1"
+    return bool(env_flag(MERGE_QKV_ENV, on="let XLA merge the q, k, v projections",
+                         off="keep them apart, the default"))
 
 
 class GatedAttention(nnx.Module):

@@ -7,7 +7,6 @@ parallel paths (DWDP, EP) can hand it expert weights that came from elsewhere wi
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ from flax import nnx
 
 from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.kernels._backend import env_flag
 from jax_dwdp.kernels import routing
 from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK, default_implementation, swiglu
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
@@ -58,11 +58,9 @@ def gather_in_gemm(gather: bool | None = None, implementation: str | None = None
     known, taken as fitting)."""
     if gather is not None:
         return bool(gather)
-    env = os.environ.get(GATHER_ENV)
-    if env not in (None, ""):
-        if env not in ("0", "1"):
-            raise ValueError(f"${GATHER_ENV}={env!r}: use 1 (gather inside the gate_up matmul) or 0 (dispatch first)")
-        return env == "1"
+    env = env_flag(GATHER_ENV, on="gather inside the gate_up matmul", off="dispatch first")
+    if env is not None:
+        return env
     impl = implementation or default_implementation(jnp.bfloat16)
     shape_fits = hidden is None or hidden <= GATHER_MAX_HIDDEN or rows is None or rows <= GATHER_MAX_WIDE_ROWS
     return GATHER_DEFAULT and impl == "cutlass" and shape_fits
