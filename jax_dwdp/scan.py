@@ -26,12 +26,11 @@ costs does not grow with its depth. Chunked prefill (continuing a cache) stays l
 
 The layer weights inside the scan: each iteration takes its block's weights out of the stacks with a dynamic slice.
 XLA copies such a slice into a buffer of its own unless the op reading it can take the address inside the stack.
-On a GPU it does so for the dense weights: a 32-layer 4K prefill on an H100 ran 392 device-to-device copies (2.9 ms,
-~5% of it, the whole of the scan's extra kernel time against the layer-wise programs; twenty-fifth session, run A); the expert
-weights (the CUTLASS custom calls' operands) were not copied. XLA's dynamic-slice fusion lets a cuBLAS GEMM (and a
-custom call) read the slice in place; it is off by default in XLA. $JAX_DWDP_SCAN_SLICE_FUSION=1 compiles the
-scanned program with it (`compiler_options`), opt-in until a GPU has run it: it has run on the CPU only (where the
-option is accepted and ignored), not yet on a GPU (no machine came for the measurement).
+On a GPU it copies the dense weights: a 32-layer 4K prefill on an H100 ran 392 device-to-device copies (2.9 ms,
+~5% of it, the whole of the scan's extra kernel time against the layer-wise programs; twenty-fifth session, run A);
+the expert weights (the CUTLASS custom calls' operands) are not copied. XLA's dynamic-slice fusion
+(`xla_gpu_enable_dynamic_slice_fusion`, per executable) did not remove one of them (twenty-sixth session, run A:
+392 / 400 / 400 copies at 4K / 16K / 32K with it as without, the same kernel time within 0.2%), so it is not used.
 """
 
 from __future__ import annotations
@@ -47,21 +46,7 @@ from flax import nnx
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length
-from jax_dwdp.kernels._backend import env_flag
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
-
-
-SLICE_FUSION_ENV = "JAX_DWDP_SCAN_SLICE_FUSION"
-
-
-def compiler_options(platform: str) -> dict[str, bool]:
-    """XLA options the scanned program is compiled with on `platform` ("gpu" / "cuda" / "cpu" ...): with
-    $JAX_DWDP_SCAN_SLICE_FUSION=1, on a GPU, XLA's dynamic-slice fusion (the GEMMs read each block's weights inside
-    the stacks, see the module doc); none by default."""
-    fuse = env_flag(SLICE_FUSION_ENV, on="XLA's dynamic-slice fusion", off="the default")
-    if platform not in ("gpu", "cuda") or not fuse:
-        return {}
-    return {"xla_gpu_enable_dynamic_slice_fusion": True}
 
 
 def period_of(layer_types: tuple[str, ...], interval: int) -> tuple[tuple[str, ...], int]:
@@ -222,12 +207,11 @@ class ScannedModel:
         this logits mode (a last stage's; others return hidden states) and cache length."""
         length = cache_length(x.shape[1], cache_len)
         mode = logits if self.is_last else "none"
-        options = compiler_options(self.device.platform)  # ($JAX_DWDP_SCAN_SLICE_FUSION, read at each call)
-        key = (tuple(x.shape), str(x.dtype), mode, length, tuple(sorted(options.items())))
+        key = (tuple(x.shape), str(x.dtype), mode, length)
         if key not in self._executables:
             static = (self.model_graph, tuple(sorted(self.graphs.items())), self.period, self.tail_types,
                       self.is_first, self.is_last, mode, length)
-            self._executables[key] = _forward.lower(*static, *self._dynamic(x, lengths)).compile(options or None)
+            self._executables[key] = _forward.lower(*static, *self._dynamic(x, lengths)).compile()
         return self._executables[key], length
 
     def _dynamic(self, x, lengths):

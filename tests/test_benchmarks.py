@@ -367,6 +367,35 @@ def test_moe_fusion_probe_runs_every_variant(tmp_path):
     assert "HloModule" in (tmp_path / "moe_16.hlo.txt").read_text()
 
 
+def test_conv_probe_checks_each_variant_against_xla(tmp_path, monkeypatch):
+    """probe_conv at 64 tokens with the kernel in interpret mode (two variants, the floors, the mixer both ways):
+    every variant's difference from XLA's conv recorded in bf16 steps (each SiLU form's exact formula in interpret
+    mode: at most a rounding step), the mixer timed with each SiLU form at the default tile (the fastest variant is
+    the first of equal times here, one of those, so it is not timed twice)."""
+    import functools
+
+    from jax_dwdp.kernels import conv
+
+    probe = load("probe_conv")
+    monkeypatch.setattr(probe, "CONFIGS", (("exact", 1, 32, 4), ("ex2", 3, 16, 4)))
+    monkeypatch.setattr(conv, "causal_conv_silu_pallas", functools.partial(conv.causal_conv_silu_pallas,
+                                                                            interpret=True))
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_gdn
+
+    monkeypatch.setattr(bench_gdn, "wall_ms", lambda fn, sync, **_: (sync(fn()), 1.0)[1])
+    rows = probe.main(["--tokens", "64", "--mixer", "--out", str(tmp_path / "conv.json")])
+    assert json.loads((tmp_path / "conv.json").read_text()) == rows
+    parts = [r["part"] for r in rows]
+    assert parts[:3] == ["XLA conv", "floor: XLA element-wise pass, same bytes",
+                         "floor-ish: kernel, one tap (still SiLU)"]
+    kernels = [r for r in rows if "ulps" in r]
+    assert [(r["silu"], r["rows_per_program"]) for r in kernels] == [("exact", 1), ("ex2", 3)]
+    assert all(0 <= r["ulps"] <= 1.0 for r in kernels)
+    assert parts[-3:] == [f"GDN mixer, conv with {f} SiLU" for f in conv.SILU_FORMS]
+    assert "GDN mixer, conv with fastest variant" not in parts
+
+
 def test_trace_summary_sums_device_kernels_by_name():
     """Device processes' complete events are summed by name, largest first; host events are left out."""
     ts = load("trace_summary")

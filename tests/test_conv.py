@@ -63,6 +63,41 @@ def test_bf16_matches_the_xla_path(rng):
     assert np.all(diff <= np.abs(np.asarray(want, np.float32)) * 2**-7 + 1e-6)
 
 
+@pytest.mark.parametrize("silu", conv.SILU_FORMS)
+@pytest.mark.parametrize("rows_per_program", [1, 3])
+def test_silu_forms_and_rows_per_program(rng, silu, rows_per_program):
+    """Each SiLU form and a program computing several row tiles in turn (70 rows: 3 tiles of 32 a program leave a
+    partial program), into a NaN-poisoned buffer with history: within a bf16 step of the float64 reference in fp32
+    (interpret mode on the CPU runs each form's exact formula; on the GPU the approximate instructions) and within
+    one bf16 ulp of the XLA path in bf16."""
+    x, weight, history = _inputs(rng, 2, 70, 48, 4, jnp.float32)
+    poison = jnp.full(x.shape, jnp.nan, x.dtype)
+    got = conv.causal_conv_silu_pallas(x, weight, history, out=poison, silu=silu, rows_per_program=rows_per_program,
+                                       interpret=not on_gpu)
+    bound = 1e-5 if silu == "exact" or not on_gpu else 2e-3
+    _check(got, _reference_f64(x, weight, history), f"pallas {silu} x{rows_per_program}", bound)
+    xb, wb, hb = (a.astype(jnp.bfloat16) for a in (x, weight, history))
+    gotb = conv.causal_conv_silu_pallas(xb, wb, hb, silu=silu, rows_per_program=rows_per_program,
+                                        interpret=not on_gpu)
+    want = np.asarray(conv.causal_conv_silu_xla(xb, wb, hb), np.float32)
+    assert np.all(np.abs(np.asarray(gotb, np.float32) - want) <= np.abs(want) * 2**-7 + 1e-6)
+    with pytest.raises(ValueError, match="silu 'fast'"):
+        conv.causal_conv_silu_pallas(x, weight, silu="fast", interpret=True)
+
+
+def test_silu_form_from_the_environment(rng, monkeypatch):
+    """$JAX_DWDP_CONV_SILU picks the form where the argument does not (the same output as the argument's), and a
+    value that is no form is refused by name."""
+    x, weight, history = _inputs(rng, 1, 40, 32, 4, jnp.float32)
+    monkeypatch.setenv(conv.ENV_SILU, "exact")
+    from_env = conv.causal_conv_silu_pallas(x, weight, history, interpret=not on_gpu)
+    np.testing.assert_array_equal(from_env, conv.causal_conv_silu_pallas(x, weight, history, silu="exact",
+                                                                         interpret=not on_gpu))
+    monkeypatch.setenv(conv.ENV_SILU, "fast")
+    with pytest.raises(ValueError, match="JAX_DWDP_CONV_SILU"):
+        conv.causal_conv_silu_pallas(x, weight, interpret=True)
+
+
 def test_channel_block_is_the_widest_power_of_two_up_to_max_block_c(rng, monkeypatch):
     """MAX_BLOCK_C, read at each call, caps the channel block (the benchmark's tile sweep sets it): the widest power
     of two dividing C, 0 below 16; a 512-wide block computes the same output as the default 128 (interpret mode on

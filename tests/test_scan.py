@@ -128,40 +128,6 @@ def test_refusals(rng):
         prefill(np.full((1, 4), cfg.vocab_size, np.int32))
 
 
-def test_compiler_options_by_platform_and_env(monkeypatch, rng):
-    """XLA's dynamic-slice fusion only with $JAX_DWDP_SCAN_SLICE_FUSION=1 and only on a GPU, a bad value refused;
-    the options reach the compile (here the GPU's set, passed on the CPU, where XLA accepts and ignores it: the
-    program is still the layer-wise one's numbers)."""
-    from jax_dwdp import scan
-
-    monkeypatch.delenv(scan.SLICE_FUSION_ENV, raising=False)
-    assert scan.compiler_options("gpu") == {} and scan.compiler_options("cpu") == {}
-    monkeypatch.setenv(scan.SLICE_FUSION_ENV, "1")
-    assert scan.compiler_options("gpu") == {"xla_gpu_enable_dynamic_slice_fusion": True}
-    assert scan.compiler_options("cuda") == scan.compiler_options("gpu") and scan.compiler_options("cpu") == {}
-    monkeypatch.setenv(scan.SLICE_FUSION_ENV, "0")
-    assert scan.compiler_options("gpu") == {}
-    monkeypatch.setenv(scan.SLICE_FUSION_ENV, "yes")
-    with pytest.raises(ValueError, match="JAX_DWDP_SCAN_SLICE_FUSION"):
-        scan.compiler_options("gpu")
-    monkeypatch.delenv(scan.SLICE_FUSION_ENV)
-    seen = []
-    options = {"xla_gpu_enable_dynamic_slice_fusion": True}
-    monkeypatch.setattr(scan, "compiler_options", lambda platform: seen.append(platform) or options)
-    cfg = ModelConfig.preset("tiny")
-    model = init_model(cfg, dtype=jnp.float32, seed=0)
-    tokens = rng.integers(0, cfg.vocab_size, (1, 12)).astype(np.int32)
-    want, _ = jit_prefill(model, logits="last")(tokens)
-    scanned = ScannedModel.from_model(model, consume=False)
-    got, _ = jit_prefill_scanned(scanned, logits="last")(tokens)
-    assert seen == ["cpu"]
-    assert rel_err(got, want) < 1e-5
-    # the options do reach XLA: one it does not know is refused at compile time (a new key: no cached program)
-    options = {"xla_no_such_option_of_jax_dwdp": True}
-    with pytest.raises(Exception, match="No such compile option"):
-        jit_prefill_scanned(scanned, logits="last")(tokens)
-
-
 def test_cli_scan_equals_layerwise(tmp_path):
     """`jax-dwdp prefill --scan` writes the same logits as --layerwise; --scan with --pipeline is one error line."""
     from jax_dwdp.cli import main

@@ -4,16 +4,13 @@
 # libraries in jax_dwdp/_lib (built on the CPU machine, carried). Steps ($STEPS, default "tests prefill pipeline
 # probe"):
 #   tests     the GPU tests of the scanned stage and of the layer-wise runner (tests/test_gpu.py)
-#   prefill   bench_prefill.py, $LAYERS layers of 35b-a3b at $SEQS tokens: --layerwise, then --scan once per value
-#             of $SCAN_FUSION (default "0 1": without, then with XLA's dynamic-slice fusion), one
-#             process each; each traces one call per length (kernels and idle gaps; the Perfetto files in
-#             $OUT/traces/traces.tgz, each scan's kernels against the layer-wise ones'; $TRACE=0 skips it) and profiles
+#   prefill   bench_prefill.py, $LAYERS layers of 35b-a3b at $SEQS tokens: --layerwise, then --scan, one process
+#             each; each traces one call per length (kernels and idle gaps; the Perfetto files in
+#             $OUT/traces/traces.tgz, the scan's kernels against the layer-wise ones'; $TRACE=0 skips it) and profiles
 #             one call's host time
 #   pipeline  the CLI on $PLAYERS layers, batch 4 x $PSEQ tokens in 4 microbatches (Pipeline with one stage on this
 #             GPU): each of $PIPE_MODES (default "--layerwise --scan")
 #   cli       the CLI's one-device prefill on $PLAYERS layers, batch 1 x $PSEQ tokens: --layerwise, then --scan
-#             (the cli, pipeline and probe steps run the scan as the environment says: export
-#             JAX_DWDP_SCAN_SLICE_FUSION=1 for the fusion)
 #   probe     probe_scan.py --run at 16K: memory after restacking, the scanned program's memory, one run's peak
 # $LAYERS defaults to 40 on a GPU with more than 100 GB (H200), else 32 (H100). Each command's time limit is cut to
 # what is left of $DEADLINE seconds (default 570), and a command with under 40 s left is skipped (_limits.sh). Logs
@@ -45,13 +42,11 @@ for step in $STEPS; do
       echo "== prefill, $LAYERS layers"
       rm -rf /tmp/traces  # (a warm machine may hold an earlier run's)
       rows() { grep -E "finite=|^device events|^idle between" "$1" | cut -c1-200; }
-      # one process per mode: layerwise, then scan_f<F> for each F in $SCAN_FUSION ($JAX_DWDP_SCAN_SLICE_FUSION: 0,
-      # the default, the weights copied out of the stacks; 1, XLA's dynamic-slice fusion)
-      for name in layerwise $(for f in ${SCAN_FUSION:-0 1}; do echo scan_f$f; done); do
+      for name in layerwise scan; do  # one process each
         time_for "prefill $name" || continue
-        if [ "$name" = layerwise ]; then mode=--layerwise; fuse=0; else mode=--scan; fuse=${name#scan_f}; fi
         trace=""; [ "${TRACE:-1}" = 1 ] && trace="--trace /tmp/traces/$name"
-        JAX_DWDP_SCAN_SLICE_FUSION=$fuse XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) \
+        mode=--$name
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-240}) \
           python3 benchmarks/bench_prefill.py --preset 35b-a3b --num-layers "$LAYERS" --seq-lens $SEQS $mode \
           --iters 5 $trace --host-profile ${HOST_PROFILE:-25} --out "$OUT/prefill_$name.json" 2>&1 | quiet \
           > "$OUT/prefill_$name.log"
@@ -60,12 +55,9 @@ for step in $STEPS; do
       if [ "${TRACE:-1}" = 1 ]; then  # (under $OUT/traces/: outside logs.tgz, so a large bundle loses no log)
         mkdir -p "$OUT/traces"
         (cd /tmp/traces && find . -name "perfetto_trace.json.gz" | tar czf "$OUT/traces/traces.tgz" -T -)
-        for t in $SEQS; do  # each scan against the layer-wise programs, then the scan without vs with the fusion
-          for pair in "layerwise scan_f0" "layerwise scan_f1" "scan_f0 scan_f1"; do
-            set -- $pair
-            [ -d "/tmp/traces/$1/$t" ] && [ -d "/tmp/traces/$2/$t" ] && \
-              python3 benchmarks/trace_summary.py "/tmp/traces/$1/$t" --versus "/tmp/traces/$2/$t" --top 8
-          done
+        for t in $SEQS; do  # the scan against the layer-wise programs
+          [ -d "/tmp/traces/layerwise/$t" ] && [ -d "/tmp/traces/scan/$t" ] && \
+            python3 benchmarks/trace_summary.py "/tmp/traces/layerwise/$t" --versus "/tmp/traces/scan/$t" --top 8
         done
       fi ;;
     pipeline)

@@ -20,6 +20,7 @@ channel blocks 5-98% slower alone).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,17 @@ _F32 = jnp.float32
 BLOCK_T = 32  # rows of a program's tile
 NUM_WARPS = 4
 MAX_BLOCK_C = 128  # the widest channel block a program takes (a power of two; the kernel uses the widest dividing C)
+ROWS_PER_PROGRAM = 1  # row tiles of BLOCK_T a program computes one after another (2-8 measured slower)
+# SiLU inside the kernel: "ex2" (x * rcp.approx(1 + ex2.approx(-x log2 e)): within fp32 rounding of the exact form,
+# so the bf16 output rounds the same but for one step at most), "exact" (x / (1 + exp(-x)) with libdevice's exp)
+# or "tanh" (x/2 (1 + tanh.approx(x/2)), up to two bf16 steps off): the module's default, $JAX_DWDP_CONV_SILU, or
+# the argument, read at each call. Measured (benchmarks/RESULTS.md, twenty-sixth session run B, one H100, the three
+# q / k / v calls of 35b-a3b at 16K / 32K tokens): exact 0.284 / 0.526 ms, ex2 0.260 / 0.486, tanh 0.250 / 0.475,
+# an XLA element-wise pass over the same bytes 0.211 / 0.395.
+SILU = "ex2"
+ENV_SILU = "JAX_DWDP_CONV_SILU"
+SILU_FORMS = ("ex2", "exact", "tanh")
+_LOG2E = 1.4426950408889634
 
 
 def causal_conv_silu_xla(x: jax.Array, weight: jax.Array, history: jax.Array | None = None) -> jax.Array:
@@ -68,7 +80,30 @@ def _range_supported(c0: int, c1: int, c: int, kernel: int) -> bool:
     return 0 <= c0 < c1 <= c and supported(c1 - c0, kernel) and c0 % _block_c(c1 - c0) == 0
 
 
-def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offset: int):
+def _silu(x, form: str, interpret: bool):
+    """silu(x) of an fp32 tile inside a Pallas Triton kernel in one of SILU_FORMS. The approximate forms differ from
+    the exact one by a few fp32 ulps ("ex2") or about 2^-11 relative ("tanh"), below a bf16 output's rounding step
+    (2^-8). In interpret mode (no PTX) each form is its exact formula."""
+    from jax.experimental.pallas import triton as plgpu
+
+    if form == "exact":
+        return x * jax.nn.sigmoid(x)
+    if form == "tanh":
+        half = 0.5 * x
+        return half + half * (jnp.tanh(half) if interpret else plgpu.approx_tanh(half))
+    if form == "ex2":
+        if interpret:
+            return x / (1.0 + jnp.exp2(x * -_LOG2E))
+
+        def asm(op, v):
+            return plgpu.elementwise_inline_asm(f"{op} $0, $1;", args=[v], constraints="=f,f", pack=1,
+                                                result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, v.dtype)])[0]
+
+        return x * asm("rcp.approx.ftz.f32", 1.0 + asm("ex2.approx.ftz.f32", x * -_LOG2E))
+    raise ValueError(f"conv SiLU form {form!r} is none of {SILU_FORMS}")
+
+
+def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offset: int, silu: str = "exact"):
     """Inside a Pallas Triton kernel: silu(causal conv) of rows [start, start + rows) of x_ref [T(+padding), BC]
     with taps w_ref [K, BC], in fp32, and those rows' indices ([rows, BC], to mask what is stored). Rows before 0
     and past T are masked loads: no memory is read there. `offset` > 0 only in interpret mode, where x is
@@ -88,31 +123,40 @@ def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offse
         xs = plgpu.load(x_ref.at[pl.ds(start - shift + offset, rows), :], mask=(src >= 0) & (src < t),
                         other=jnp.zeros((), x_ref.dtype))
         acc = acc + xs.astype(_F32) * jnp.sum(jnp.where(tap == j, w, 0.0), axis=0)[None, :]
-    return acc * jax.nn.sigmoid(acc), row
+    return _silu(acc, silu, offset > 0), row
 
 
-def _conv_kernel(x_ref, w_ref, *refs, t: int, kernel: int, offset: int):
+def _conv_kernel(x_ref, w_ref, *refs, t: int, kernel: int, offset: int, rows: int, silu: str):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     o_ref = refs[-1]  # (refs[0] is the aliased output buffer when one is given)
-    bt = o_ref.shape[0]
-    out, row = conv_silu_rows(x_ref, w_ref, pl.program_id(1) * bt, bt, t=t, kernel=kernel, offset=offset)
-    plgpu.store(o_ref.at[pl.ds(0, bt), :], out.astype(o_ref.dtype), mask=row < t)
+    span = o_ref.shape[0]  # rows x the tiles of one program
+    for i in range(span // rows):
+        out, row = conv_silu_rows(x_ref, w_ref, pl.program_id(1) * span + i * rows, rows, t=t, kernel=kernel,
+                                  offset=offset, silu=silu)
+        plgpu.store(o_ref.at[pl.ds(i * rows, rows), :], out.astype(o_ref.dtype), mask=row < t)
 
 
 def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array | None = None, *,
                             out: jax.Array | None = None, channels: tuple[int, int] | None = None,
                             block_t: int | None = None, num_warps: int | None = None,
+                            rows_per_program: int | None = None, silu: str | None = None,
                             interpret: bool = False) -> jax.Array:
     """The kernel over channels [c0, c1) of x (`channels`; all by default): returns [B, T, c1 - c0], read in place
     (no slice of x is copied). `out` (tests): a buffer of the output's shape the kernel writes into (a poisoned one
-    shows unwritten rows). `block_t`, `num_warps`: the tile's rows and the warps per program."""
+    shows unwritten rows). `block_t`, `num_warps`, `rows_per_program`, `silu`: the tile's rows, the warps per
+    program, the row tiles one program computes in turn and the SiLU's form (default: the module's BLOCK_T,
+    NUM_WARPS, ROWS_PER_PROGRAM, SILU)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     b, t, c = x.shape
     block_t, num_warps = block_t or BLOCK_T, num_warps or NUM_WARPS  # (the module's, read at each call)
+    reps, silu = rows_per_program or ROWS_PER_PROGRAM, silu or os.environ.get(ENV_SILU) or SILU
+    if silu not in SILU_FORMS or reps < 1:
+        raise ValueError(f"causal_conv_silu_pallas: silu {silu!r} (one of {SILU_FORMS}; the argument, else "
+                         f"${ENV_SILU}, else conv.SILU), rows_per_program {reps} (>= 1)")
     c0, c1 = channels or (0, c)
     kernel = weight.shape[-1]
     bc = _block_c(c1 - c0)
@@ -120,13 +164,14 @@ def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array 
         raise ValueError(f"causal_conv_silu_pallas: channels {c1 - c0} (of {c}, from {c0}) need a power-of-two "
                          f"block >= 16 dividing them and their start, and a power-of-two kernel width (got {kernel})")
     offset = kernel - 1 if interpret else 0
-    xin = jnp.pad(x, ((0, 0), (offset, block_t), (0, 0))) if interpret else x
+    span = block_t * reps  # rows per program
+    xin = jnp.pad(x, ((0, 0), (offset, span), (0, 0))) if interpret else x
     w = jnp.swapaxes(weight[:, 0, :], 0, 1)  # [K, C]
     first = c0 // bc  # the channel block the range starts at
-    out_spec = pl.BlockSpec((None, block_t, bc), lambda i, n, j: (i, n, j))
+    out_spec = pl.BlockSpec((None, span, bc), lambda i, n, j: (i, n, j))
     y = pl.pallas_call(
-        functools.partial(_conv_kernel, t=t, kernel=kernel, offset=offset),
-        grid=(b, pl.cdiv(t, block_t), (c1 - c0) // bc),
+        functools.partial(_conv_kernel, t=t, kernel=kernel, offset=offset, rows=block_t, silu=silu),
+        grid=(b, pl.cdiv(t, span), (c1 - c0) // bc),
         in_specs=[pl.BlockSpec((None, xin.shape[1], bc), lambda i, n, j: (i, 0, j + first)),
                   pl.BlockSpec((kernel, bc), lambda i, n, j: (0, j + first))] + ([] if out is None else [out_spec]),
         out_specs=out_spec,
