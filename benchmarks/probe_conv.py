@@ -13,7 +13,6 @@ the same process. --configs N: the first N of CONFIGS only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -25,18 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = (("exact", 1, 32, 4), ("tanh", 1, 32, 4), ("ex2", 1, 32, 4), ("exact", 2, 32, 4), ("exact", 4, 32, 4),
            ("tanh", 2, 32, 4), ("tanh", 4, 32, 4), ("ex2", 4, 32, 4), ("tanh", 1, 64, 8), ("tanh", 2, 64, 8),
            ("tanh", 8, 16, 4))
-
-
-@contextlib.contextmanager
-def patched(module, **values):
-    old = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -52,6 +39,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import numpy as np
 
     from bench_gdn import wall_ms
+    from bench_layer_parts import _patched as patched
     from jax_dwdp.kernels import conv
 
     key_dim, c = 2048, 8192
