@@ -1,11 +1,13 @@
 """Gated DeltaNet's causal conv + SiLU kernel at 35b-a3b's shapes (8192 channels in q / k / v splits of 2048 / 2048 /
 4096, kernel 4, bf16, one sequence), in one process: XLA's conv, the Pallas kernel at each (SiLU form, row tiles per
 program, tile rows, warps) of CONFIGS, and two floors: an XLA element-wise pass over the same bytes (read 2 B and
-write 2 B per element) and the kernel with one tap and no SiLU (the same loads and stores, no math). Each variant's
-output is checked against XLA's conv (max difference in bf16 steps of the reference; the run fails past 2). With
+write 2 B per element) and the kernel with one tap and the exact SiLU (the same HBM bytes, one load per element
+instead of four). Each variant's output is checked against XLA's conv (max difference in bf16 steps of the
+reference; the run fails past 2 steps, 3 for the tanh form). With
 --mixer, the whole Gated DeltaNet mixer (input projections, conv, gated delta rule, gated norm, out_proj) with the
 kernel's default tile and each SiLU form, and with the fastest variant if it is none of those, one after the other in
-the same process. --configs N: the first N of CONFIGS only.
+the same process ($JAX_DWDP_CONV_SILU is cleared for it, so each row is the form it names). --configs N: the first
+N of CONFIGS only.
 
     python3 benchmarks/probe_conv.py --tokens 16384 32768 [--mixer] [--configs N] [--out FILE]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"  {name} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                 continue
             err = float(np.max(np.abs(got - want) / ulp))
-            worst = max(worst, err)
+            worst = max(worst, err - (1.0 if silu == "tanh" else 0.0))  # (tanh: one step more allowed)
             ms = record(t, f"{name} ({err:.2f} ulp)", lambda: fn(x, weight))
             rows[-1].update(silu=silu, rows_per_program=reps, block_t=bt, num_warps=nw, ulps=err)
             if best is None or ms < best[0]:
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             from jax_dwdp.config import PRESETS
             from jax_dwdp.model.gated_deltanet import GatedDeltaNet
 
+            os.environ.pop(conv.ENV_SILU, None)  # (it would override the form each row patches in)
             cfg = PRESETS["35b-a3b"]
             mixer = GatedDeltaNet(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
             graph, state = nnx.split(mixer)
@@ -112,9 +116,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del x
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
-    print(f"worst difference from XLA's conv: {worst:.2f} bf16 ulps")
+    print(f"worst difference from XLA's conv: {worst:.2f} bf16 steps (the tanh form's less one)")
     if worst > 2.0:
-        raise SystemExit("a kernel variant differs from XLA's conv by more than 2 bf16 ulps")
+        raise SystemExit("a kernel variant differs from XLA's conv by more than its bf16 steps allow")
     return rows
 
 

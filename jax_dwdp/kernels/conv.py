@@ -36,12 +36,15 @@ BLOCK_T = 32  # rows of a program's tile
 NUM_WARPS = 4
 MAX_BLOCK_C = 128  # the widest channel block a program takes (a power of two; the kernel uses the widest dividing C)
 ROWS_PER_PROGRAM = 1  # row tiles of BLOCK_T a program computes one after another (2-8 measured slower)
-# SiLU inside the kernel: "ex2" (x * rcp.approx(1 + ex2.approx(-x log2 e)): within fp32 rounding of the exact form,
-# so the bf16 output rounds the same but for one step at most), "exact" (x / (1 + exp(-x)) with libdevice's exp)
-# or "tanh" (x/2 (1 + tanh.approx(x/2)), up to two bf16 steps off): the module's default, $JAX_DWDP_CONV_SILU, or
-# the argument, read at each call. Measured (benchmarks/RESULTS.md, twenty-sixth session run B, one H100, the three
-# q / k / v calls of 35b-a3b at 16K / 32K tokens): exact 0.284 / 0.526 ms, ex2 0.260 / 0.486, tanh 0.250 / 0.475,
-# an XLA element-wise pass over the same bytes 0.211 / 0.395.
+# SiLU inside the kernel: "ex2" (x * rcp.approx(1 + ex2.approx(-x log2 e)): an error of about 2 + 1.2|x| fp32 ulps,
+# far below a bf16 step, so the bf16 output rounds as the exact form's but for one step at most), "exact" (x / (1 +
+# exp(-x)) with libdevice's exp) or "tanh" (x/2 (1 + tanh.approx(x/2)): an absolute error of about 2^-12 |x|, which
+# for negative x is the whole of the small value (cancellation); measured up to two bf16 steps off on unit-scale
+# inputs): the argument, else $JAX_DWDP_CONV_SILU, else SILU, read when the kernel is traced
+# (`silu_form`). Measured (benchmarks/RESULTS.md, twenty-sixth session runs B / C, one H100, the three q / k / v
+# calls of 35b-a3b at 16K / 32K tokens): exact 0.284 / 0.526 and 0.271 / 0.520 ms, ex2 0.260 / 0.486 and 0.256 /
+# 0.468, tanh 0.250 / 0.475 and 0.250 / 0.462, an XLA element-wise pass over the same bytes 0.211 / 0.395 and
+# 0.194 / 0.394.
 SILU = "ex2"
 ENV_SILU = "JAX_DWDP_CONV_SILU"
 SILU_FORMS = ("ex2", "exact", "tanh")
@@ -80,10 +83,19 @@ def _range_supported(c0: int, c1: int, c: int, kernel: int) -> bool:
     return 0 <= c0 < c1 <= c and supported(c1 - c0, kernel) and c0 % _block_c(c1 - c0) == 0
 
 
+def silu_form(silu: str | None = None) -> str:
+    """The SiLU form the kernel computes: `silu`, else $JAX_DWDP_CONV_SILU, else SILU (the module's, read now); one
+    of SILU_FORMS, or a ValueError naming where the bad value came from."""
+    form, source = ((silu, "silu=") if silu is not None else
+                    (os.environ.get(ENV_SILU), f"${ENV_SILU}") if os.environ.get(ENV_SILU) else (SILU, "conv.SILU"))
+    if form not in SILU_FORMS:
+        raise ValueError(f"causal conv: {source} {form!r} is none of the SiLU forms {SILU_FORMS}")
+    return form
+
+
 def _silu(x, form: str, interpret: bool):
-    """silu(x) of an fp32 tile inside a Pallas Triton kernel in one of SILU_FORMS. The approximate forms differ from
-    the exact one by a few fp32 ulps ("ex2") or about 2^-11 relative ("tanh"), below a bf16 output's rounding step
-    (2^-8). In interpret mode (no PTX) each form is its exact formula."""
+    """silu(x) of an fp32 tile inside a Pallas Triton kernel in one of SILU_FORMS (see SILU for each form's error).
+    In interpret mode (no PTX) each form is its exact formula."""
     from jax.experimental.pallas import triton as plgpu
 
     if form == "exact":
@@ -103,7 +115,8 @@ def _silu(x, form: str, interpret: bool):
     raise ValueError(f"conv SiLU form {form!r} is none of {SILU_FORMS}")
 
 
-def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offset: int, silu: str = "exact"):
+def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offset: int, silu: str = "exact",
+                   interpret: bool = False):
     """Inside a Pallas Triton kernel: silu(causal conv) of rows [start, start + rows) of x_ref [T(+padding), BC]
     with taps w_ref [K, BC], in fp32, and those rows' indices ([rows, BC], to mask what is stored). Rows before 0
     and past T are masked loads: no memory is read there. `offset` > 0 only in interpret mode, where x is
@@ -123,10 +136,10 @@ def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offse
         xs = plgpu.load(x_ref.at[pl.ds(start - shift + offset, rows), :], mask=(src >= 0) & (src < t),
                         other=jnp.zeros((), x_ref.dtype))
         acc = acc + xs.astype(_F32) * jnp.sum(jnp.where(tap == j, w, 0.0), axis=0)[None, :]
-    return _silu(acc, silu, offset > 0), row
+    return _silu(acc, silu, interpret), row
 
 
-def _conv_kernel(x_ref, w_ref, *refs, t: int, kernel: int, offset: int, rows: int, silu: str):
+def _conv_kernel(x_ref, w_ref, *refs, t: int, kernel: int, offset: int, rows: int, silu: str, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -134,7 +147,7 @@ def _conv_kernel(x_ref, w_ref, *refs, t: int, kernel: int, offset: int, rows: in
     span = o_ref.shape[0]  # rows x the tiles of one program
     for i in range(span // rows):
         out, row = conv_silu_rows(x_ref, w_ref, pl.program_id(1) * span + i * rows, rows, t=t, kernel=kernel,
-                                  offset=offset, silu=silu)
+                                  offset=offset, silu=silu, interpret=interpret)
         plgpu.store(o_ref.at[pl.ds(i * rows, rows), :], out.astype(o_ref.dtype), mask=row < t)
 
 
@@ -147,16 +160,19 @@ def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array 
     (no slice of x is copied). `out` (tests): a buffer of the output's shape the kernel writes into (a poisoned one
     shows unwritten rows). `block_t`, `num_warps`, `rows_per_program`, `silu`: the tile's rows, the warps per
     program, the row tiles one program computes in turn and the SiLU's form (default: the module's BLOCK_T,
-    NUM_WARPS, ROWS_PER_PROGRAM, SILU)."""
+    NUM_WARPS, ROWS_PER_PROGRAM, and `silu_form()`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     b, t, c = x.shape
-    block_t, num_warps = block_t or BLOCK_T, num_warps or NUM_WARPS  # (the module's, read at each call)
-    reps, silu = rows_per_program or ROWS_PER_PROGRAM, silu or os.environ.get(ENV_SILU) or SILU
-    if silu not in SILU_FORMS or reps < 1:
-        raise ValueError(f"causal_conv_silu_pallas: silu {silu!r} (one of {SILU_FORMS}; the argument, else "
-                         f"${ENV_SILU}, else conv.SILU), rows_per_program {reps} (>= 1)")
+    # (the module's, read at each call)
+    block_t = BLOCK_T if block_t is None else block_t
+    num_warps = NUM_WARPS if num_warps is None else num_warps
+    reps = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
+    silu = silu_form(silu)
+    if min(block_t, num_warps, reps) < 1:
+        raise ValueError(f"causal_conv_silu_pallas: block_t {block_t}, num_warps {num_warps}, rows_per_program "
+                         f"{reps}: each must be >= 1")
     c0, c1 = channels or (0, c)
     kernel = weight.shape[-1]
     bc = _block_c(c1 - c0)
@@ -170,7 +186,8 @@ def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array 
     first = c0 // bc  # the channel block the range starts at
     out_spec = pl.BlockSpec((None, span, bc), lambda i, n, j: (i, n, j))
     y = pl.pallas_call(
-        functools.partial(_conv_kernel, t=t, kernel=kernel, offset=offset, rows=block_t, silu=silu),
+        functools.partial(_conv_kernel, t=t, kernel=kernel, offset=offset, rows=block_t, silu=silu,
+                          interpret=interpret),
         grid=(b, pl.cdiv(t, span), (c1 - c0) // bc),
         in_specs=[pl.BlockSpec((None, xin.shape[1], bc), lambda i, n, j: (i, 0, j + first)),
                   pl.BlockSpec((kernel, bc), lambda i, n, j: (0, j + first))] + ([] if out is None else [out_spec]),

@@ -34,8 +34,9 @@ Tensor-core dot products take bf16 operands with fp32 accumulation (the state is
 enters a dot; it is accumulated in fp32), as flash-linear-attention does.
 
 `chunk_gated_delta_rule_conv_pallas` (opt-in) reads q, k, v through Gated DeltaNet's causal conv from the input
-projection inside the prep kernel (`_conv_prep_kernel`); bit-equal to the separate conv kernel, measured slower
-(see `prepare_conv`).
+projection inside the prep kernel (`_conv_prep_kernel`); bit-equal to the separate conv kernel with the exact SiLU
+(`silu="exact"`; the separate kernel's default is the ex2 form, within a bf16 step of it), measured slower (see
+`prepare_conv`).
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def _scores(q, k, cum, scale: float):
 
 def _conv_tile(x_ref, w_ref, n, *, t: int, kernel: int, offset: int):
     """silu(causal depthwise conv) of chunk n's rows of x_ref [T, d] (channels of the input projection) with w_ref
-    [K, d]: the arithmetic of `conv.causal_conv_silu_pallas` (the same code), rounded to x's dtype, zeros before
+    [K, d]: the arithmetic of `conv.causal_conv_silu_pallas` with silu="exact" (the same code), rounded to x's dtype,
+    zeros before
     t = 0 and at and past t. `offset`: the left padding of x in interpret mode (see conv.py)."""
     out, row = conv_silu_rows(x_ref, w_ref, n * CHUNK, CHUNK, t=t, kernel=kernel, offset=offset)
     return jnp.where(row < t, out, 0.0).astype(x_ref.dtype)
