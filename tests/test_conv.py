@@ -83,7 +83,7 @@ def test_silu_forms_and_rows_per_program(rng, silu, rows_per_program):
                                         interpret=not on_gpu)
     want = np.asarray(conv.causal_conv_silu_xla(xb, wb, hb), np.float32)
     assert np.all(np.abs(np.asarray(gotb, np.float32) - want) <= np.abs(want) * 2**-7 + 1e-6)
-    with pytest.raises(ValueError, match="silu= 'fast'"):
+    with pytest.raises(ValueError, match="silu='fast'"):
         conv.causal_conv_silu_pallas(x, weight, silu="fast", interpret=True)
     with pytest.raises(ValueError, match="rows_per_program 0"):
         conv.causal_conv_silu_pallas(x, weight, rows_per_program=0, interpret=True)

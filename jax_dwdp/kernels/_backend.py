@@ -46,12 +46,14 @@ def env_flag(env: str, *, on: str, off: str) -> bool | None:
     return None if value == "" else value == "1"
 
 
-def choose(implementation: str | None, env: str, *, what: str) -> str | None:
-    """The implementation asked for (the argument, else $env), validated; None when neither asks."""
+def choose(implementation: str | None, env: str, *, what: str, choices: tuple[str, ...] = IMPLEMENTATIONS,
+           arg: str = "implementation") -> str | None:
+    """The choice asked for (the argument `arg`, else $env), validated against `choices` (by default a kernel's
+    implementations); None when neither asks."""
     impl = implementation or os.environ.get(env) or None
-    if impl is not None and impl not in IMPLEMENTATIONS:
-        where = "implementation" if implementation else env
-        raise ValueError(f"{what}: {where}={impl!r} is none of {IMPLEMENTATIONS}")
+    if impl is not None and impl not in choices:
+        where = arg if implementation else env
+        raise ValueError(f"{what}: {where}={impl!r} is none of {choices}")
     return impl
 
 

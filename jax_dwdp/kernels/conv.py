@@ -20,7 +20,6 @@ channel blocks 5-98% slower alone).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -84,13 +83,9 @@ def _range_supported(c0: int, c1: int, c: int, kernel: int) -> bool:
 
 
 def silu_form(silu: str | None = None) -> str:
-    """The SiLU form the kernel computes: `silu`, else $JAX_DWDP_CONV_SILU, else SILU (the module's, read now); one
-    of SILU_FORMS, or a ValueError naming where the bad value came from."""
-    form, source = ((silu, "silu=") if silu is not None else
-                    (os.environ.get(ENV_SILU), f"${ENV_SILU}") if os.environ.get(ENV_SILU) else (SILU, "conv.SILU"))
-    if form not in SILU_FORMS:
-        raise ValueError(f"causal conv: {source} {form!r} is none of the SiLU forms {SILU_FORMS}")
-    return form
+    """The SiLU form the kernel computes: `silu`, else $JAX_DWDP_CONV_SILU, else SILU (the module's, read now); a
+    value that is none of SILU_FORMS is refused, naming where it came from."""
+    return choose(silu, ENV_SILU, what="causal conv SiLU", choices=SILU_FORMS, arg="silu") or SILU
 
 
 def _silu(x, form: str, interpret: bool):
@@ -112,7 +107,7 @@ def _silu(x, form: str, interpret: bool):
                                                 result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, v.dtype)])[0]
 
         return x * asm("rcp.approx.ftz.f32", 1.0 + asm("ex2.approx.ftz.f32", x * -_LOG2E))
-    raise ValueError(f"conv SiLU form {form!r} is none of {SILU_FORMS}")
+    raise ValueError(f"conv SiLU form {form!r} is none of {SILU_FORMS}")  # (callers pass silu_form()'s)
 
 
 def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offset: int, silu: str = "exact",

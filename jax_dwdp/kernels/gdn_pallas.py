@@ -170,8 +170,7 @@ def _scores(q, k, cum, scale: float):
 def _conv_tile(x_ref, w_ref, n, *, t: int, kernel: int, offset: int):
     """silu(causal depthwise conv) of chunk n's rows of x_ref [T, d] (channels of the input projection) with w_ref
     [K, d]: the arithmetic of `conv.causal_conv_silu_pallas` with silu="exact" (the same code), rounded to x's dtype,
-    zeros before
-    t = 0 and at and past t. `offset`: the left padding of x in interpret mode (see conv.py)."""
+    zeros before t = 0 and at and past t. `offset`: the left padding of x in interpret mode (see conv.py)."""
     out, row = conv_silu_rows(x_ref, w_ref, n * CHUNK, CHUNK, t=t, kernel=kernel, offset=offset)
     return jnp.where(row < t, out, 0.0).astype(x_ref.dtype)
 
