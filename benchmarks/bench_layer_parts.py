@@ -312,6 +312,7 @@ CONV_CONFIGS = ((32, 4, 128), (32, 4, 256), (32, 4, 512), (64, 4, 256), (32, 8, 
 NO_GATHER = " (dispatch, then GEMM)"
 FUSED_CONV = " (conv in GDN prep)"
 MERGED_QKV = " (q, k, v one GEMM)"
+SEPARATE_PROJECTION = " (router, shared expert, its gate apart)"
 DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
 # What each variant's change can reach (the rest would time the defaults again): the routing every MoE layer, the
 # dispatch and combine the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the
@@ -320,7 +321,7 @@ VARIANT_PARTS = {XLA_ROUTING: ("linear", "gdn", "full", "moe"), XLA_DISPATCH: ("
                  NO_GATHER: ("linear", "moe"),
                  PALLAS_COMBINE: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
                  FUSED_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention"),
-                 MERGED_QKV: ("full", "attention")}
+                 MERGED_QKV: ("full", "attention"), SEPARATE_PROJECTION: ("linear", "moe")}
 # name -> (row suffix, environment): each changes one choice of the defaults
 VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "no_gather": (NO_GATHER, {"JAX_DWDP_MOE_GATHER": "0"}),  # the Pallas dispatch, then the TMA GEMM
@@ -330,7 +331,9 @@ VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
             "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),  # (the default from 8,192 tokens: a no-op there)
             "xla_conv": (XLA_CONV, {"JAX_DWDP_CONV": "xla"}),  # (the default below 8,192 tokens)
             "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"}),
-            "merge_qkv": (MERGED_QKV, {"JAX_DWDP_MERGE_QKV": "1"})}  # XLA's dot merger on q, k, v (the old path)
+            "merge_qkv": (MERGED_QKV, {"JAX_DWDP_MERGE_QKV": "1"}),  # XLA's dot merger on q, k, v (the old path)
+            # the MoE block's token projections as XLA merges them (router + shared gate / up; the gate a GEMV)
+            "separate_projection": (SEPARATE_PROJECTION, {"JAX_DWDP_MOE_MERGED_PROJECTION": "0"})}
 
 
 @contextlib.contextmanager

@@ -277,7 +277,8 @@ def test_layer_parts_times_layers_moe_passes_and_fusions(tmp_path):
                  "GEMM", "GDN: causal conv + SiLU, xla", "attention core: the model's (cuDNN)",
                  "fusion: GDN input matmuls as one", "MoE block (XLA dispatch)", "MoE block (Pallas combine)", "dispatch rows, xla (row gather)",
                  "un-permute, weighted sum + shared add, xla", "full-attention layer (XLA norm+RoPE)",
-                 "attention mixer (with input norm) (XLA norm+RoPE)"):
+                 "attention mixer (with input norm) (XLA norm+RoPE)",
+                 "MoE block (router, shared expert, its gate apart)"):
         assert parts[part]["ms"] > 0, part
     assert parts["router (matmul, softmax, top-k), pallas"]["error"]  # a Pallas kernel on the CPU: says why
     assert parts["dispatch rows, pallas (scatter)"]["error"]

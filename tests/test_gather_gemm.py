@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_grouped_matmul import BF16_BOUND, _gpu_only, _require_library, rel_err
+from test_grouped_matmul import BF16_BOUND, _extreme_rows, _gpu_only, _require_library, check_extreme_swiglu, rel_err
 from test_grouped_matmul import _check as _check_rows
 
 gm = importlib.import_module("jax_dwdp.kernels.grouped_matmul")
@@ -266,6 +266,23 @@ def test_cutlass_gather_swiglu_poisoned_output_and_edge_sizes(rng, config):
         assert np.isfinite(o).all() and np.all(o[total:] == 0) and err <= BF16_BOUND
     with pytest.raises(ValueError, match="none of"):
         cutlass.grouped_matmul_gather_swiglu(x, row_token, w, jnp.asarray(sizes, jnp.int32), config="nope")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GATHER_SWIGLU_CONFIGS)
+def test_cutlass_gather_swiglu_extreme_gates(rng, config):
+    """The gather kernel's fused SwiGLU epilogue (__expf / __fdividef) at gates of hundreds, either sign."""
+    _gpu_only()
+    cutlass = _require_library()
+    g, i, k, t, m = 4, 128, 128, 300, 1024
+    x, row_token, w, sizes = make_case(rng, t, m, g, 2 * i, k)
+    x = _extreme_rows(x, rng)
+    out = cutlass.grouped_matmul_gather_swiglu(x, row_token, w, jnp.asarray(sizes, jnp.int32), config=config)
+    total = int(sizes.sum())
+    o = np.asarray(out.astype(jnp.float32), np.float64)[:total]
+    y = reference(x, row_token, w, sizes)[:total]
+    check_extreme_swiglu(o, swiglu_reference(x, row_token, w, sizes)[:total], y[:, :i], y[:, i:],
+                         f"{config}, extreme gates")
 
 
 @pytest.mark.gpu

@@ -429,3 +429,42 @@ def test_cutlass_swiglu_edge_sizes_and_unfused_agreement(rng):
         err = rel_err(np.asarray(out[:total], np.float32), ref[:total]) if total else 0.0
         print(f"  fused vs unfused cutlass ({label}): {err:.2e}")
         assert err <= BF16_BOUND
+
+
+def _extreme_rows(x, rng):
+    """x with its rows scaled by 1 to 400 (bf16): the projections reach |gate| of hundreds, past where exp(-gate)
+    overflows fp32 (gate < -88.7) and where 1 + exp(-gate) lies in (2^126, 2^128), __fdividef's zero range."""
+    scale = rng.choice([1.0, 30.0, 100.0, 400.0], x.shape[0])[:, None]
+    return (x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+def check_extreme_swiglu(o, ref, gate, up, label):
+    """Finite everywhere; within the bf16 bound of float64 overall; where the gate is below -87 (SiLU's exp
+    overflows) the output is within 1e-30 of zero; where it is above 20, SiLU(gate) * up = gate * up within two bf16
+    steps, element by element (where |up| > 1% of its rms: smaller ones are fp32 sums that cancelled)."""
+    err = rel_err(o, ref)
+    low = gate < -87.0
+    high = (gate > 20.0) & (np.abs(up) > 0.01 * np.sqrt(np.mean(up * up)))
+    high_err = float(np.max(np.abs(o[high] - ref[high]) / np.abs(ref[high]).clip(1e-30))) if high.any() else 0.0
+    print(f"{label}: vs fp64 {err:.2e} (bound {BF16_BOUND}); {int(low.sum())} values with gate < -87, max |out| "
+          f"{np.abs(o[low]).max() if low.any() else 0.0:.1e}; {int(high.sum())} with gate > 20, worst rel {high_err:.1e}")
+    assert low.sum() > 100 and high.sum() > 100, "the case must reach both ends"
+    assert np.isfinite(o).all() and err <= BF16_BOUND
+    assert np.all(np.abs(o[low]) <= 1e-30)
+    assert high_err <= 2 * 2.0**-8
+
+
+@pytest.mark.gpu
+def test_cutlass_swiglu_extreme_gates(rng):
+    """The interleaved fused SwiGLU epilogue (__expf / __fdividef) at gates of hundreds, either sign."""
+    _gpu_only()
+    cutlass = _require_library()
+    g, i, k, m = 4, 128, 128, 1024
+    x, w, sizes = make_case(rng, m, g, 2 * i, k)
+    x = _extreme_rows(x, rng)
+    out = cutlass.grouped_matmul_swiglu(x, gm.interleave_gate_up(w), jnp.asarray(sizes, jnp.int32))
+    total = int(sizes.sum())
+    o = np.asarray(out.astype(jnp.float32), np.float64)[:total]
+    y = reference(x, w, sizes)[:total]
+    check_extreme_swiglu(o, swiglu_reference(x, w, sizes)[:total], y[:, :i], y[:, i:],
+                         "interleaved fused SwiGLU, extreme gates")

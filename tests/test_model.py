@@ -232,3 +232,32 @@ def test_merge_qkv_switch(monkeypatch):
     monkeypatch.setenv(attention.MERGE_QKV_ENV, "yes")
     with pytest.raises(ValueError, match=r"\$JAX_DWDP_MERGE_QKV='yes'"):
         attention.merge_qkv()
+
+
+@pytest.mark.parametrize("experts", [6, 7])  # 6 + 2 x 16 + 1 = 39 rows: one zero row padded; 7: 40, none
+def test_merged_token_projection_computes_the_same_block(monkeypatch, rng, experts):
+    """$JAX_DWDP_MOE_MERGED_PROJECTION (default on): the router, the shared expert's gate / up and its sigmoid gate as
+    one matmul (three dots fewer in the block's jaxpr) computes the block the four separate projections do (fp32,
+    random weights and tokens); any other value than 1 / 0 names the variable."""
+    from jax_dwdp.model import moe
+    from jax_dwdp.model.moe import SparseMoe
+
+    block = SparseMoe(CFG.replace(num_experts=experts), dtype=jnp.float32, rngs=nnx.Rngs(3))
+    x = jnp.asarray(rng.standard_normal((2, 37, CFG.hidden_size)), jnp.float32)
+
+    def run(flag):
+        monkeypatch.setenv(moe.MERGED_PROJECTION_ENV, flag)
+        dots = sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(lambda v: block(v))(x).jaxpr.eqns)
+        return np.asarray(block(x)), dots
+
+    (merged, merged_dots), (apart, apart_dots) = run("1"), run("0")
+    monkeypatch.delenv(moe.MERGED_PROJECTION_ENV)
+    assert moe.merged_projection() and moe.MERGED_PROJECTION_DEFAULT
+    assert merged_dots == apart_dots - 3, (merged_dots, apart_dots)
+    err = rel_err(merged, apart)
+    print(f"merged vs separate projections (fp32, {experts} experts): rel err {err:.2e}")
+    assert err < 1e-5
+    assert np.abs(merged).max() > 0  # a real output, not an empty one
+    monkeypatch.setenv(moe.MERGED_PROJECTION_ENV, "yes")
+    with pytest.raises(ValueError, match=r"\$JAX_DWDP_MOE_MERGED_PROJECTION='yes'"):
+        block(x)

@@ -93,8 +93,10 @@ class SwigluEpilogueArray : public SwigluEpilogueBase<StrideD> {
               const float u0 = accumulators(make_coord(0, half, 2 * c + 1), mm, mn);
               const float u1 = accumulators(make_coord(1, half, 2 * c + 1), mm, mn);
               const int j = (n / (2 * kSwigluBlock)) * kSwigluBlock + n % (2 * kSwigluBlock);
-              const float a0 = g0 / (1.0f + __expf(-g0)) * u0;
-              const float a1 = g1 / (1.0f + __expf(-g1)) * u1;
+              // silu from ex2.approx and rcp.approx (__expf, __fdividef: a few fp32 ulps, below the bf16 output's
+              // rounding step), as gather_gemm.cuh's epilogue; g < -87: 1 + exp(-g) overflows, the quotient is -0
+              const float a0 = __fdividef(g0, 1.0f + __expf(-g0)) * u0;
+              const float a1 = __fdividef(g1, 1.0f + __expf(-g1)) * u1;
               *reinterpret_cast<__nv_bfloat162*>(out + m * ld + j) = __floats2bfloat162_rn(a0, a1);
             }
           }

@@ -37,6 +37,21 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
     return order, group_sizes
 
 
+MERGED_PROJECTION_ENV = "JAX_DWDP_MOE_MERGED_PROJECTION"
+MERGED_PROJECTION_DEFAULT = True  # the router, the shared expert's gate_proj / up_proj and its sigmoid gate as one
+# matmul: XLA's dot merger joins the first three by itself but leaves the gate, a [M, 1] GEMV, apart (MEASURED below)
+
+
+def merged_projection(merged: bool | None = None) -> bool:
+    """Whether `SparseMoe` projects the tokens through its router, shared gate / up and shared-expert gate in one
+    matmul (`SparseMoe._token_projections`): the argument, else $JAX_DWDP_MOE_MERGED_PROJECTION (1 / 0), else
+    MERGED_PROJECTION_DEFAULT. Same products either way; only how they are grouped into GEMMs differs."""
+    if merged is not None:
+        return bool(merged)
+    env = env_flag(MERGED_PROJECTION_ENV, on="one matmul", off="three: the router, the shared expert, its gate")
+    return MERGED_PROJECTION_DEFAULT if env is None else env
+
+
 GATHER_ENV = "JAX_DWDP_MOE_GATHER"
 GATHER_DEFAULT = True  # where the gate_up matmul is the CUTLASS kernel, it gathers the tokens itself ...
 # ... on the shapes where that measured faster than the Pallas dispatch (the routed-expert block, one H200,
@@ -177,10 +192,16 @@ class SparseMoe(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         if callable(experts):
             experts = experts(flat)
-        ids, weights = route(flat, self.gate.weight[...], self.top_k)
+        if merged_projection():
+            logits, gate_logit, gate, up = self._token_projections(flat)
+            ids, weights = routing.topk_softmax(logits, self.top_k)
+            weights = weights.astype(x.dtype)
+            shared_expert = self.shared_expert.down_proj(swiglu(gate, up, x.dtype))
+        else:
+            ids, weights = route(flat, self.gate.weight[...], self.top_k)
+            gate_logit, shared_expert = self.shared_expert_gate(flat), self.shared_expert(flat)
         interleaved = self.experts.gate_up_interleaved
-        shared_gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)).astype(x.dtype)
-        shared = shared_gate * self.shared_expert(flat)
+        shared = jax.nn.sigmoid(gate_logit.astype(jnp.float32)).astype(x.dtype) * shared_expert
         if hasattr(experts, "routed"):
             out = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved) + shared
         else:
@@ -188,6 +209,19 @@ class SparseMoe(nnx.Module):
                                                                  self.experts.down_proj[...])
             out = routed_experts(flat, ids, weights, gate_up, down, gate_up_interleaved=interleaved, add=shared)
         return out.reshape(*lead, -1)
+
+    def _token_projections(self, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The four projections of the tokens, as one matmul over the weights stacked (router [E, H], shared
+        gate_proj and up_proj [I, H] each, shared_expert_gate [1, H], zero rows to a multiple of 8 so the output's
+        rows stay 16-byte aligned): router logits [M, E], shared gate logit [M, 1], shared gate and up [M, I]."""
+        ws = [self.gate.weight[...], self.shared_expert.gate_proj.weight[...],
+              self.shared_expert.up_proj.weight[...], self.shared_expert_gate.weight[...]]
+        sizes = [w.shape[0] for w in ws]
+        pad = -sum(sizes) % 8
+        w = jnp.concatenate(ws + [jnp.zeros((pad, flat.shape[-1]), ws[0].dtype)] if pad else ws)
+        y = jnp.einsum("mh,oh->mo", flat, w, precision=matmul_precision(w.dtype))
+        e, i = sizes[0], sizes[1]
+        return y[:, :e], y[:, e + 2 * i : e + 2 * i + 1], y[:, e : e + i], y[:, e + i : e + 2 * i]
 
 
 # --- The gate_up weight layout: the checkpoint's, or interleaved for the fused SwiGLU epilogue ---------------------
