@@ -282,7 +282,7 @@ def test_cutlass_gather_swiglu_extreme_gates(rng, config):
     o = np.asarray(out.astype(jnp.float32), np.float64)[:total]
     y = reference(x, row_token, w, sizes)[:total]
     check_extreme_swiglu(o, swiglu_reference(x, row_token, w, sizes)[:total], y[:, :i], y[:, i:],
-                         f"{config}, extreme gates")
+                         f"{config}, extreme gates", roundings=3)  # gate, up rounded to bf16 first, as unfused
 
 
 @pytest.mark.gpu

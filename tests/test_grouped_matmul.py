@@ -438,10 +438,12 @@ def _extreme_rows(x, rng):
     return (x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
-def check_extreme_swiglu(o, ref, gate, up, label):
+def check_extreme_swiglu(o, ref, gate, up, label, *, roundings):
     """Finite everywhere; within the bf16 bound of float64 overall; where the gate is below -87 (SiLU's exp
-    overflows) the output is within 1e-30 of zero; where it is above 20, SiLU(gate) * up = gate * up within two bf16
-    steps, element by element (where |up| > 1% of its rms: smaller ones are fp32 sums that cancelled)."""
+    overflows) the output is within 1e-30 of zero; where it is above 20, SiLU(gate) * up = gate * up within
+    `roundings` bf16 half-steps (2^-8 relative each: 1 where only the output is rounded, 3 where gate and up are
+    rounded to bf16 before the activation), element by element (where |up| > 1% of its rms: smaller ones are fp32
+    sums that cancelled)."""
     err = rel_err(o, ref)
     low = gate < -87.0
     high = (gate > 20.0) & (np.abs(up) > 0.01 * np.sqrt(np.mean(up * up)))
@@ -451,7 +453,7 @@ def check_extreme_swiglu(o, ref, gate, up, label):
     assert low.sum() > 100 and high.sum() > 100, "the case must reach both ends"
     assert np.isfinite(o).all() and err <= BF16_BOUND
     assert np.all(np.abs(o[low]) <= 1e-30)
-    assert high_err <= 2 * 2.0**-8
+    assert high_err <= roundings * 2.0**-8 * 1.05 + 1e-4
 
 
 @pytest.mark.gpu
@@ -467,4 +469,4 @@ def test_cutlass_swiglu_extreme_gates(rng):
     o = np.asarray(out.astype(jnp.float32), np.float64)[:total]
     y = reference(x, w, sizes)[:total]
     check_extreme_swiglu(o, swiglu_reference(x, w, sizes)[:total], y[:, :i], y[:, i:],
-                         "interleaved fused SwiGLU, extreme gates")
+                         "interleaved fused SwiGLU, extreme gates", roundings=1)  # from the fp32 accumulators
