@@ -236,9 +236,10 @@ def test_merge_qkv_switch(monkeypatch):
 
 @pytest.mark.parametrize("experts", [6, 7])  # 6 + 2 x 16 + 1 = 39 rows: one zero row padded; 7: 40, none
 def test_merged_token_projection_computes_the_same_block(monkeypatch, rng, experts):
-    """$JAX_DWDP_MOE_MERGED_PROJECTION (default on): the router, the shared expert's gate / up and its sigmoid gate as
-    one matmul (three dots fewer in the block's jaxpr) computes the block the four separate projections do (fp32,
-    random weights and tokens); any other value than 1 / 0 names the variable."""
+    """$JAX_DWDP_MOE_MERGED_PROJECTION (default on from MERGED_PROJECTION_MIN_TOKENS tokens per call): the router,
+    the shared expert's gate / up and its sigmoid gate as one matmul (three dots fewer in the block's jaxpr)
+    computes the block the four separate projections do (fp32, random weights and tokens); any other value than
+    1 / 0 names the variable."""
     from jax_dwdp.model import moe
     from jax_dwdp.model.moe import SparseMoe
 
@@ -252,7 +253,11 @@ def test_merged_token_projection_computes_the_same_block(monkeypatch, rng, exper
 
     (merged, merged_dots), (apart, apart_dots) = run("1"), run("0")
     monkeypatch.delenv(moe.MERGED_PROJECTION_ENV)
-    assert moe.merged_projection() and moe.MERGED_PROJECTION_DEFAULT
+    assert moe.MERGED_PROJECTION_DEFAULT and moe.merged_projection() and x.shape[0] * x.shape[1] < 1024
+    assert moe.merged_projection(tokens=moe.MERGED_PROJECTION_MIN_TOKENS)
+    assert not moe.merged_projection(tokens=moe.MERGED_PROJECTION_MIN_TOKENS - 1)
+    # by default a call of fewer tokens than MERGED_PROJECTION_MIN_TOKENS keeps the projections apart
+    assert sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(lambda v: block(v))(x).jaxpr.eqns) == apart_dots
     assert merged_dots == apart_dots - 3, (merged_dots, apart_dots)
     err = rel_err(merged, apart)
     print(f"merged vs separate projections (fp32, {experts} experts): rel err {err:.2e}")

@@ -94,7 +94,9 @@ class SwigluEpilogueArray : public SwigluEpilogueBase<StrideD> {
               const float u1 = accumulators(make_coord(1, half, 2 * c + 1), mm, mn);
               const int j = (n / (2 * kSwigluBlock)) * kSwigluBlock + n % (2 * kSwigluBlock);
               // silu from ex2.approx and rcp.approx (__expf, __fdividef: a few fp32 ulps, below the bf16 output's
-              // rounding step), as gather_gemm.cuh's epilogue; g < -87: 1 + exp(-g) overflows, the quotient is -0
+              // rounding step), as gather_gemm.cuh's epilogue. For g below about -87.3, 1 + exp(-g) exceeds 2^126,
+              // where __fdividef returns 0, and below about -88.7 exp overflows to inf (g / inf = -0): silu(g) there
+              // is under 1e-36 in size, so 0 is within the bf16 output's rounding
               const float a0 = __fdividef(g0, 1.0f + __expf(-g0)) * u0;
               const float a1 = __fdividef(g1, 1.0f + __expf(-g1)) * u1;
               *reinterpret_cast<__nv_bfloat162*>(out + m * ld + j) = __floats2bfloat162_rn(a0, a1);

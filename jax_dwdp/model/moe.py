@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_dwdp import kernels
@@ -24,8 +25,13 @@ def route(x: jax.Array, router_weight: jax.Array, top_k: int) -> tuple[jax.Array
     """x [M, H] -> (expert ids [M, k] int32, weights [M, k] in x's dtype), softmax in fp32, renormalised top-k
     (`kernels.routing.topk_softmax`: one Pallas kernel on the GPU)."""
     logits = jnp.einsum("mh,eh->me", x, router_weight, precision=matmul_precision(x.dtype))
+    return route_logits(logits, top_k, x.dtype)
+
+
+def route_logits(logits: jax.Array, top_k: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """Router logits [M, E] -> (expert ids [M, k] int32, renormalised top-k weights [M, k] in `dtype`)."""
     ids, weights = routing.topk_softmax(logits, top_k)
-    return ids, weights.astype(x.dtype)
+    return ids, weights.astype(dtype)
 
 
 def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -39,17 +45,25 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
 
 MERGED_PROJECTION_ENV = "JAX_DWDP_MOE_MERGED_PROJECTION"
 MERGED_PROJECTION_DEFAULT = True  # the router, the shared expert's gate_proj / up_proj and its sigmoid gate as one
-# matmul: XLA's dot merger joins the first three by itself but leaves the gate, a [M, 1] GEMV, apart (MEASURED below)
+# matmul: XLA's dot merger joins the first three by itself but leaves the gate, a [M, 1] GEMV, apart. On an H200 the
+# merged projection took 0.164 vs 0.194 ms at 16K tokens and 0.092 vs 0.098 ms at 4K (benchmarks/RESULTS.md,
+# twenty-second session run D, layer-parts --fusions rows: the weights stacked unpadded outside the timed call).
+MERGED_PROJECTION_MIN_TOKENS = 1024  # ... from this many tokens per call: the four weights are stacked anew in every
+# call (35b-a3b: 2 x 5.2 MB of copy per layer, ~2-3 us of HBM time; 397b-a17b: 2 x 21 MB), which a short chunk or a
+# decode step, bound by reading the weights once, would pay for nothing (an estimate from the bytes, not a timing).
 
 
-def merged_projection(merged: bool | None = None) -> bool:
+def merged_projection(merged: bool | None = None, tokens: int | None = None) -> bool:
     """Whether `SparseMoe` projects the tokens through its router, shared gate / up and shared-expert gate in one
     matmul (`SparseMoe._token_projections`): the argument, else $JAX_DWDP_MOE_MERGED_PROJECTION (1 / 0), else
-    MERGED_PROJECTION_DEFAULT. Same products either way; only how they are grouped into GEMMs differs."""
+    MERGED_PROJECTION_DEFAULT where `tokens` (None: not known) >= MERGED_PROJECTION_MIN_TOKENS. Same products
+    either way; only how they are grouped into GEMMs differs."""
     if merged is not None:
         return bool(merged)
     env = env_flag(MERGED_PROJECTION_ENV, on="one matmul", off="three: the router, the shared expert, its gate")
-    return MERGED_PROJECTION_DEFAULT if env is None else env
+    if env is not None:
+        return env
+    return MERGED_PROJECTION_DEFAULT and (tokens is None or tokens >= MERGED_PROJECTION_MIN_TOKENS)
 
 
 GATHER_ENV = "JAX_DWDP_MOE_GATHER"
@@ -171,7 +185,11 @@ class SharedExpert(nnx.Module):
         self.down_proj = Linear(i, h, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), x.dtype))
+        return self.down(self.gate_proj(x), self.up_proj(x), x.dtype)
+
+    def down(self, gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+        """down_proj(SiLU(gate) * up), from the gate and up projections however they were computed."""
+        return self.down_proj(swiglu(gate, up, dtype))
 
 
 class SparseMoe(nnx.Module):
@@ -192,16 +210,15 @@ class SparseMoe(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         if callable(experts):
             experts = experts(flat)
-        if merged_projection():
-            logits, gate_logit, gate, up = self._token_projections(flat)
-            ids, weights = routing.topk_softmax(logits, self.top_k)
-            weights = weights.astype(x.dtype)
-            shared_expert = self.shared_expert.down_proj(swiglu(gate, up, x.dtype))
+        if merged_projection(tokens=flat.shape[0]):
+            logits, shared_gate, shared_up, shared_gate_logit = self._token_projections(flat)
+            ids, weights = route_logits(logits, self.top_k, x.dtype)
+            shared_out = self.shared_expert.down(shared_gate, shared_up, x.dtype)
         else:
             ids, weights = route(flat, self.gate.weight[...], self.top_k)
-            gate_logit, shared_expert = self.shared_expert_gate(flat), self.shared_expert(flat)
+            shared_gate_logit, shared_out = self.shared_expert_gate(flat), self.shared_expert(flat)
         interleaved = self.experts.gate_up_interleaved
-        shared = jax.nn.sigmoid(gate_logit.astype(jnp.float32)).astype(x.dtype) * shared_expert
+        shared = jax.nn.sigmoid(shared_gate_logit.astype(jnp.float32)).astype(x.dtype) * shared_out
         if hasattr(experts, "routed"):
             out = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved) + shared
         else:
@@ -213,15 +230,15 @@ class SparseMoe(nnx.Module):
     def _token_projections(self, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """The four projections of the tokens, as one matmul over the weights stacked (router [E, H], shared
         gate_proj and up_proj [I, H] each, shared_expert_gate [1, H], zero rows to a multiple of 8 so the output's
-        rows stay 16-byte aligned): router logits [M, E], shared gate logit [M, 1], shared gate and up [M, I]."""
+        rows stay 16-byte aligned), returned in that row order: router logits [M, E], shared gate and up [M, I]
+        each, shared-expert gate logit [M, 1]."""
         ws = [self.gate.weight[...], self.shared_expert.gate_proj.weight[...],
               self.shared_expert.up_proj.weight[...], self.shared_expert_gate.weight[...]]
         sizes = [w.shape[0] for w in ws]
-        pad = -sum(sizes) % 8
-        w = jnp.concatenate(ws + [jnp.zeros((pad, flat.shape[-1]), ws[0].dtype)] if pad else ws)
-        y = jnp.einsum("mh,oh->mo", flat, w, precision=matmul_precision(w.dtype))
-        e, i = sizes[0], sizes[1]
-        return y[:, :e], y[:, e + 2 * i : e + 2 * i + 1], y[:, e : e + i], y[:, e + i : e + 2 * i]
+        w = jnp.pad(jnp.concatenate(ws), ((0, -sum(sizes) % 8), (0, 0)))
+        y = jnp.einsum("mh,oh->mo", flat, w, precision=matmul_precision(jnp.result_type(flat, w)))
+        bounds = np.cumsum(sizes)
+        return tuple(y[:, start:stop] for start, stop in zip([0, *bounds[:-1]], bounds))
 
 
 # --- The gate_up weight layout: the checkpoint's, or interleaved for the fused SwiGLU epilogue ---------------------
