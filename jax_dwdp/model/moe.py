@@ -50,7 +50,8 @@ MERGED_PROJECTION_DEFAULT = True  # the router, the shared expert's gate_proj / 
 # twenty-second session run D, layer-parts --fusions rows: the weights stacked unpadded outside the timed call).
 MERGED_PROJECTION_MIN_TOKENS = 1024  # ... from this many tokens per call: the four weights are stacked anew in every
 # call (35b-a3b: 2 x 5.2 MB of copy per layer, ~2-3 us of HBM time; 397b-a17b: 2 x 21 MB), which a short chunk or a
-# decode step, bound by reading the weights once, would pay for nothing (an estimate from the bytes, not a timing).
+# decode step, bound by reading the weights once, would pay for nothing (an estimate from the bytes). At 1,024 tokens
+# the merged block still measured 2.6% faster (an H100, RESULTS.md twenty-eighth session run A); below, not timed.
 
 
 def merged_projection(merged: bool | None = None, tokens: int | None = None) -> bool:
