@@ -186,8 +186,8 @@ def test_scanned_pipeline_equals_layerwise_pipeline(rng, layers, stages, microba
     assert merged.linear_layer_ids == cfg.layer_ids("linear_attention")
     again, _ = jit_prefill(model, layerwise=True, cache_len=48)(tokens, lengths)  # the model is still whole
     # (the whole batch at once against microbatches of one sequence: other GEMM shapes on the CPU, so other fp32
-    # sums: 8.7e-6 with the MoE block's token projections apart, 1.17e-5 with them merged into one GEMM, whose
-    # other shape sums in another order)
+    # sums: 8.7e-6 with the MoE block's token projections apart, as at this size by default, 1.17e-5 with them
+    # forced into one GEMM, whose other shape sums in another order)
     assert rel_err(again, want) <= 2e-5
 
 

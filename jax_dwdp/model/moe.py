@@ -54,13 +54,11 @@ MERGED_PROJECTION_MIN_TOKENS = 1024  # ... from this many tokens per call: the f
 # the merged block still measured 2.6% faster (an H100, RESULTS.md twenty-eighth session run A); below, not timed.
 
 
-def merged_projection(merged: bool | None = None, tokens: int | None = None) -> bool:
+def merged_projection(tokens: int | None = None) -> bool:
     """Whether `SparseMoe` projects the tokens through its router, shared gate / up and shared-expert gate in one
-    matmul (`SparseMoe._token_projections`): the argument, else $JAX_DWDP_MOE_MERGED_PROJECTION (1 / 0), else
+    matmul (`SparseMoe._token_projections`): $JAX_DWDP_MOE_MERGED_PROJECTION (1 / 0), else
     MERGED_PROJECTION_DEFAULT where `tokens` (None: not known) >= MERGED_PROJECTION_MIN_TOKENS. Same products
     either way; only how they are grouped into GEMMs differs."""
-    if merged is not None:
-        return bool(merged)
     env = env_flag(MERGED_PROJECTION_ENV, on="one matmul", off="three: the router, the shared expert, its gate")
     if env is not None:
         return env
