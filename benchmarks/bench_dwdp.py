@@ -103,7 +103,7 @@ def moe_ms(cfg, seq, device, dtype, iters):
 
 def copy_only(runner: StageRunner, store, tokens) -> None:
     """Every layer's prefetch with no compute around it; store.copy_ms() then holds the copy times of an idle GPU."""
-    h = runner.program("embed")(runner.shell_state, runner.place(tokens))
+    h = runner.program("embed")(runner.shell_state, *runner.place(tokens))
     for i in range(store.num_layers):
         jax.block_until_ready(runner.source.prefetch(i, h))
         store.sync()  # nobody waits for these copies: finish them before their outputs are freed

@@ -216,13 +216,15 @@ class ScannedModel:
         return self._executables[key], length
 
     def _dynamic(self, x, lengths):
-        return self.model_state, self.stacked, self.tail, self.place(x), self.place(lengths)
+        return self.model_state, self.stacked, self.tail, *self.place(x, lengths)
 
-    def place(self, x):
-        """x on this model's device (a host array is transferred without a copy program behind it)."""
-        if isinstance(x, jax.Array) and x.devices() == {self.device}:
-            return x
-        return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), self.device)
+    def place(self, *arrays) -> tuple:
+        """The arrays on this model's device, by one transfer call (a host array is transferred without a copy
+        program behind it; an array already there is kept)."""
+        here = [isinstance(x, jax.Array) and x.devices() == {self.device} for x in arrays]
+        moved = iter(jax.device_put([x if isinstance(x, jax.Array) else np.asarray(x)
+                                     for x, ok in zip(arrays, here) if not ok], self.device))
+        return tuple(x if ok else next(moved) for x, ok in zip(arrays, here))
 
     def __call__(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None):
         """x: tokens [B, T] int32 (first stage) or hidden states [B, T, H] (other stages), right-padded; lengths [B]
@@ -230,7 +232,7 @@ class ScannedModel:
         layer-wise StageRunner does. Inputs are not validated here (`jit_prefill_scanned` and `Pipeline.prefill`
         check tokens)."""
         exe, length = self.executable(x, lengths, logits=logits, cache_len=cache_len)
-        x, lengths = self.place(x), self.place(lengths)
+        x, lengths = self.place(x, lengths)
         out, caches = exe(self.model_state, self.stacked, self.tail, x, lengths)
         return out, self._cache(caches, lengths, x.shape[0], length)
 

@@ -182,7 +182,7 @@ def test_profile_splits_each_layer_and_keeps_the_numbers(setup):
     assert (wait >= 0).all() and (wait.min(axis=1) == 0).all()
     assert all(t > 0 for t in profile["layer_ms"])
     # the profiled loop's cache (mixer + MoE programs) equals the layer programs' cache
-    ops_cache = runner._run(_profiled(runner), runner.place(tokens), runner.place(lengths), "none", T, True)[1]
+    ops_cache = runner._run(_profiled(runner), *runner.place(tokens, lengths), "none", T, True)[1]
     _, want = runner(tokens, lengths, logits="none", cache_len=T)
     for f in FIELDS:
         err = rel_err(getattr(ops_cache, f), getattr(want, f))

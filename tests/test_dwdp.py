@@ -88,8 +88,10 @@ def test_each_rank_stores_only_its_expert_block(setup):
 
 
 def test_eager_layer_inputs_live_on_the_ranks_device(setup):
-    """Driven eagerly on device 1, the layers get positions on device 1, not an op queued on the default device 0
-    (on GPUs that op waits for all of device 0's work, so independent ranks ran one after the other)."""
+    """Driven eagerly on device 1, the layers get no positions from the host when the tokens start their sequences
+    (each attention layer makes 0..T-1 inside its program) and, continuing a cache, positions on device 1, not an op
+    queued on the default device 0 (on GPUs that op waits for all of device 0's work, so independent ranks ran one
+    after the other)."""
     model, tokens, lengths, *_ = setup
     dev = jax.devices()[1]
     h = jax.device_put(jnp.ones((2, 9, CFG.hidden_size), jnp.float32), dev)
@@ -99,11 +101,16 @@ def test_eager_layer_inputs_live_on_the_ranks_device(setup):
         seen.append(positions)
         return layer(h, positions, lens, None, layer_cache)
 
-    out, cache = model.forward_layers(h, jax.device_put(np.array([9, 4], np.int32), dev), run_layer=run_layer)
+    lens = jax.device_put(np.array([9, 4], np.int32), dev)
+    out, cache = model.forward_layers(h, lens, run_layer=run_layer, cache_len=18)
+    assert len(seen) == CFG.num_hidden_layers and all(p is None for p in seen), seen
+    assert out.devices() == {dev} and cache.key.devices() == cache.recurrent.devices() == {dev}
+    seen.clear()
+    out, cache = model.forward_layers(h, lens, run_layer=run_layer, cache=cache)
     assert len(seen) == CFG.num_hidden_layers
     for p in seen:
         assert isinstance(p, jax.Array) and p.devices() == {dev}, p
-        np.testing.assert_array_equal(np.asarray(p), np.broadcast_to(np.arange(9), (2, 9)))
+        np.testing.assert_array_equal(np.asarray(p), np.array([9, 4])[:, None] + np.arange(9))
     assert out.devices() == {dev} and cache.key.devices() == cache.recurrent.devices() == {dev}
     # Sharded over a mesh (a DWDP StageRunner): positions come with h's batch sharding.
     from jax.sharding import Mesh, NamedSharding, PartitionSpec

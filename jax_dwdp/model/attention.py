@@ -56,15 +56,19 @@ class GatedAttention(nnx.Module):
         return q, gate, k, v
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array] | None = None
+        self, x: jax.Array, positions: jax.Array | None, cache: tuple[jax.Array, jax.Array] | None = None
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Prefill. Returns the output and this layer's (K, V) cache entries [B, T, nkv, hd].
 
+        `positions` [B, T], or None for 0..T-1 in every sequence (a prefill from the start: made here, inside the
+        program, so a layer-wise driver sends no positions array from the host before its first layer).
         With `cache` (K, V [B, S, nkv, hd] holding each sequence's earlier positions) the tokens continue those
         sequences at `positions` [B, T]: their K and V are written into the cache at their positions (those past S
         are dropped) and each query attends to every cached position up to its own. Returns the updated cache.
         """
         b, t, _ = x.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         q, gate, k, v = self._project(x, positions)
         if cache is None:
             attn = kernels.causal_attention(q, k, v, scale=self.head_dim**-0.5)

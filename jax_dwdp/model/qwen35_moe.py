@@ -146,8 +146,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoe(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, lengths, experts=None, cache=None):
-        """`cache`: this layer's entries of an earlier prefill of the same sequences ((K, V) or (conv, recurrent)),
-        which the tokens continue; returned updated."""
+        """`positions` [B, T], or None for 0..T-1 in every sequence. `cache`: this layer's entries of an earlier
+        prefill of the same sequences ((K, V) or (conv, recurrent)), which the tokens continue; returned updated."""
         with jax.named_scope(f"layer{self.layer_id}_{self.layer_type}"):
             h = self.input_layernorm(x)
             if self.layer_type == LINEAR_ATTENTION:
@@ -235,7 +235,8 @@ class Qwen35MoeForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, Cache]:
         """Runs this range's layers over h [B, T, H] (right-padded, valid lengths [B]) and builds its cache.
 
-        `run_layer(index, layer, h, positions, lengths, layer_cache) -> (h, layer cache)` replaces the plain call;
+        `run_layer(index, layer, h, positions, lengths, layer_cache) -> (h, layer cache)` replaces the plain call
+        (positions None without `cache`: 0..T-1, made inside each attention layer);
         `index` is the layer's position in this range (the stage runner compiles layers and brings their experts
         through it). With `cache` (this range's cache from an earlier prefill of the same sequences) the tokens
         continue it: sequence b's tokens sit at positions cache.lengths[b] + t, and the returned cache (of the same
@@ -246,9 +247,9 @@ class Qwen35MoeForCausalLM(nnx.Module):
         if cache is not None:
             cache_len = cache.capacity
         cache_len = cache_length(t, cache_len)
-        positions = _positions(h, b, t)
-        if cache is not None:
-            positions = positions + cache.lengths[:, None]
+        # From the start, positions are 0..T-1 and each attention layer makes them (None); continuing a cache they
+        # start at its lengths.
+        positions = None if cache is None else _positions(h, b, t) + cache.lengths[:, None]
         full_slot = {layer_id: i for i, layer_id in enumerate(self.full_layer_ids)}
         linear_slot = {layer_id: i for i, layer_id in enumerate(self.linear_layer_ids)}
         keys, values, convs, states = [], [], [], []

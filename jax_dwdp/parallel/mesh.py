@@ -22,7 +22,9 @@ def put(value, sharding):
     device, jax.distributed): there every process passes the same whole value (a host array, or an array on one of
     its own devices) and keeps only its own devices' shards."""
     if jax.process_count() == 1 or sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
+        return jax.device_put(value, sharding)  # (a tuple of values: one call)
+    if isinstance(value, tuple):
+        return tuple(put(v, sharding) for v in value)
     if isinstance(value, jax.Array) and not value.is_fully_addressable:  # already a global array
         return jax.device_put(value, sharding)
     return jax.make_array_from_callback(np.shape(value), sharding, lambda index: value[index])
