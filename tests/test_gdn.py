@@ -76,57 +76,6 @@ def test_fused_recurrence_output_matches_reference_interpreted(rng, inverse, hk,
     check_against_reference(o, state, ref, lengths, f"pallas fused (interpret) {inverse} {hk}/{hv}", BOUND)
 
 
-@pytest.mark.parametrize("hk,hv", [(2, 4), (1, 4), (3, 3)])
-def test_shared_key_prep_is_the_per_value_head_prep_interpreted(rng, hk, hv):
-    """Tuning(shared_keys=True): one prep program per key head over its value heads writes the same bits as one per
-    value head (every output of every chunk up to each sequence's length), and the whole kernel with it matches the
-    reference (NaN-poisoned output, zero past each length). 3/3 heads (one value head per key head) included."""
-    from jax_dwdp.kernels import gdn_pallas
-
-    lengths = np.array([130, 1, 63, 64, 65], np.int32)
-    q, k, v, g, beta, h0 = gdn_inputs(rng, len(lengths), 130, hk, hv, 16, 32, initial=True)
-    padded = gdn_pallas.pad_inputs(q, k, v, g, beta, jnp.asarray(lengths))
-    qp, kp, vp, gp, bp, lp = padded
-    rep = hv // hk
-    shared = Tuning(block_v=16, shared_keys=True)
-    assert gdn_pallas.shares_keys(shared, rep)
-    got = gdn_pallas.prepare(lp, kp, vp, gp, bp, qp, rep=rep, tuning=shared, interpret=True)
-    want = gdn_pallas.prepare(lp, kp, vp, gp, bp, qp, rep=rep, tuning=Tuning(block_v=16), interpret=True)
-    names = ("w", "u", "kg", "cum", "scores", "q_scale")
-    for name, a, b in zip(names, got, want, strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        for i, n in enumerate(lengths):
-            rows = -(-int(n) // 64) * 64  # the chunks the sequence reaches (later chunks are left unwritten)
-            np.testing.assert_array_equal(np.asarray(a[i, :, :rows], np.float32), np.asarray(b[i, :, :rows], np.float32),
-                                          err_msg=f"{name}, sequence {i}")
-    o, state = chunk_gated_delta_rule_pallas(q, k, v, g, beta, jnp.asarray(lengths), h0,
-                                             poisoned(len(lengths), 130, hv, 32), tuning=shared, interpret=True)
-    ref = reference_per_sequence(q, k, v, g, beta, lengths, h0)
-    check_against_reference(o, state, ref, lengths, f"pallas shared-key prep (interpret) {hk}/{hv}", BOUND)
-
-
-def test_shared_keys_only_where_the_kernel_has_it():
-    from jax_dwdp.kernels.gdn_pallas import shares_keys
-
-    assert shares_keys(Tuning(shared_keys=True), 4) and shares_keys(Tuning(shared_keys=True), 1)
-    assert not shares_keys(Tuning(shared_keys=True), 3)  # not a power of two: the per-value-head prep
-    assert not shares_keys(Tuning(shared_keys=True, inverse="doubling"), 2)
-    assert not shares_keys(Tuning(shared_keys=True, fused_output=False), 2)
-    assert not shares_keys(Tuning(shared_keys=False), 2)
-
-
-def test_shared_keys_from_the_environment(monkeypatch):
-    from jax_dwdp.kernels import gdn_pallas
-
-    for env, want in (("1", True), ("0", False), ("", gdn_pallas.SHARED_KEYS)):
-        monkeypatch.setenv(gdn_pallas.ENV_SHARED_KEYS, env)
-        assert gdn_pallas.shares_keys(Tuning(), 2) is want, env
-        assert gdn_pallas.shares_keys(Tuning(shared_keys=not want), 2) is (not want), env  # the field wins
-    monkeypatch.setenv(gdn_pallas.ENV_SHARED_KEYS, "yes")
-    with pytest.raises(ValueError, match="JAX_DWDP_GDN_SHARED_KEYS='yes'"):
-        gdn_pallas.shares_keys(Tuning(), 2)
-
-
 def test_reference_batch_equals_sequences_alone(rng):
     lengths = np.array([100, 37, 64], np.int32)
     q, k, v, g, beta, h0 = gdn_inputs(rng, 3, 100, 2, 4, 16, 16, initial=True, dtype=jnp.float32)

@@ -63,36 +63,6 @@ def test_kernel_unpadded_length_batch(rng, fused):
     check_against_reference(o, state, ref, lengths, f"pallas unpadded T=1000 fused={fused}", BOUND)
 
 
-@pytest.mark.parametrize("hk,hv", [(16, 32), (16, 64)])
-def test_shared_key_prep_bits_on_the_gpu(rng, hk, hv):
-    """Tuning.shared_keys on and off write the same prep outputs, bit for bit, on every chunk each sequence reaches
-    (lengths 1000, 999, 937, 1: T not a multiple of the chunk, masked loads); the whole kernel with either matches
-    the reference on a NaN-poisoned output."""
-    import dataclasses
-
-    from jax_dwdp.kernels import gdn_pallas
-
-    lengths = np.array([1000, 999, 937, 1], np.int32)
-    b, t = len(lengths), int(lengths.max())
-    q, k, v, g, beta, h0 = gdn_inputs(rng, b, t, hk, hv, 128, 128, initial=True)
-    qp, kp, vp, gp, bp, lp = gdn_pallas.pad_inputs(q, k, v, g, beta, jnp.asarray(lengths))
-    rep = hv // hk
-    on = dataclasses.replace(gdn_pallas.Tuning(), shared_keys=True)
-    off = dataclasses.replace(gdn_pallas.Tuning(), shared_keys=False)
-    got = jax.jit(lambda *a: gdn_pallas.prepare(*a, rep=rep, tuning=on))(lp, kp, vp, gp, bp, qp)
-    want = jax.jit(lambda *a: gdn_pallas.prepare(*a, rep=rep, tuning=off))(lp, kp, vp, gp, bp, qp)
-    for name, x, y in zip(("w", "u", "kg", "cum", "scores", "q_scale"), got, want, strict=True):
-        for i, n in enumerate(lengths):
-            rows = -(-int(n) // 64) * 64
-            np.testing.assert_array_equal(np.asarray(x[i, :, :rows], np.float32),
-                                          np.asarray(y[i, :, :rows], np.float32), err_msg=f"{name}, sequence {i}")
-    ref = reference_per_sequence(q, k, v, g, beta, lengths, h0, batched=True)
-    for tuning in (on, off):
-        o, state = gdn_pallas.chunk_gated_delta_rule_pallas(q, k, v, g, beta, jnp.asarray(lengths), h0,
-                                                            poisoned(b, t, hv, 128), tuning=tuning)
-        check_against_reference(o, state, ref, lengths, f"pallas {hk}/{hv} shared_keys={tuning.shared_keys}", BOUND)
-
-
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 1000, 4096])
 def test_kernel_single_lengths(rng, t):
     from jax_dwdp.kernels import chunk_gated_delta_rule

@@ -5,7 +5,8 @@
 #   mkdir _before && git archive <commit> jax_dwdp benchmarks tests | tar -x -C _before
 #   cp jax_dwdp/_lib/*.so _before/jax_dwdp/_lib/
 # ) and ENV comma-separated VAR=value words for that variant. Knobs: VARIANTS (space-separated), ROUNDS (2), SEQ
-# (16384), ITERS (10), PRESET (35b-a3b), TRACE (a variant name: its last round also traced, summary in $OUT/trace_<name>.txt).
+# (16384), ITERS (10), PRESET (35b-a3b), TRACE (variant names: their last round also traced, summary in
+# $OUT/trace_<name>.txt). More than 8 files under $OUT go back as $OUT/logs.tgz (the device tool returns 8).
 # Each row of $OUT/ab.tsv: variant, round, prefill ms (median of ITERS), host ms, compile s.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -18,7 +19,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     IFS=: read -r name tree envs <<< "$variant"
     time_for "$name round $round" || break 2
     trace=()
-    if [ "$name" = "${TRACE:-}" ] && [ "$round" = "${ROUNDS:-2}" ]; then trace=(--trace "/tmp/trace_$name"); fi
+    if [[ " ${TRACE:-} " == *" $name "* ]] && [ "$round" = "${ROUNDS:-2}" ]; then trace=(--trace "/tmp/trace_$name"); fi
     (cd "$ROOT/$tree" && env ${envs//,/ } PYTHONPATH="$ROOT/$tree" timeout "$(limit 200)" python3 \
       benchmarks/bench_prefill.py --preset "${PRESET:-35b-a3b}" --seq-lens "${SEQ:-16384}" --layerwise --iters "${ITERS:-10}" \
       "${trace[@]}" --out "$OUT/ab_${name}_$round.json") > "$OUT/ab_${name}_$round.log" 2>&1
@@ -45,3 +46,5 @@ for name, ms in rows.items():
     base = base or med
     print(f"{name}: median of rounds {med:.2f} ms ({', '.join(f'{m:.2f}' for m in ms)}), {med / base:.4f}x the first")
 EOF
+source "$(dirname "$0")/_bundle_out.sh"
+bundle_out "$OUT"

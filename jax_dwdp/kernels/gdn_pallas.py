@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -130,19 +129,13 @@ def _prep_wide(k, v, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, precisions)
     (I + N)^-1 = (I + M)^-1 D = (I - M)(I + M^2) D. The default (see Tuning)."""
     kf = k.astype(_F32)
     rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
-    _prep_wide_head(k, rk, plgpu.dot(k, k, trans_b=True), v, g_ref[...], beta_ref[...], w_ref, u_ref, kg_ref,
-                    cum_ref, precisions)
-
-
-def _prep_wide_head(k, rk, kk, v, g, beta, w_ref, u_ref, kg_ref, cum_ref, precisions):
-    """`_prep_wide` for one value head from its key head's pieces: raw k, its rows' inverse norms rk and the raw
-    product kk = k k^T (fp32), which the value heads of a key head share (Tuning.shared_keys)."""
-    kn = k.astype(_F32) * rk[:, None]
+    kn = kf * rk[:, None]
+    g, beta = g_ref[...], beta_ref[...]
     cum = jnp.cumsum(g)
     total = jnp.sum(g)
     rows, cols = _iota((CHUNK, CHUNK), 0), _iota((CHUNK, CHUNK), 1)
     lower = rows > cols
-    system = kk * (beta * rk)[:, None] * rk[None, :]
+    system = plgpu.dot(k, k, trans_b=True) * (beta * rk)[:, None] * rk[None, :]
     system = jnp.where(lower, system * jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
     diagonal = (rows // SUB) == (cols // SUB)
     blocks, rest = jnp.where(diagonal, system, 0.0), jnp.where(diagonal, 0.0, system)
@@ -165,23 +158,12 @@ def _scores(q, k, cum, scale: float):
     """The chunk's causal decayed scores causal(q.k exp(cum_i - cum_j)) [C, C] (q, k l2-normalised, q scaled) and
     the row factors of q against the state entering the chunk, rq exp(cum) [C] (fp32): the output's pieces that do
     not depend on the state (the output kernel, and the prep kernel for the fused recurrence)."""
-    kf = k.astype(_F32)
-    rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
-    return _decay_scores(*_score_base(q, k, rk, scale), cum)
-
-
-def _score_base(q, k, rk, scale: float):
-    """q.k for the chunk with both l2 norms applied (q also scaled), before the decay, and q's row factors rq; a
-    key head's value heads share them (Tuning.shared_keys)."""
-    qf = q.astype(_F32)
+    qf, kf = q.astype(_F32), k.astype(_F32)
     rq = lax.rsqrt(jnp.sum(qf * qf, axis=1) + EPS) * scale
-    return plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :], rq
-
-
-def _decay_scores(base, rq, cum):
-    """One value head's causal decayed scores and q's row factors from `_score_base` and its cumulative decay."""
+    rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
     causal = _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
-    scores = jnp.where(causal, base * jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    scores = plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :]
+    scores = jnp.where(causal, scores * jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
     return scores, rq * jnp.exp(cum)
 
 
@@ -401,9 +383,7 @@ class Tuning:
     3.86e-3 / 3.01e-3 at every precision (the bf16 inputs set them). The fused output saves the output kernel and
     the per-chunk states' round trip through memory (0.07 ms); its recurrence keeps at most 64 state columns per
     program (with 128 it failed the mixed-length GPU test in the seventh session; capped, it passes). The
-    recurrence's block_v and warps come from a sweep of 18 launch configurations (sixth session).
-    `shared_keys`: the fused wide prep runs one program per key head over its value heads (`_prep_shared_kernel`:
-    k and q loaded, normalised and multiplied once per key head), the same bits."""
+    recurrence's block_v and warps come from a sweep of 18 launch configurations (sixth session)."""
 
     block_v: int | None = None
     num_warps: tuple[int, int, int] = (4, 4, 4)
@@ -412,7 +392,6 @@ class Tuning:
     inverse: str = "wide"
     merge_precision: str = "bf16"
     fused_output: bool = True
-    shared_keys: bool | None = None  # None: $JAX_DWDP_GDN_SHARED_KEYS (1 / 0), else SHARED_KEYS
 
     def __post_init__(self):
         if self.inverse not in ("wide", "doubling", "substitution"):
@@ -442,31 +421,6 @@ def _whole(lengths) -> pl.BlockSpec:
     return pl.BlockSpec(lengths.shape, lambda *_: (0,))
 
 
-def _prep_shared_kernel(len_ref, k_ref, q_ref, g_ref, beta_ref, *refs, rep: int, merge_precision: str, scale: float,
-                        t: int):
-    """Tuning.shared_keys: one program per (sequence, key head, chunk) prepares all `rep` value heads of the key
-    head (the fused, wide prep). k and q are loaded, normalised and multiplied (k k^T, q k^T) once instead of once
-    per value head; each value head then applies its own gates. Per value head the operations are those of
-    `_prep_kernel` (fused, wide), so the outputs are the same bits."""
-    v_refs, (w_ref, u_ref, kg_ref, cum_ref, a_ref, qs_ref) = refs[:rep], refs[rep:]
-    b, n = pl.program_id(0), pl.program_id(2)
-
-    @pl.when(n * CHUNK < len_ref[b])
-    def _():
-        k = _load(k_ref, n, t)
-        kf = k.astype(_F32)
-        rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
-        kk = plgpu.dot(k, k, trans_b=True)
-        base, rq = _score_base(_load(q_ref, n, t), k, rk, scale)
-        for j in range(rep):
-            g, beta = g_ref[j], beta_ref[j]
-            scores, q_scale = _decay_scores(base, rq, jnp.cumsum(g))
-            a_ref[j] = scores.astype(a_ref.dtype)
-            qs_ref[j] = q_scale
-            _prep_wide_head(k, rk, kk, _load(v_refs[j], n, t), g, beta, w_ref.at[j], u_ref.at[j],
-                            kg_ref.at[j], cum_ref.at[j], _MERGE_PRECISION[merge_precision])
-
-
 def _prep_outputs(b: int, hv: int, tp: int, dk: int, dv: int, dtype, fused: bool):
     """The prep kernels' (out_specs, out_shape): w, u, kg [B, HV, T', d] in `dtype`, cum [B, HV, T'] fp32; fused
     (for `fused_recurrence`), also the scores [B, HV, T', CHUNK] in `dtype` and q's row factors [B, HV, T'] fp32."""
@@ -489,8 +443,6 @@ def prepare(lengths, k, v, g, beta, q=None, *, rep: int, tuning: Tuning = Tuning
     tp = g.shape[-1]
     dk = k.shape[-1]
     fused = q is not None
-    if fused and shares_keys(tuning, rep):
-        return _prepare_shared(lengths, k, v, g, beta, q, rep=rep, tuning=tuning, interpret=interpret)
     values = pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h, 0))
     in_specs = [_whole(lengths), _key_chunk(dk, rep), values, _GATES, _GATES]
     out_specs, out_shape = _prep_outputs(b, hv, tp, dk, dv, v.dtype, fused)
@@ -509,51 +461,6 @@ def prepare(lengths, k, v, g, beta, q=None, *, rep: int, tuning: Tuning = Tuning
         interpret=interpret,
         name="gdn_prep",
     )(*args)
-
-
-SHARED_KEYS = False  # Tuning.shared_keys when neither it nor $JAX_DWDP_GDN_SHARED_KEYS says
-ENV_SHARED_KEYS = "JAX_DWDP_GDN_SHARED_KEYS"
-
-
-def shares_keys(tuning: Tuning, rep: int) -> bool:
-    """Whether the fused prep runs per key head (Tuning.shared_keys, else $JAX_DWDP_GDN_SHARED_KEYS, read when a
-    program is traced, else SHARED_KEYS): the wide prep only, and `rep` value heads per key head a power of two (a
-    Triton block dimension)."""
-    shared = tuning.shared_keys
-    if shared is None:
-        env = os.environ.get(ENV_SHARED_KEYS, "")
-        if env not in ("", "0", "1"):
-            raise ValueError(f"{ENV_SHARED_KEYS}={env!r}: expected 1 or 0")
-        shared = SHARED_KEYS if env == "" else env == "1"
-    return shared and tuning.fused_output and tuning.inverse == "wide" and rep & (rep - 1) == 0
-
-
-def _prepare_shared(lengths, k, v, g, beta, q, *, rep: int, tuning: Tuning, interpret: bool):
-    """`prepare(..., q)` with one program per (sequence, key head, chunk) over the key head's `rep` value heads
-    (value heads h * rep + j, j < rep, read key head h: the index map h // rep of the per-value-head kernel)."""
-    b, t, hv, dv = v.shape
-    tp, dk = g.shape[-1], k.shape[-1]
-
-    def per_chunk(*block):
-        return pl.BlockSpec((None, rep, CHUNK, *block), lambda i, h, n: (i, h, n) + (0,) * len(block))
-
-    def value_head(j):  # v of value head h * rep + j, as its own operand (a plain [CHUNK, dv] tile)
-        return pl.BlockSpec((None, CHUNK, None, dv), lambda i, h, n: (i, n, h * rep + j, 0))
-
-    key = pl.BlockSpec((None, CHUNK, None, dk), lambda i, h, n: (i, n, h, 0))
-    in_specs = [_whole(lengths), key, key, per_chunk(), per_chunk()] + [value_head(j) for j in range(rep)]
-    out_shape = _prep_outputs(b, hv, tp, dk, dv, v.dtype, True)[1]
-    out_specs = [per_chunk(dk), per_chunk(dv), per_chunk(dk), per_chunk(), per_chunk(CHUNK), per_chunk()]
-    return pl.pallas_call(
-        functools.partial(_prep_shared_kernel, rep=rep, merge_precision=tuning.merge_precision, scale=dk**-0.5, t=t),
-        grid=(b, hv // rep, tp // CHUNK),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=tuning.params(0),
-        interpret=interpret,
-        name="gdn_prep",
-    )(lengths, k, q, g, beta, *[v] * rep)
 
 
 def recurrence(lengths, w, u, kg, cum, initial_state=None, *, tuning: Tuning = Tuning(), interpret: bool = False):
