@@ -106,7 +106,7 @@ class StageRunner:
     # ---- running -----------------------------------------------------------------------------------------------
     def place(self, *arrays) -> tuple:
         """The call's arrays (tokens or hidden states, lengths) on this runner's devices, by one transfer call: each
-        call is host time before the first layer, the GPU idle (a second device_put cost 0.3 ms on an H100 host)."""
+        call is host time before the first layer, the GPU idle (0.08-0.3 ms between two copies in H100 traces)."""
         if self.mesh is not None:
             return put(arrays, NamedSharding(self.mesh, P(AXIS)))
         if self.device is not None:
