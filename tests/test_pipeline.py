@@ -239,6 +239,39 @@ def test_stage_threads_give_the_one_thread_results(references, monkeypatch):
     assert len(threaded) == 2  # the default took the threads, stage_threads=False did not
 
 
+def test_stage_threads_take_turns_on_the_cpu(references, monkeypatch):
+    """On CPU devices the stage threads never run two stages' programs at once: XLA's CPU client runs every host
+    device on one small thread pool, and two stages executing together there hung about half the runs of
+    bench_pipeline.py. Each stage's call is held for a moment so that overlapping threads would be caught."""
+    import threading
+    import time
+
+    tokens, lengths, refs = references
+    model, _, _ = refs[6]
+    pipe = Pipeline.from_model(model, 3)
+    assert pipe.devices[0].platform == "cpu"
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def held(runner):
+        def run(*args, **kw):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            try:
+                return runner(*args, **kw)
+            finally:
+                with lock:
+                    inside[0] -= 1
+        return run
+
+    want, _ = pipe.prefill(tokens, lengths, microbatches=4, cache_len=72, stage_threads=False)
+    monkeypatch.setattr(pipe, "runners", [held(r) for r in pipe.runners])
+    got, _ = pipe.prefill(tokens, lengths, microbatches=4, cache_len=72, stage_threads=True)
+    assert most[0] == 1, f"{most[0]} stages ran at once on the CPU"
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_a_failing_stage_stops_every_stage_thread(references, monkeypatch):
     """A stage that raises on its second microbatch: prefill raises that error, the later stages stop without
     waiting forever for its output, and no stage thread is left running."""

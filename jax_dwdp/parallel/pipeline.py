@@ -17,8 +17,10 @@ program (`Handoff`: a ppermute, which both processes run); the last stage's proc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 from pathlib import Path
 
 import jax
@@ -326,6 +328,11 @@ class Pipeline:
         size, used = microbatch_rows(batch, microbatches, self.ranks)
         tokens, lengths = pad_batch(tokens, lengths, size * used)
         wait = cpu_barrier(self.devices[0].platform)
+        # XLA's CPU client runs every host "device" on one small thread pool: two stage threads executing there at
+        # once hung about half the runs of `bench_pipeline.py --preset tiny --microbatches 2` (2 cores, jax 0.10.2:
+        # both threads in block_until_ready for good). On the CPU the stage threads take turns; what the threads are
+        # for, each GPU's launch queue filled on its own, does not arise there.
+        turns = threading.Lock() if self.devices[0].platform == "cpu" else contextlib.nullcontext()
         hidden = (size, tokens.shape[1], self.cfg.hidden_size)
         options = {} if self.scan else {"layerwise": layerwise}
 
@@ -337,9 +344,10 @@ class Pipeline:
                 x = wait(self.handoffs[s](x, hidden, self.dtype))
             if self.runners[s] is None:
                 return x, None
-            x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
-            lens = put(lengths[rows], self.input_shardings[s])
-            return wait(self.runners[s](x, lens, logits=logits, cache_len=cache_len, **options))
+            with turns:
+                x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
+                lens = put(lengths[rows], self.input_shardings[s])
+                return wait(self.runners[s](x, lens, logits=logits, cache_len=cache_len, **options))
 
         inputs = [tokens[m * size:(m + 1) * size] for m in range(used)]
         threaded = stage_threads and len(self.stages) > 1 and not any(self.handoffs)
