@@ -318,8 +318,8 @@ class Pipeline:
         stage_threads (one process, several stages): each stage is enqueued from its own host thread, which takes
         the microbatches in order as the previous stage hands them on. From one thread, an enqueue that waits for a
         full launch queue on one GPU (a long stage is thousands of kernels) holds back the next stage's work on the
-        other GPU; per-stage threads let each device's queue fill independently. False: one thread, stage by stage
-        within each microbatch. (JAX's thread-local settings, e.g. a `jax.default_device` or `transfer_guard`
+        other GPU; per-stage threads let each device's queue fill independently (on CPU devices they take turns,
+        see below). False: one thread, stage by stage within each microbatch. (JAX's thread-local settings, e.g. a `jax.default_device` or `transfer_guard`
         context around this call, do not reach the stage threads; the stages place their inputs explicitly.)"""
         if layerwise and self.scan:
             raise ValueError("layerwise=True: this pipeline's stages are scanned programs (built with scan=True)")
