@@ -41,12 +41,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length
+from jax_dwdp.parallel.mesh import place
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
 
 
@@ -219,12 +219,8 @@ class ScannedModel:
         return self.model_state, self.stacked, self.tail, *self.place(x, lengths)
 
     def place(self, *arrays) -> tuple:
-        """The arrays on this model's device, by one transfer call (a host array is transferred without a copy
-        program behind it; an array already there is kept)."""
-        here = [isinstance(x, jax.Array) and x.devices() == {self.device} for x in arrays]
-        moved = iter(jax.device_put([x if isinstance(x, jax.Array) else np.asarray(x)
-                                     for x, ok in zip(arrays, here) if not ok], self.device))
-        return tuple(x if ok else next(moved) for x, ok in zip(arrays, here))
+        """The arrays on this model's device, by one transfer call (jax_dwdp.parallel.mesh.place)."""
+        return place(arrays, self.device)
 
     def __call__(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None):
         """x: tokens [B, T] int32 (first stage) or hidden states [B, T, H] (other stages), right-padded; lengths [B]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Side-by-side 40-layer 35b-a3b (PRESET) prefill on one GPU: variants run in turn, one process each, ROUNDS times, so machine
-# drift falls on all of them alike. A variant is "NAME:TREE:ENV" with TREE a directory holding a jax_dwdp package
+# Side-by-side 40-layer 35b-a3b (PRESET) prefill on one GPU: variants run in turn, one process each, ROUNDS times,
+# so machine drift falls on all of them alike. A variant is "NAME:TREE:ENV" with TREE a directory holding a jax_dwdp package
 # and benchmarks/ (. for the working tree, or a copy of an earlier commit made here with
 #   mkdir _before && git archive <commit> jax_dwdp benchmarks tests | tar -x -C _before
 #   cp jax_dwdp/_lib/*.so _before/jax_dwdp/_lib/
@@ -29,7 +29,7 @@ row = json.load(open(sys.argv[1]))["rows"][0]
 print(f"{sys.argv[2]}\t{sys.argv[3]}\t{row['prefill_ms']}\t{row['host_ms']}\t{row['compile_s']}\t"
       f"{min(row['times_ms'])}")
 EOF
-    if [ ${#trace[@]} -gt 0 ]; then grep -A70 "^Device events" "$OUT/ab_${name}_$round.log" > "$OUT/trace_$name.txt"; fi
+    if [ ${#trace[@]} -gt 0 ]; then grep -A70 "^device events" "$OUT/ab_${name}_$round.log" > "$OUT/trace_$name.txt"; fi
   done
 done
 echo "variant round prefill_ms host_ms compile_s min_ms"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -46,6 +49,24 @@ def make_mesh(pipeline: int = 1, dwdp: int = 1, devices: list[jax.Device] | None
             f"{devices[0].platform if devices else ''} device(s) are available"
         )
     return Mesh(np.array(devices[:need]).reshape(pipeline, dwdp), AXES)
+
+
+def place(arrays, device: jax.Device | None = None) -> tuple:
+    """The arrays on `device` by one transfer call (each call is host time before a prefill's first layer, the GPU
+    idle: 0.08-0.3 ms between two copies in H100 traces); a host array goes without the copy program jnp.asarray
+    would enqueue behind it. device None: host arrays to the default device, jax Arrays kept where they are."""
+    arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for x in arrays]
+    if device is not None:
+        return tuple(jax.device_put(arrays, device))  # (an array already on `device` is not copied)
+    moved = iter(jax.device_put([x for x in arrays if not isinstance(x, jax.Array)]))
+    return tuple(x if isinstance(x, jax.Array) else next(moved) for x in arrays)
+
+
+def cpu_turns(platform: str):
+    """A lock that host threads driving several devices take around each step on the CPU (for the reason of
+    cpu_barrier: two programs executing at once on the CPU client's pool hung about half the runs of
+    `bench_pipeline.py --preset tiny --microbatches 2` on 2 cores); nothing on accelerators."""
+    return threading.Lock() if platform == "cpu" else contextlib.nullcontext()
 
 
 def cpu_barrier(platform: str):

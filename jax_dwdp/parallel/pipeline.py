@@ -17,10 +17,8 @@ program (`Handoff`: a ppermute, which both processes run); the last stage's proc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import threading
 from pathlib import Path
 
 import jax
@@ -36,7 +34,7 @@ from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.dwdp import (CheckpointLayers, Placement, build_placed, check_experts_choice, connect_store,
                                     expert_blocks, model_range, open_store)
 from jax_dwdp.parallel.experts import AXIS, Dispatch, Gather, Local, Store
-from jax_dwdp.parallel.mesh import builder_device, cpu_barrier, make_mesh, put
+from jax_dwdp.parallel.mesh import builder_device, cpu_barrier, cpu_turns, make_mesh, put
 from jax_dwdp.parallel.runner import StageRunner, pad_batch, padded_rows, take_rows
 from jax_dwdp.prefill import InputError, check_tokens
 
@@ -319,8 +317,9 @@ class Pipeline:
         the microbatches in order as the previous stage hands them on. From one thread, an enqueue that waits for a
         full launch queue on one GPU (a long stage is thousands of kernels) holds back the next stage's work on the
         other GPU; per-stage threads let each device's queue fill independently (on CPU devices they take turns,
-        see below). False: one thread, stage by stage within each microbatch. (JAX's thread-local settings, e.g. a `jax.default_device` or `transfer_guard`
-        context around this call, do not reach the stage threads; the stages place their inputs explicitly.)"""
+        see below). False: one thread, stage by stage within each microbatch. (JAX's thread-local settings, e.g. a
+        `jax.default_device` or `transfer_guard` context around this call, do not reach the stage threads; the
+        stages place their inputs explicitly.)"""
         if layerwise and self.scan:
             raise ValueError("layerwise=True: this pipeline's stages are scanned programs (built with scan=True)")
         tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
@@ -328,11 +327,9 @@ class Pipeline:
         size, used = microbatch_rows(batch, microbatches, self.ranks)
         tokens, lengths = pad_batch(tokens, lengths, size * used)
         wait = cpu_barrier(self.devices[0].platform)
-        # XLA's CPU client runs every host "device" on one small thread pool: two stage threads executing there at
-        # once hung about half the runs of `bench_pipeline.py --preset tiny --microbatches 2` (2 cores, jax 0.10.2:
-        # both threads in block_until_ready for good). On the CPU the stage threads take turns; what the threads are
-        # for, each GPU's launch queue filled on its own, does not arise there.
-        turns = threading.Lock() if self.devices[0].platform == "cpu" else contextlib.nullcontext()
+        # On the CPU the stage threads take turns (cpu_turns); what they are for, each GPU's launch queue filled on
+        # its own, does not arise there.
+        turns = cpu_turns(self.devices[0].platform)
         hidden = (size, tokens.shape[1], self.cfg.hidden_size)
         options = {} if self.scan else {"layerwise": layerwise}
 
