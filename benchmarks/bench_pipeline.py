@@ -9,6 +9,11 @@ timed with each stage enqueued from its own host thread (the default) and from o
 timed alone on one microbatch (t_s); the pipeline's wall time W for M microbatches gives stage s an idle fraction
 1 - M t_s / W, printed beside the GPipe bubble (P-1)/(M+P-1). JSON with --out: {"what": "pipeline", "args",
 "device", "rows"}. Pipeline x DWDP layouts: `bench_dwdp.py layouts`.
+
+--same-device puts every stage on the first device: a rehearsal of a multi-GPU run on one GPU (the stage threads,
+the stage programs and the cache merge run on it; the hand-off between stages is a no-op). Its "speedup" is then
+the pipeline driver's cost against the one-device run of the same microbatches (ideal 1.0), not a pipeline gain;
+its idle fractions mean nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ def bench_pipeline(cfg, args) -> list[dict]:
     tokens_all = np.random.default_rng(0).integers(0, cfg.vocab_size, (max(args.microbatches), args.seq_len))
     tokens_all = tokens_all.astype(np.int32)
     one = Pipeline.random(cfg, 1, dtype=dtype, seed=0, scan=args.scan)
-    pipe = Pipeline.random(cfg, args.pipeline, dtype=dtype, seed=0, scan=args.scan)
+    devices = [jax.devices()[0]] * args.pipeline if args.same_device else None
+    pipe = Pipeline.random(cfg, args.pipeline, dtype=dtype, seed=0, scan=args.scan, devices=devices)
     layerwise = not args.scan
     for m in args.microbatches:
         tokens = tokens_all[:m]
@@ -53,7 +59,7 @@ def bench_pipeline(cfg, args) -> list[dict]:
             stage_t.append(timed(lambda runner=runner, x=x, ln=ln: runner(x, ln, logits="last"), args.iters))
             x, _ = runner(x, ln, logits="last")
         idle = [round(1 - m * t / t_pipe, 3) for t in stage_t]
-        row = dict(scan=args.scan, microbatches=m, tokens=m * args.seq_len, one_device_ms=round(t_one * 1e3, 2),
+        row = dict(scan=args.scan, same_device=args.same_device, microbatches=m, tokens=m * args.seq_len, one_device_ms=round(t_one * 1e3, 2),
                    pipeline_ms=round(t_pipe * 1e3, 2), speedup=round(t_one / t_pipe, 3),
                    one_thread_pipeline_ms=round(t_turn * 1e3, 2), one_thread_speedup=round(t_one / t_turn, 3),
                    stage_ms=[round(t * 1e3, 2) for t in stage_t], idle_fraction=idle,
@@ -74,6 +80,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--scan", action="store_true", help="every stage (and the one device) as one scanned program")
+    ap.add_argument("--same-device", action="store_true",
+                    help="every stage on the first device: the multi-GPU code on one GPU (speedup = driver cost)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args(argv)

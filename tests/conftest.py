@@ -10,6 +10,19 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_runtest_setup(item):
+    """`@pytest.mark.devices(n)`: the test builds a mesh of n devices of JAX's default backend (pipeline stages, DWDP
+    ranks). With fewer (a one-GPU machine under JAX_DWDP_TEST_GPU=1, or XLA_FLAGS asking for fewer CPU devices) it is
+    skipped, saying so, instead of failing on "a mesh of ... needs n devices"."""
+    marks = list(item.iter_markers(name="devices"))
+    if marks:
+        import jax
+
+        need, have = max(m.args[0] for m in marks), jax.device_count()
+        if have < need:
+            pytest.skip(f"needs {need} {jax.default_backend()} devices; {have} available")
+
+
 @pytest.fixture
 def rng(request):
     """A fresh generator per test, seeded from the test's id (repeatable, but different across tests)."""

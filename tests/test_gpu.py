@@ -155,6 +155,42 @@ def test_gpu_scanned_stage_equals_the_layerwise_stage(rng, dtype, bound):
     assert err <= bound
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["layerwise", "scanned"])
+def test_gpu_pipeline_stages_on_one_gpu_equal_the_one_device_prefill(rng, scan):
+    """The pipeline's GPU path on one GPU: two stages (the second starting inside the 3 + 1 pattern) both on GPU 0,
+    each enqueued from its own host thread, over 3 microbatches of a batch of 5 (one padding row), as layer-wise
+    StageRunners or as scanned programs. fp32: the logits and the stages' caches (merged) equal the one-device
+    layer-wise prefill of the whole batch within 1e-5 (other GEMM shapes per microbatch: other fp32 sums). The
+    residual branches are damped as in the other GPU tests: undamped, this random model amplified those sums'
+    differences to 4.4e-5 in the logits on an H100. On two GPUs the same code also hands stage 0's output to the
+    other device; here that hand-off is a no-op, so this checks the stage threads, the stage programs and the cache
+    merge on a GPU, not the transfer."""
+    from jax_dwdp.config import ModelConfig
+    from jax_dwdp.model import init_model
+    from jax_dwdp.model.qwen35_moe import Cache
+    from jax_dwdp.parallel import Pipeline
+    from jax_dwdp.prefill import jit_prefill
+    from tests.test_model import _damp_residual_branches
+
+    gpu = jax.devices("gpu")[0]
+    cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=10)
+    model = _damp_residual_branches(init_model(cfg, dtype=jnp.float32, seed=6, device=gpu), 0.2)
+    tokens = rng.integers(0, cfg.vocab_size, (5, 60)).astype(np.int32)
+    lengths = np.array([60, 13, 1, 44, 60], np.int32)
+    want, want_cache = jit_prefill(model, layerwise=True, cache_len=64)(tokens, lengths)
+    pipe = Pipeline.from_model(model, 2, boundaries=[5], devices=[gpu, gpu], scan=scan)
+    got, caches = pipe.prefill(tokens, lengths, microbatches=3, cache_len=64)
+    merged = Cache.concat_layers(caches, gpu)
+    errs = {"logits": rel_err(got, want), **{name: rel_err(getattr(merged, name), getattr(want_cache, name))
+                                             for name in ("key", "value", "conv", "recurrent")}}
+    print(f"GPU fp32 pipeline of 2 stages on one GPU ({'scanned' if scan else 'layer-wise'}, threads, 3 "
+          "microbatches) vs one device:", " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    assert got.shape == want.shape and got.devices() == {gpu}
+    assert all(v <= 1e-5 for v in errs.values()), errs
+    assert (merged.full_layer_ids, merged.linear_layer_ids) == (want_cache.full_layer_ids, want_cache.linear_layer_ids)
+    np.testing.assert_array_equal(np.asarray(merged.lengths), np.asarray(want_cache.lengths))
+
+
 @pytest.mark.parametrize("grouped_matmul", ["default", "mosaic"])
 def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul):
     """bf16 on the GPU takes cuDNN attention, the Pallas gated delta rule and routing kernels (the conv kernel on

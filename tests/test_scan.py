@@ -149,6 +149,7 @@ PIPELINE_CASES = [  # (layers, stages, microbatches, boundaries): stages that st
     (10, 1, 2, None),  # one stage, two microbatches: two blocks and a tail of two
     (9, 2, 1, [4]),  # [4, 9): a stage that starts on the pattern's first layer, one block and a tail of one
 ]
+PIPELINE_CASES = [pytest.param(*case, marks=pytest.mark.devices(case[1])) for case in PIPELINE_CASES]
 
 
 @pytest.mark.parametrize("layers,stages,microbatches,boundaries", PIPELINE_CASES)
@@ -191,6 +192,7 @@ def test_scanned_pipeline_equals_layerwise_pipeline(rng, layers, stages, microba
     assert rel_err(again, want) <= 2e-5
 
 
+@pytest.mark.devices(2)
 def test_scanned_pipeline_refusals():
     from jax_dwdp.parallel import Pipeline
 
@@ -203,6 +205,7 @@ def test_scanned_pipeline_refusals():
         pipe.prefill(np.zeros((1, 4), np.int32) + 1, layerwise=True)
 
 
+@pytest.mark.devices(2)
 def test_cli_scanned_pipeline_equals_layerwise(tmp_path):
     """`jax-dwdp prefill --pipeline 2 --microbatches 2 --scan` writes the layer-wise pipeline's logits."""
     from jax_dwdp.cli import main
@@ -248,6 +251,7 @@ def test_from_layers_equals_from_model_with_one_layer_beside_the_stacks(monkeypa
         del want, got
 
 
+@pytest.mark.devices(2)
 def test_scanned_from_an_hf_checkpoint_cli_and_pipeline(tmp_path, rng):
     """A real (random) HF checkpoint: `prefill --checkpoint DIR --scan` (the model loaded layer by layer into its
     stacks) writes the layer-wise command's logits, and a scanned pipeline loaded from it equals the layer-wise
