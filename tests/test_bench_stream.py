@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_stream.py"
 
@@ -33,6 +34,7 @@ def test_streams_come_from_the_seed_and_respect_their_bounds():
     assert clipped.min() == 2048 and clipped.max() == 32768
 
 
+@pytest.mark.devices(2)
 def test_stream_benchmark_runs_every_scheme_on_the_cpu(tmp_path):
     bench = _bench()
     out = tmp_path / "stream.json"

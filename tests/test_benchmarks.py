@@ -45,6 +45,7 @@ def run(name, argv, out: Path):
     return result, json.loads(out.read_text())
 
 
+@pytest.mark.devices(2)
 def test_dwdp_stage_without_a_subcommand_compares_xla_and_replicated(tmp_path):
     """`bench_dwdp.py ARGS` (the recorded form) runs `stage`: per sequence length, each variant's time and the ratios
     computed from them, the MoE block alone; no FFI keys without the FFI variant."""
@@ -104,6 +105,7 @@ def fake_stores(monkeypatch):
     return bench, made
 
 
+@pytest.mark.devices(2)
 def test_dwdp_stage_probe_variants_run_on_the_cpu(tmp_path, monkeypatch):
     """`stage --variants ffi ffi-nowait ffi-unused replicated` (the FFI store replaced by FakeStore): every variant
     timed, the probes marked timing-only with finite logits, their ratios and the per-layer stall and contention
@@ -133,6 +135,7 @@ def test_dwdp_stage_probe_variants_run_on_the_cpu(tmp_path, monkeypatch):
         bench.parser().parse_args(["stage", "--variants", "ffi-later"])
 
 
+@pytest.mark.devices(2)
 def test_dwdp_stage_probe_sources_order_and_results(monkeypatch):
     """The benchmark's sources over FakeStore, 3 layers, fp32: depth 2 starts layer i+2's fetch before layer i is
     enqueued (layers 0 and 1 at the start) and gives the replicated model's logits; the probes (whose stand-in
@@ -173,6 +176,7 @@ def test_dwdp_stage_probe_sources_order_and_results(monkeypatch):
         assert (variant == "ffi-unused") == (not source.replaces_experts)
 
 
+@pytest.mark.devices(2)
 def test_dwdp_ranks_writes_the_keys_the_notebook_reads(tmp_path):
     """`ranks`: one rank alone, in turn, threads, the dispatch time, XLA DWDP and the replicated bound (the notebook
     reads the independent_* and dispatch keys from the saved GPU run)."""
@@ -188,6 +192,7 @@ def test_dwdp_ranks_writes_the_keys_the_notebook_reads(tmp_path):
     assert "independent_ffi_ms" not in row  # only with --ffi
 
 
+@pytest.mark.devices(2)
 def test_dwdp_dispatch_accounts_for_the_layers(tmp_path):
     """`dispatch` (host time of a layer-wise prefill by call) sees one layer program and one prefetch per layer,
     accounts for no more than the whole dispatch, and puts the module functions it wrapped back."""
@@ -203,6 +208,7 @@ def test_dwdp_dispatch_accounts_for_the_layers(tmp_path):
     assert jax.device_put is device_put and prefill.check_tokens is check
 
 
+@pytest.mark.devices(2)
 def test_dwdp_layouts_runs_what_fits_and_skips_the_rest(tmp_path):
     """`layouts`: a layout that fits the devices is timed (tokens/s per GPU from tokens/s), one that does not is
     recorded as skipped."""
@@ -216,15 +222,19 @@ def test_dwdp_layouts_runs_what_fits_and_skips_the_rest(tmp_path):
     assert skipped == {"layout": "4x4", "skipped": f"needs 16 devices, {jax.device_count()} present"}
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_pipeline_reports_speedup_and_idle_fractions(tmp_path, scan):
-    """bench_pipeline.py: one device vs two stages (layer-wise or scanned), each stage's time and idle fraction,
-    the GPipe bubble."""
+# Two stages on two devices; with --same-device both stages (and the one-device run) on device 0.
+@pytest.mark.parametrize("scan,same", [pytest.param(False, False, marks=pytest.mark.devices(2)),
+                                       pytest.param(True, False, marks=pytest.mark.devices(2)), (True, True)])
+def test_pipeline_reports_speedup_and_idle_fractions(tmp_path, scan, same):
+    """bench_pipeline.py: one device vs two stages (layer-wise or scanned; with --same-device both on the first
+    device), each stage's time and idle fraction, the GPipe bubble."""
     rows, saved = run("bench_pipeline", [*TINY, "--num-layers", "2", "--seq-len", "8", "--microbatches", "2",
-                                         *(["--scan"] if scan else [])], tmp_path / "pipeline.json")
+                                         *(["--scan"] if scan else []), *(["--same-device"] if same else [])],
+                      tmp_path / "pipeline.json")
     assert saved["what"] == "pipeline" and saved["rows"] == rows
     (row,) = rows
-    assert (row["scan"], row["microbatches"], row["tokens"], row["gpipe_ideal_bubble"]) == (scan, 2, 16, 0.333)
+    assert (row["scan"], row["same_device"], row["microbatches"], row["tokens"], row["gpipe_ideal_bubble"]) == (
+        scan, same, 2, 16, 0.333)
     assert len(row["stage_ms"]) == len(row["idle_fraction"]) == 2
     assert row["speedup"] == ratio(row["one_device_ms"], row["pipeline_ms"])
     assert row["one_thread_speedup"] == ratio(row["one_device_ms"], row["one_thread_pipeline_ms"])

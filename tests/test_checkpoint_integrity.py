@@ -91,6 +91,7 @@ def test_verify_ok_and_old_checkpoints(orbax_dir, damaged, capsys):
     assert "no checksums (converted by an older jax_dwdp)" in capsys.readouterr().err
 
 
+@pytest.mark.devices(2)
 def test_no_verify_skips_the_checksums_also_in_a_pipeline(damaged, capsys, rng):
     """Same-size random bytes in an expert chunk: refused by default, loaded with --no-verify (for one device and
     for every pipeline stage, which load deep inside Pipeline)."""

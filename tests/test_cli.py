@@ -83,6 +83,7 @@ def test_bad_input_gives_one_clear_line(tmp_path, capsys, checkpoint):
         assert "Traceback" not in err and out == ""
 
 
+@pytest.mark.devices(2)
 def test_pipeline_prefill_logits_equal_one_device(tmp_path, capsys, checkpoint, rng):
     tokens = rng.integers(0, SMALL.vocab_size, (4, 19)).astype(np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
@@ -97,6 +98,7 @@ def test_pipeline_prefill_logits_equal_one_device(tmp_path, capsys, checkpoint, 
     assert rel_err(outs[2], outs[1]) <= 1e-4
 
 
+@pytest.mark.devices(2)
 def test_fused_swiglu_flag_computes_the_same_logits(tmp_path, capsys, checkpoint, rng):
     """--fused-swiglu (interleaved expert weights; on the CPU the portable path) gives the same logits, alone and
     through the pipeline."""

@@ -92,7 +92,8 @@ def test_dispatched_experts_equal_routed_experts(rng, ranks, routing):
 # ---- DEP prefill equals one device ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pipeline,ranks,layerwise", [(1, 2, False), (1, 4, True), (2, 2, False)])
+@pytest.mark.parametrize("pipeline,ranks,layerwise", [pytest.param(*case, marks=pytest.mark.devices(case[0] * case[1]))
+                                                      for case in [(1, 2, False), (1, 4, True), (2, 2, False)]])
 def test_dep_equals_one_device(setup, pipeline, ranks, layerwise):
     """--dep 2, --dep 4 with 6 experts (the last rank holds only padding), --pipeline 2 --dep 2: logits and every
     cache against one device on the same batch."""
@@ -106,6 +107,7 @@ def test_dep_equals_one_device(setup, pipeline, ranks, layerwise):
 
 @pytest.mark.parametrize("experts", ["xla", "dep"])
 @pytest.mark.parametrize("batch", [2, 3])
+@pytest.mark.devices(4)
 def test_any_batch_over_four_ranks(setup, experts, batch):
     """--dwdp 4 / --dep 4 with 2 and 3 sequences: the ranks without a sequence run rows of length 0, which the
     results leave out."""
@@ -115,7 +117,8 @@ def test_any_batch_over_four_ranks(setup, experts, batch):
     _compare(f"{experts} N=4 batch {batch} vs one device", got, _one_device(model, tokens[:batch], lengths[:batch]))
 
 
-@pytest.mark.parametrize("ranks,experts,microbatches", [(1, "local", 3), (2, "dep", 2), (1, "local", 8)])
+@pytest.mark.parametrize("ranks,experts,microbatches", [pytest.param(*case, marks=pytest.mark.devices(2 * case[0]))
+                                                        for case in [(1, "local", 3), (2, "dep", 2), (1, "local", 8)]])
 def test_any_batch_over_microbatches(setup, ranks, experts, microbatches):
     """Pipeline 2 with a batch of 3 in microbatches that do not divide it (3 in 2 of 2 rows over DEP ranks; 3 in
     3; 3 in 8, of which only 3 run): equal to one device."""
@@ -147,6 +150,7 @@ def _rows(cache: Cache, rows) -> Cache:
                          recurrent=cache.recurrent[:, rows], lengths=cache.lengths[rows])
 
 
+@pytest.mark.devices(4)
 def test_no_token_dropped_when_every_token_goes_to_one_rank(setup):
     """Routers zeroed: every expert ties, top-k takes experts 0 and 1, all on rank 0. DEP over 2 and 4 ranks still
     equals one device (a capacity-limited exchange would drop most token-slots here)."""
@@ -166,6 +170,7 @@ def test_no_token_dropped_when_every_token_goes_to_one_rank(setup):
         _compare(f"dep N={ranks}, every token to rank 0's experts, vs one device", got, want)
 
 
+@pytest.mark.devices(2)
 def test_profile_splits_each_layer_and_keeps_the_numbers(setup):
     """StageRunner.profile (DEP's per-layer wait): one row per layer with each rank's mixer time, the wait at the
     MoE = max over ranks of the mixer end minus the rank's own (so >= 0, and 0 for the last rank to arrive), and
@@ -212,6 +217,7 @@ def _live_bytes_by_device() -> dict:
     return out
 
 
+@pytest.mark.devices(2)
 def test_ranks_hold_their_share_and_are_built_one_layer_at_a_time(monkeypatch):
     """Pipeline.random over 2 ranks (DWDP and DEP) and IndependentRanks.random make one layer at a time (so no
     device holds a whole stage's experts on the way), and afterwards each device holds no more than `plan`'s
@@ -249,6 +255,7 @@ def test_ranks_hold_their_share_and_are_built_one_layer_at_a_time(monkeypatch):
     del ranks
 
 
+@pytest.mark.devices(2)
 def test_cli_dep(tmp_path, capsys):
     """jax-dwdp prefill --dep 2 (batch 3 over 2 ranks) writes the one-device logits (fp32); --dwdp with --dep, and
     an FFI backend with --dep, are one clear error line each."""
@@ -272,6 +279,7 @@ def test_cli_dep(tmp_path, capsys):
         assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.devices(4)
 def test_checkpoints_load_one_layer_at_a_time_onto_ranks(tmp_path, setup):
     """Pipeline.from_checkpoint over ranks (HF: pipeline 2 x DEP 2; Orbax: DWDP 2 over XLA) loads each layer, places
     it, then loads the next; the logits equal one device and each stage's report counts its own tensors once."""
@@ -298,6 +306,7 @@ def test_checkpoints_load_one_layer_at_a_time_onto_ranks(tmp_path, setup):
                 assert report.skipped_other_layers == sum(per_layer) - sum(per_layer[st.start_layer:st.end_layer])
 
 
+@pytest.mark.devices(4)
 def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
     """Placement(experts="store") (the FFI path, here with a stand-in store): every (layer, weight, rank) block is
     filled once, on its rank's device, with that rank's experts (zero padding past E), layer by layer; the stage
@@ -335,6 +344,7 @@ def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
     assert len(router.addressable_shards) == 4 and router.sharding.is_fully_replicated
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("case", ["order", "count", "process"])
 def test_store_placement_refuses_a_store_not_over_the_mesh(case):
     """A store whose ranks are not the mesh's (other devices, another order, another count) would hand each rank

@@ -49,7 +49,9 @@ def test_expert_layout():
     assert odd_mem["xla_gather_buffer_bytes"] > odd_mem["prefetch_buffer_bytes"]  # the gather moves padding too
 
 
-@pytest.mark.parametrize("pipeline,dwdp,microbatches", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (2, 4, 1)])
+@pytest.mark.parametrize("pipeline,dwdp,microbatches", [
+    pytest.param(*case, marks=pytest.mark.devices(case[0] * case[1]))  # pipeline stages x DWDP ranks
+    for case in [(1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (2, 4, 1)]])
 def test_dwdp_equals_one_device(setup, pipeline, dwdp, microbatches):
     """Against one device running the same per-rank batches: 1e-5; against the unsplit batch: 1e-4 (batch shape
     changes fp32 summation order only)."""
@@ -69,6 +71,7 @@ def test_dwdp_equals_one_device(setup, pipeline, dwdp, microbatches):
         assert e1 <= 1e-5 and e2 <= 1e-4, name
 
 
+@pytest.mark.devices(4)
 def test_each_rank_stores_only_its_expert_block(setup):
     model, *_ = setup
     pipe = Pipeline.from_model(model, 1, dwdp=4)
@@ -87,6 +90,7 @@ def test_each_rank_stores_only_its_expert_block(setup):
     assert len(layer.mlp.gate.weight[...].addressable_shards) == 4
 
 
+@pytest.mark.devices(2)
 def test_eager_layer_inputs_live_on_the_ranks_device(setup):
     """Driven eagerly on device 1, the layers get no positions from the host when the tokens start their sequences
     (each attention layer makes 0..T-1 inside its program) and, continuing a cache, positions on device 1, not an op
@@ -133,6 +137,7 @@ def test_eager_layer_inputs_live_on_the_ranks_device(setup):
     assert all(a.devices() == {dev} for a in jax.tree.leaves(part_cache)), "cache leaves off the layers' device"
 
 
+@pytest.mark.devices(2)
 def test_independent_ranks_run_their_own_batches_and_lengths(setup):
     """Rank 0 prefills 3 sequences of 70 tokens while rank 1 prefills one of 41: each equals one device."""
     model, tokens, lengths, *_ = setup
@@ -165,7 +170,8 @@ def test_independent_ranks_run_their_own_batches_and_lengths(setup):
         assert experts.gate_up_proj[...].shape == () and experts.gate_up_proj[...].devices() == {jax.devices()[r]}
 
 
-@pytest.mark.parametrize("pipeline,dwdp", [(1, 2), (1, 4), (2, 2)])
+@pytest.mark.parametrize("pipeline,dwdp", [pytest.param(*case, marks=pytest.mark.devices(case[0] * case[1]))
+                                           for case in [(1, 2), (1, 4), (2, 2)]])
 def test_layerwise_dwdp_equals_whole_program(setup, pipeline, dwdp):
     """Layer-wise DWDP (Gather experts: one program per layer type, the next layer's gather inside each) against the
     whole-stage program and against one device on the same per-rank batches (the FFI path's structure)."""
@@ -183,6 +189,7 @@ def test_layerwise_dwdp_equals_whole_program(setup, pipeline, dwdp):
         assert e1 <= 1e-5 and e2 <= 1e-5, name
 
 
+@pytest.mark.devices(2)
 def test_ffi_backend_without_gpu_is_a_clear_error(setup):
     from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable
 
@@ -195,6 +202,7 @@ def test_ffi_backend_without_gpu_is_a_clear_error(setup):
         IndependentRanks(model, jax.devices()[:2], experts="ffi")
 
 
+@pytest.mark.devices(2)
 def test_prefill_all_threads_map_results_and_errors(setup, monkeypatch):
     """The threaded branch of prefill_all (GPUs) with each rank's prefill stubbed (real threads deadlock XLA's CPU
     client): results come back per rank, inputs are checked before any rank starts, a failing rank's error is
@@ -265,6 +273,7 @@ def test_stage_runner_shares_its_programs_across_logits_modes_and_cache_lengths(
     assert {k for k in runner._programs if k[0] == "head"} == {("head", "all"), ("head", "last")}
 
 
+@pytest.mark.devices(2)
 def test_replicated_baseline_and_bad_expert_choices(setup):
     """experts="local" over DWDP ranks: every rank holds all experts (the baseline), same numbers; a backend that
     does not exist or cannot run is one clear error at construction."""

@@ -23,7 +23,11 @@ def _output_bytes(nb) -> int:
     return sum(len(json.dumps(o)) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+DEVICES = {"02_pipeline_and_dwdp.ipynb": 4}  # pipeline 2 x DWDP 2 (its kernel inherits XLA_FLAGS)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.devices(DEVICES[p.name])] if p.name in DEVICES
+                                               else []) for p in NOTEBOOKS], ids=lambda p: p.name)
 def test_notebook_runs_and_leaves_nothing_behind(path, tmp_path, monkeypatch):
     temp = tmp_path / "tmpdir"  # the kernel's temporary directory: whatever a notebook leaves there is a leak
     temp.mkdir()

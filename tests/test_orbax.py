@@ -152,6 +152,7 @@ def test_stage_restore_reads_no_other_layer(hf_dir, orbax_dir, tmp_path):
         load_orbax_checkpoint(damaged, dtype=jnp.float32, start_layer=2, end_layer=4)
 
 
+@pytest.mark.devices(2)
 def test_dwdp_rank_restores_its_expert_slice(hf_dir, orbax_dir):
     devices = jax.devices()[:2]
     mesh = Mesh(np.array(devices), ("dwdp",))

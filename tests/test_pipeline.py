@@ -75,7 +75,8 @@ def errors(logits, merged, ref_logits, ref_cache) -> dict[str, float]:
     return errs
 
 
-@pytest.mark.parametrize("layers,stages,microbatches,boundaries", CASES)
+@pytest.mark.parametrize("layers,stages,microbatches,boundaries",
+                         [pytest.param(*case, marks=pytest.mark.devices(case[1])) for case in CASES])
 def test_pipeline_equals_one_device(references, layers, stages, microbatches, boundaries):
     """Against P = 1 with the same microbatches: 1e-5. Against the unsplit one-device batch: 1e-4, since a
     microbatch of another batch size changes fp32 summation order (1e-7..3e-5 seen), nothing else."""
@@ -99,6 +100,7 @@ def test_pipeline_equals_one_device(references, layers, stages, microbatches, bo
         assert vs_unsplit[name] <= 1e-4, (name, vs_unsplit[name])
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("stages,dwdp", [(2, 1), (1, 2)])
 def test_pipeline_keeps_the_fused_swiglu_layout(references, stages, dwdp):
     """Stages cut from a model in the fused-SwiGLU layout carry the layout with the weights (not re-permuted), also
@@ -118,6 +120,7 @@ def test_pipeline_keeps_the_fused_swiglu_layout(references, stages, dwdp):
         assert err <= 1e-4
 
 
+@pytest.mark.devices(3)
 def test_stage_cache_has_one_slot_per_own_linear_layer(references):
     """Regression for the seed bug: a stage's linear-attention cache is sized by its own linear layers (not the
     model's), and slot i holds the state of the stage's i-th linear layer."""
@@ -141,6 +144,7 @@ def test_stage_cache_has_one_slot_per_own_linear_layer(references):
             assert rel_err(cache.key[slot], ref_cache.key[ref_cache.full_layer_ids.index(layer_id)]) <= 1e-5
 
 
+@pytest.mark.devices(3)
 def test_stages_hold_only_their_weights_and_read_only_their_tensors(tmp_path, rng):
     cfg = model_with_layers(6)
     hf = random_hf_model(cfg, int(rng.integers(1 << 30)))
@@ -169,6 +173,7 @@ def nnx_state(model):
     return nnx.state(model)
 
 
+@pytest.mark.devices(4)
 def test_random_weights_depend_on_the_global_layer_not_the_layout():
     """One --seed is one model: every pipeline / DWDP layout of random weights gives the one-device logits (the
     stages used to be seeded seed + stage, a different model per layout)."""
@@ -203,6 +208,7 @@ def test_cli_refuses_impossible_layouts_before_building_the_model(capsys, monkey
         assert code == 2 and err.strip() == f"error: {message}" and out == "", (argv, err)
 
 
+@pytest.mark.devices(2)
 def test_cli_closes_the_pipeline_it_opens(capsys, monkeypatch):
     """On success and on a failure after the pipeline was built, the CLI closes it (an FFI pipeline's stores)."""
     from jax_dwdp.cli import main
@@ -217,6 +223,7 @@ def test_cli_closes_the_pipeline_it_opens(capsys, monkeypatch):
     assert "error: RuntimeError: device lost" in capsys.readouterr().err
 
 
+@pytest.mark.devices(3)
 def test_stage_threads_give_the_one_thread_results(references, monkeypatch):
     """Each stage enqueued from its own host thread (the default with several stages in one process) gives the same
     logits and caches, bit for bit, as one thread going stage by stage; both for layer-wise and whole-stage
@@ -239,6 +246,7 @@ def test_stage_threads_give_the_one_thread_results(references, monkeypatch):
     assert len(threaded) == 2  # the default took the threads, stage_threads=False did not
 
 
+@pytest.mark.devices(3)
 def test_stage_threads_take_turns_on_the_cpu(references, monkeypatch):
     """On CPU devices the stage threads never run two stages' programs at once: XLA's CPU client runs every host
     device on one small thread pool, and two stages executing together there hung about half the runs of
@@ -272,6 +280,7 @@ def test_stage_threads_take_turns_on_the_cpu(references, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.devices(3)
 def test_a_failing_stage_stops_every_stage_thread(references, monkeypatch):
     """A stage that raises on its second microbatch: prefill raises that error, the later stages stop without
     waiting forever for its output, and no stage thread is left running."""
@@ -296,6 +305,7 @@ def test_a_failing_stage_stops_every_stage_thread(references, monkeypatch):
     assert len(calls) == 2  # stage 1 took no microbatch after its failure
 
 
+@pytest.mark.devices(3)
 def test_ctrl_c_while_the_stage_threads_run_stops_and_waits_for_them(references, monkeypatch):
     """Ctrl-C while prefill waits for its stage threads: KeyboardInterrupt comes out of prefill only once every stage
     thread has finished its current step and stopped (none left running with a pipeline that its caller is about to
