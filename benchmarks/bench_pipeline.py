@@ -4,7 +4,8 @@
 
 One device vs `--pipeline` stages (layer-wise compiled stage programs; with --scan, both sides scanned: one program
 per stage, `Pipeline(..., scan=True)`), one sequence of --seq-len tokens per
-microbatch, M microbatches; the one-device baseline runs the same microbatches one after another. The pipeline is
+microbatch, M microbatches; the one-device baseline runs the same microbatches one after another (timed for every M
+first, then freed, so that the device of stage 0 never holds both models). The pipeline is
 timed with each stage enqueued from its own host thread (the default) and from one thread (`one_thread_*`). Each stage is
 timed alone on one microbatch (t_s); the pipeline's wall time W for M microbatches gives stage s an idle fraction
 1 - M t_s / W, printed beside the GPipe bubble (P-1)/(M+P-1). JSON with --out: {"what": "pipeline", "args",
@@ -19,6 +20,7 @@ its idle fractions mean nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import jax
@@ -40,13 +42,19 @@ def bench_pipeline(cfg, args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     tokens_all = np.random.default_rng(0).integers(0, cfg.vocab_size, (max(args.microbatches), args.seq_len))
     tokens_all = tokens_all.astype(np.int32)
+    layerwise = not args.scan
+    # The one-device model first, for every M, then freed before the stages are built: the device holding stage 0
+    # never holds both (40 layers of 35b-a3b are ~66 GB: with both, the bar's run would need an H200's memory).
     one = Pipeline.random(cfg, 1, dtype=dtype, seed=0, scan=args.scan)
+    t_ones = {m: timed(lambda m=m: one.prefill(tokens_all[:m], microbatches=m, logits="last", layerwise=layerwise),
+                       args.iters) for m in args.microbatches}
+    del one
+    gc.collect()
     devices = [jax.devices()[0]] * args.pipeline if args.same_device else None
     pipe = Pipeline.random(cfg, args.pipeline, dtype=dtype, seed=0, scan=args.scan, devices=devices)
-    layerwise = not args.scan
     for m in args.microbatches:
         tokens = tokens_all[:m]
-        t_one = timed(lambda: one.prefill(tokens, microbatches=m, logits="last", layerwise=layerwise), args.iters)
+        t_one = t_ones[m]
         t_pipe = timed(lambda: pipe.prefill(tokens, microbatches=m, logits="last", layerwise=layerwise), args.iters)
         t_turn = timed(lambda: pipe.prefill(tokens, microbatches=m, logits="last", layerwise=layerwise,
                                             stage_threads=False), args.iters)

@@ -225,9 +225,19 @@ def test_dwdp_layouts_runs_what_fits_and_skips_the_rest(tmp_path):
 # Two stages on two devices; with --same-device both stages (and the one-device run) on device 0.
 @pytest.mark.parametrize("scan,same", [pytest.param(False, False, marks=pytest.mark.devices(2)),
                                        pytest.param(True, False, marks=pytest.mark.devices(2)), (True, True)])
-def test_pipeline_reports_speedup_and_idle_fractions(tmp_path, scan, same):
+def test_pipeline_reports_speedup_and_idle_fractions(tmp_path, monkeypatch, scan, same):
     """bench_pipeline.py: one device vs two stages (layer-wise or scanned; with --same-device both on the first
-    device), each stage's time and idle fraction, the GPipe bubble."""
+    device), each stage's time and idle fraction, the GPipe bubble; the one-device model is freed before the stages
+    are built (the live device bytes when the stages' build starts are those before the one-device model's)."""
+    from jax_dwdp.parallel import Pipeline
+
+    built, random = [], Pipeline.random.__func__
+
+    def recording_random(cls, cfg, pipeline, **kw):
+        built.append((pipeline, sum(a.nbytes for a in jax.live_arrays())))
+        return random(cls, cfg, pipeline, **kw)
+
+    monkeypatch.setattr(Pipeline, "random", classmethod(recording_random))
     rows, saved = run("bench_pipeline", [*TINY, "--num-layers", "2", "--seq-len", "8", "--microbatches", "2",
                                          *(["--scan"] if scan else []), *(["--same-device"] if same else [])],
                       tmp_path / "pipeline.json")
@@ -240,6 +250,8 @@ def test_pipeline_reports_speedup_and_idle_fractions(tmp_path, scan, same):
     assert row["one_thread_speedup"] == ratio(row["one_device_ms"], row["one_thread_pipeline_ms"])
     for t, idle in zip(row["stage_ms"], row["idle_fraction"]):
         assert abs(idle - (1 - 2 * t / row["pipeline_ms"])) < 0.01
+    (one, before_one), (two, before_stages) = built
+    assert (one, two) == (1, 2) and before_stages <= before_one
 
 
 def check_implementations(row, names):

@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# Two H200s: issue 15's pipeline bar (BAR=1, first: the 40-layer 35b-a3b pipeline over the two GPUs vs one GPU at 4
-# and 8 microbatches of one 8K sequence, layer-wise then scanned stages; each row also times the stages from one host
-# thread; 40 layers need H200s: the one-GPU baseline and stage 0 share GPU 0), pipeline 2 vs one GPU on 8 layers
-# (bubble per stage) and DWDP over XLA vs independent ranks vs replicated. Each command's limit is cut to what is left
-# of $DEADLINE seconds (default 570; _limits.sh), past 8 files the logs come back as one $OUT/logs.tgz.
+# Two GPUs (H200s, or H100s):
+#   1. issue 15's pipeline bar (BAR=1, first): the 40-layer 35b-a3b pipeline over the two GPUs vs one GPU at 4 and 8
+#      microbatches of one 8K sequence, layer-wise then scanned stages, each row also timing the stages from one host
+#      thread. $BAR_LAYERS defaults to 40 on GPUs of more than 100 GB (H200s), else 32: the one-GPU baseline is freed
+#      before the stages are built, but 40 layers (~66 GB of weights) on one 80-GB H100 leave too little for the
+#      programs;
+#   2. pipeline 2 vs one GPU on 8 layers (bubble per stage);
+#   3. DWDP over XLA vs independent ranks vs replicated.
+# Each command's limit is cut to what is left of $DEADLINE seconds (default 570; _limits.sh), past 8 files the logs
+# come back as one $OUT/logs.tgz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 nvidia-smi topo -m | head -3 | tee -a "$OUT/gpu.txt"
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+BAR_LAYERS=${BAR_LAYERS:-$([ "${mem:-0}" -gt 100000 ] && echo 40 || echo 32)}
 filter() { grep -v "^\s*@\|^E11\|^\*\*\*\|slow_op\|Very slow\|^$"; }
 source benchmarks/gpu/_limits.sh
 if [ "${BAR:-1}" = 1 ]; then
   for scan in "" "--scan"; do
     time_for "pipeline bar ${scan:-layer-wise}" || continue
-    timeout $(limit ${BAR_TIMEOUT:-250}) python3 benchmarks/bench_pipeline.py --preset 35b-a3b --num-layers ${BAR_LAYERS:-40} \
-      --seq-len 8192 --microbatches 4 8 --iters 3 $scan --out "$OUT/pipeline40${scan:+_scan}.json" 2>&1 | filter \
-      | tee "$OUT/pipeline40${scan:+_scan}.log"
+    timeout $(limit ${BAR_TIMEOUT:-250}) python3 benchmarks/bench_pipeline.py --preset 35b-a3b --num-layers $BAR_LAYERS \
+      --seq-len 8192 --microbatches 4 8 --iters 3 $scan --out "$OUT/pipeline${BAR_LAYERS}${scan:+_scan}.json" 2>&1 | filter \
+      | tee "$OUT/pipeline${BAR_LAYERS}${scan:+_scan}.log"
   done
 fi
 time_for "pipeline, 8 layers" && timeout $(limit ${PIPE_TIMEOUT:-150}) python3 benchmarks/bench_pipeline.py \
