@@ -67,8 +67,9 @@ def bench_pipeline(cfg, args) -> list[dict]:
             stage_t.append(timed(lambda runner=runner, x=x, ln=ln: runner(x, ln, logits="last"), args.iters))
             x, _ = runner(x, ln, logits="last")
         idle = [round(1 - m * t / t_pipe, 3) for t in stage_t]
-        row = dict(scan=args.scan, same_device=args.same_device, microbatches=m, tokens=m * args.seq_len, one_device_ms=round(t_one * 1e3, 2),
-                   pipeline_ms=round(t_pipe * 1e3, 2), speedup=round(t_one / t_pipe, 3),
+        row = dict(scan=args.scan, same_device=args.same_device, microbatches=m, tokens=m * args.seq_len,
+                   one_device_ms=round(t_one * 1e3, 2), pipeline_ms=round(t_pipe * 1e3, 2),
+                   speedup=round(t_one / t_pipe, 3),
                    one_thread_pipeline_ms=round(t_turn * 1e3, 2), one_thread_speedup=round(t_one / t_turn, 3),
                    stage_ms=[round(t * 1e3, 2) for t in stage_t], idle_fraction=idle,
                    gpipe_ideal_bubble=round((args.pipeline - 1) / (m + args.pipeline - 1), 3),
