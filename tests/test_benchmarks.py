@@ -520,7 +520,8 @@ def test_probe_power_sampler_stops_nvidia_smi_and_removes_its_file_on_every_path
 
 def test_limits_cut_each_command_to_the_deadline_and_never_to_no_limit():
     """gpu/_limits.sh: `limit N` is N while time is left, what is left when less, and 1 (never 0, which `timeout`
-    takes as no limit) past the deadline; `time_for` says a command is skipped once under MIN_LEFT seconds remain."""
+    takes as no limit) past the deadline; `time_for` says a command is skipped once under MIN_LEFT seconds remain;
+    `by_memory` picks the H200 or the H100 default by the card's memory; `quiet` drops XLA's frames and log lines."""
     import subprocess
 
     def sh(script):
@@ -531,6 +532,10 @@ def test_limits_cut_each_command_to_the_deadline_and_never_to_no_limit():
         "30", "100", "1", "1"]
     assert sh("DEADLINE=100; SECONDS=50; time_for a && echo run; SECONDS=70; time_for b || echo skip")[-1] == "skip"
     assert sh("DEADLINE=100; SECONDS=50; time_for a && echo run") == ["run"]
+    # by_memory: the card's memory (MiB, from a stand-in nvidia-smi) picks the default; no answer: the smaller one
+    for answer, want in (("echo 143771", "40"), ("echo 81559", "32"), ("return 127", "32")):
+        assert sh(f"nvidia-smi() {{ {answer}; }}; by_memory 40 32") == [want]
+    assert sh('printf "kept\\n  @ 0x7f frame\\nE1206 log line\\n" | quiet') == ["kept"]
 
 
 def test_bundle_out_tars_the_top_level_files_only_past_eight(tmp_path):

@@ -14,10 +14,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_M
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 nvidia-smi topo -m | head -3 | tee -a "$OUT/gpu.txt"
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-BAR_LAYERS=${BAR_LAYERS:-$([ "${mem:-0}" -gt 100000 ] && echo 40 || echo 32)}
 filter() { grep -v "^\s*@\|^E11\|^\*\*\*\|slow_op\|Very slow\|^$"; }
 source benchmarks/gpu/_limits.sh
+BAR_LAYERS=${BAR_LAYERS:-$(by_memory 40 32)}
 if [ "${BAR:-1}" = 1 ]; then
   for scan in "" "--scan"; do
     time_for "pipeline bar ${scan:-layer-wise}" || continue

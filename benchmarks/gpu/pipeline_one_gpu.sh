@@ -15,12 +15,10 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests rehearsal"}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-LAYERS=${LAYERS:-$([ "${mem:-0}" -gt 100000 ] && echo 24 || echo 16)}
+source benchmarks/gpu/_limits.sh
+LAYERS=${LAYERS:-$(by_memory 24 16)}
 SEQ=${SEQ:-8192}
 MICRO=${MICRO:-"4 8"}
-quiet() { grep -v "^\s*@\|^E1[0-9]*\|^W1[0-9]*\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(\|^\s*%\|^\s*}"; }
-source benchmarks/gpu/_limits.sh
 ls -la jax_dwdp/_lib
 for step in $STEPS; do
   time_for "$step" || continue

@@ -20,13 +20,11 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests prefill pipeline probe"}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-LAYERS=${LAYERS:-$([ "${mem:-0}" -gt 100000 ] && echo 40 || echo 32)}
+source benchmarks/gpu/_limits.sh
+LAYERS=${LAYERS:-$(by_memory 40 32)}
 PLAYERS=${PLAYERS:-20}
 PSEQ=${PSEQ:-8192}
 SEQS=${SEQS:-"4096 16384 32768"}
-quiet() { grep -v "^\s*@\|^E1[0-9]*\|^W1[0-9]*\|^\*\*\*\|slow_operation\|Very slow\|^$\|Warning\|warn(\|^\s*%\|^\s*}"; }
-source benchmarks/gpu/_limits.sh
 CLI=(python3 -c "import sys; from jax_dwdp.entry import main; sys.argv[0] = 'jax-dwdp'; sys.exit(main())")
 ls -la jax_dwdp/_lib
 echo "layers $LAYERS, pipeline layers $PLAYERS"
