@@ -413,7 +413,6 @@ def instrument(ranks: IndependentRanks) -> list:
         undo.append((module, name, getattr(module, name)))
         setattr(module, name, timed_call(name, getattr(module, name)))
     for runner in ranks.runners:
-        runner._barrier = timed_call("cpu_barrier wait (identity on GPUs)", runner._barrier)
         program = runner.program
 
         def timed_program(kind, *key, program=program):

@@ -154,6 +154,36 @@ def conv_chunk_gated_delta_rule(
                                                          head_dims=tuple(head_dims))
 
 
+def unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """(I + lower)^-1 for strictly lower-triangular `lower` [..., C, C], C a power of two: by doubling the
+    diagonal blocks, [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]], log2(C) levels of batched matmuls
+    (the stability of forward substitution).
+
+    Not `lax.linalg.triangular_solve`: on the CPU it is LAPACK's trsm, which splits its batch over XLA's intra-op
+    pool and blocks a pool thread until the pieces finish. That pool has max(cores, host devices) threads, so
+    when every host device of a mesh runs such a program at once (DWDP or DEP over all the host devices, or
+    pipeline stages side by side) every thread waits for pieces that no thread is left to run, forever.
+    Matmuls never wait on the pool."""
+    c = lower.shape[-1]
+    if c & (c - 1):
+        raise ValueError(f"unit_lower_inverse: the size {c} is not a power of two")
+    batch = lower.shape[:-2]
+    inv = jnp.ones((*batch, c, 1, 1), lower.dtype)  # the inverses of the 1 x 1 diagonal blocks
+    size = 1
+    while size < c:
+        n = c // (2 * size)
+        # The 2s x 2s diagonal blocks' lower-left s x s quarters: [..., n, s, s].
+        blocks = lower.reshape(*batch, n, 2 * size, n, 2 * size)
+        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
+        b = blocks[..., size:, :size]
+        a_inv, d_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        low = -jnp.einsum("...ij,...jk,...kl->...il", d_inv, b, a_inv, precision=_HI)
+        top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
+        inv = jnp.concatenate([top, jnp.concatenate([low, d_inv], axis=-1)], axis=-2)
+        size *= 2
+    return inv.reshape(*batch, c, c)
+
+
 def chunk_gated_delta_rule_xla(
     q: jax.Array,
     k: jax.Array,
@@ -198,9 +228,9 @@ def chunk_gated_delta_rule_xla(
     v_beta = v * beta[..., None]
     ut = jnp.einsum("bhnid,bhnjd->bhnij", k_beta, k, precision=_HI) * pair_decay
     # Unit lower-triangular system I + strict_lower(ut).
-    system = jnp.where(jnp.tril(jnp.ones((c, c), dtype=bool), -1), ut, 0.0) + jnp.eye(c, dtype=f32)
+    inverse = unit_lower_inverse(jnp.where(jnp.tril(jnp.ones((c, c), dtype=bool), -1), ut, 0.0))
     rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = jnp.einsum("bhnij,bhnjd->bhnid", inverse, rhs, precision=_HI)
     u, w = solved[..., :dv], solved[..., dv:]  # new values; decayed keys that read the old state
 
     intra = jnp.einsum("bhnid,bhnjd->bhnij", q, k, precision=_HI) * pair_decay

@@ -36,7 +36,7 @@ from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.experts import _EXPERT_WEIGHTS, AXIS, Local, PeerCopy, Store, is_expert_weight
-from jax_dwdp.parallel.mesh import cpu_barrier, put
+from jax_dwdp.parallel.mesh import put
 from jax_dwdp.parallel.runner import StageRunner
 
 EXPERT_CHOICES = ("local", "xla", "ffi", "dep")
@@ -358,7 +358,6 @@ class IndependentRanks:
         self.cfg, self.devices, self.experts = cfg, list(devices), experts
         self.store = None
         mesh = Mesh(np.array(self.devices), (AXIS,))
-        barrier = cpu_barrier(self.devices[0].platform)
         try:
             if experts == "ffi":
                 self.store = open_store(mesh, cfg, cfg.num_hidden_layers, dtype, **(store_options or {}))
@@ -373,8 +372,8 @@ class IndependentRanks:
             else:
                 # blocks[layer][rank]: rank r's shard of the split experts (a view, nothing is copied)
                 self.source = PeerCopy(self.devices, [list(zip(*(_by_rank(w) for w in layer)))
-                                                      for layer in expert_blocks(placed)], barrier)
-            self.runners = [StageRunner(placed, self.source, device=d, barrier=barrier) for d in self.devices]
+                                                      for layer in expert_blocks(placed)])
+            self.runners = [StageRunner(placed, self.source, device=d) for d in self.devices]
         except BaseException as e:
             self.close(e)
             raise
@@ -419,7 +418,7 @@ class IndependentRanks:
                     threads: bool | None = None) -> dict:
         """Every rank's own batch at once: work = {rank: (tokens, lengths or None)} -> {rank: (logits, cache)}.
 
-        Each rank's layers are enqueued from its own host thread (threads=None: on GPUs, not on the CPU), so the
+        Each rank's layers are enqueued from its own host thread (threads=None: whenever there are several), so the
         host time one rank spends dispatching its layer programs does not hold back the next rank's first layer.
         Every rank's input is checked before any rank starts. If a rank fails, the others are waited for, the
         expert source is aborted once (the FFI store's pending copies drained), and the first error is raised.
@@ -428,9 +427,7 @@ class IndependentRanks:
 
         work = {r: self._check(r, t, n, cache_len) for r, (t, n) in dict(work).items()}
         if threads is None:
-            # XLA's CPU client runs every host "device" on one small thread pool; two dispatching threads can
-            # deadlock it (seen with jax 0.10.2, see cpu_barrier), so the CPU runs the ranks in turn.
-            threads = len(work) > 1 and self.devices[0].platform != "cpu"
+            threads = len(work) > 1
         if not threads:
             return {r: self._prefill(r, t, n, logits, cache_len, sync_on_error=True) for r, (t, n) in work.items()}
         with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="dwdp-rank") as pool:

@@ -135,18 +135,17 @@ class Gather(ExpertSource):
 class PeerCopy(ExpertSource):
     """Independent ranks: `blocks[i][r]` = rank r's (gate_up, down) of layer i, on devices[r]. A rank pulls its
     peers' blocks of the next layer with device-to-device copies, issued before the current layer is enqueued;
-    at most two layers of remote experts are resident per rank. `barrier` (cpu_barrier) waits for the copies on
-    the CPU, whose client can deadlock on cross-device work enqueued ahead of its inputs."""
+    at most two layers of remote experts are resident per rank."""
 
-    def __init__(self, devices, blocks, barrier=lambda x: x):
-        self.devices, self.blocks, self._barrier = list(devices), blocks, barrier
+    def __init__(self, devices, blocks):
+        self.devices, self.blocks = list(devices), blocks
 
     def prefetch(self, index, h):
         device = next(iter(h.devices()))
         layer = self.blocks[index]
         own = self.devices.index(device)
         copies = [block if r == own else jax.device_put(block, device) for r, block in enumerate(layer)]
-        return self._barrier((tuple(b[0] for b in copies), tuple(b[1] for b in copies)))
+        return tuple(b[0] for b in copies), tuple(b[1] for b in copies)
 
     def experts(self, pending):
         gate_up, down = pending

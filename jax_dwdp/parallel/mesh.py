@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -60,20 +57,3 @@ def place(arrays, device: jax.Device | None = None) -> tuple:
         return tuple(jax.device_put(arrays, device))  # (an array already on `device` is not copied)
     moved = iter(jax.device_put([x for x in arrays if not isinstance(x, jax.Array)]))
     return tuple(x if isinstance(x, jax.Array) else next(moved) for x in arrays)
-
-
-def cpu_turns(platform: str):
-    """A lock that host threads driving several devices take around each step on the CPU (for the reason of
-    cpu_barrier: two programs executing at once on the CPU client's pool hung about half the runs of
-    `bench_pipeline.py --preset tiny --microbatches 2` on 2 cores); nothing on accelerators."""
-    return threading.Lock() if platform == "cpu" else contextlib.nullcontext()
-
-
-def cpu_barrier(platform: str):
-    """The identity on accelerators; on the CPU, a wait for the value to be computed.
-
-    XLA's CPU client runs all host "devices" on one small thread pool: a program enqueued before its input (another
-    device's output) is ready can hold the thread that input needs, and both wait forever (seen with jax 0.10.2 on
-    2 cores). So multi-device drivers wait between cross-device steps on the CPU; GPUs overlap freely.
-    """
-    return jax.block_until_ready if platform == "cpu" else (lambda x: x)

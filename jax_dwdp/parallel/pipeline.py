@@ -34,7 +34,7 @@ from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.dwdp import (CheckpointLayers, Placement, build_placed, check_experts_choice, connect_store,
                                     expert_blocks, model_range, open_store)
 from jax_dwdp.parallel.experts import AXIS, Dispatch, Gather, Local, Store
-from jax_dwdp.parallel.mesh import builder_device, cpu_barrier, cpu_turns, make_mesh, put
+from jax_dwdp.parallel.mesh import builder_device, make_mesh, put
 from jax_dwdp.parallel.runner import StageRunner, pad_batch, padded_rows, take_rows
 from jax_dwdp.prefill import InputError, check_tokens
 
@@ -316,8 +316,7 @@ class Pipeline:
         stage_threads (one process, several stages): each stage is enqueued from its own host thread, which takes
         the microbatches in order as the previous stage hands them on. From one thread, an enqueue that waits for a
         full launch queue on one GPU (a long stage is thousands of kernels) holds back the next stage's work on the
-        other GPU; per-stage threads let each device's queue fill independently (on CPU devices they take turns,
-        see below). False: one thread, stage by stage within each microbatch. (JAX's thread-local settings, e.g. a
+        other GPU; per-stage threads let each device's queue fill independently. False: one thread, stage by stage within each microbatch. (JAX's thread-local settings, e.g. a
         `jax.default_device` or `transfer_guard` context around this call, do not reach the stage threads; the
         stages place their inputs explicitly.)"""
         if layerwise and self.scan:
@@ -326,10 +325,6 @@ class Pipeline:
         batch = tokens.shape[0]
         size, used = microbatch_rows(batch, microbatches, self.ranks)
         tokens, lengths = pad_batch(tokens, lengths, size * used)
-        wait = cpu_barrier(self.devices[0].platform)
-        # On the CPU the stage threads take turns (cpu_turns); what they are for, each GPU's launch queue filled on
-        # its own, does not arise there.
-        turns = cpu_turns(self.devices[0].platform)
         hidden = (size, tokens.shape[1], self.cfg.hidden_size)
         options = {} if self.scan else {"layerwise": layerwise}
 
@@ -338,13 +333,12 @@ class Pipeline:
             output, its cache; None where another process runs the stage, x then passed on as it is)."""
             rows = slice(m * size, (m + 1) * size)
             if self.handoffs[s] is not None:  # stage s-1's process -> stage s's process
-                x = wait(self.handoffs[s](x, hidden, self.dtype))
+                x = self.handoffs[s](x, hidden, self.dtype)
             if self.runners[s] is None:
                 return x, None
-            with turns:
-                x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
-                lens = put(lengths[rows], self.input_shardings[s])
-                return wait(self.runners[s](x, lens, logits=logits, cache_len=cache_len, **options))
+            x = put(x, self.input_shardings[s])  # stage s-1 rank r -> stage s rank r
+            lens = put(lengths[rows], self.input_shardings[s])
+            return self.runners[s](x, lens, logits=logits, cache_len=cache_len, **options)
 
         inputs = [tokens[m * size:(m + 1) * size] for m in range(used)]
         threaded = stage_threads and len(self.stages) > 1 and not any(self.handoffs)

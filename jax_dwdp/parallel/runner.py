@@ -49,11 +49,8 @@ class StageRunner:
     """runner(x, lengths, *, logits, cache_len, layerwise) -> (logits or hidden states, the stage's Cache)."""
 
     def __init__(self, model: Qwen35MoeForCausalLM, source: ExpertSource | None = None, *, mesh: Mesh | None = None,
-                 device: jax.Device | None = None, barrier=lambda x: x):
-        """`barrier` (cpu_barrier) waits for each layer on the CPU, for drivers that run several devices' layers
-        from Python (see cpu_barrier)."""
+                 device: jax.Device | None = None):
         self.source, self.mesh, self.device = source or Local(), mesh, device
-        self._barrier = barrier
         self.ranks = mesh.shape[AXIS] if mesh is not None else 1
         graphdef, state = nnx.split(model)
         # The weights the programs take: the experts replaced by scalar placeholders when the source provides them.
@@ -223,8 +220,7 @@ class _Programs:
 
     def layer(self, i, layer, h, positions, lengths, pending, ahead, layer_cache):
         program = self.runner.program("layer", layer.layer_type)
-        return self.runner._barrier(program(self.runner.layer_states[i], h, positions, lengths, pending, ahead,
-                                            layer_cache))
+        return program(self.runner.layer_states[i], h, positions, lengths, pending, ahead, layer_cache)
 
     def head(self, mode, h, lengths):
         return self.runner.program("head", mode)(self.runner.shell_state, h, lengths)
@@ -252,7 +248,7 @@ class _Profiled(_Programs):
 
     def __init__(self, runner: StageRunner):
         super().__init__(runner)
-        threads = runner.ranks > 1 and jax.devices()[0].platform != "cpu"  # (the CPU client: see cpu_barrier)
+        threads = runner.ranks > 1
         self._pool = ThreadPoolExecutor(runner.ranks, thread_name_prefix="profile-rank") if threads else None
         self.mixer_ms, self.moe_ms, self.layer_ms = [], [], []
 
