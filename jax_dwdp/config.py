@@ -27,6 +27,38 @@ class ConfigError(ValueError):
     """A model configuration that jax_dwdp cannot run; the message names the field."""
 
 
+def json_error(e: json.JSONDecodeError) -> str:
+    """Where and what: "line 15, column 3: Invalid control character". json's own messages for some errors end in
+    "at" or "starting at" (they expect a position to follow), which is cut here."""
+    msg = e.msg.removesuffix(" at").removesuffix(" starting")
+    return f"line {e.lineno}, column {e.colno}: {msg}"
+
+
+def read_json_file(path: str | Path, error: type[ValueError] | None = None) -> Any:
+    """The parsed contents of a UTF-8 JSON file, or `error` (default ConfigError) with one line naming the file and
+    the problem: missing, a folder, unreadable, not UTF-8, not JSON."""
+    path, error = Path(path), error or ConfigError
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a folder, expected a JSON file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); expected UTF-8 "
+                    "JSON") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({json_error(e)})") from None
+    except RecursionError:
+        raise error(f"{path}: not valid JSON (nested too deeply)") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every number the Qwen3.5-MoE text model needs (see shared/docs/qwen35_moe_spec.md)."""
@@ -211,14 +243,7 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_hf_dict(raw, source=str(path))
+        return cls.from_hf_dict(read_json_file(path), source=str(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The flat HF text config (model_type qwen3_5_moe_text) that rebuilds this config."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from flax import nnx
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model
 from jax_dwdp.weights import hf_names
-from jax_dwdp.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+from jax_dwdp.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint, orbax_without_marker
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,16 @@ class LoadReport:
     skipped_other_layers: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
-    # Checkpoint tensors whose dtype was changed while loading: {"float32->bfloat16": count}.
+    # Loaded tensors whose dtype was changed while loading: {"float32->bfloat16": count}. Counted per tensor of the
+    # model (as tensors_loaded), not per source tensor: a fused expert tensor assembled from 2 x num_experts
+    # per-expert pieces counts once.
     cast: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def count_cast(self, source: np.dtype, target: np.dtype) -> None:
-        if source != target:
-            key = f"{np.dtype(source).name}->{np.dtype(target).name}"
+    def count_cast(self, source: np.dtype | str, target: np.dtype) -> None:
+        """source: a dtype, or the name of the source dtypes of an assembled tensor ("bfloat16+float32")."""
+        name = source if isinstance(source, str) else np.dtype(source).name
+        if name != np.dtype(target).name:
+            key = f"{name}->{np.dtype(target).name}"
             self.cast[key] = self.cast.get(key, 0) + 1
 
     def line(self) -> str:
@@ -62,15 +67,22 @@ def cast_line(cast: dict[str, int]) -> str:
 
 def load_config(checkpoint_dir: str | Path) -> ModelConfig:
     path = Path(checkpoint_dir) / "config.json"
+    if not os.path.lexists(path):  # a copy of a conversion's items, made before it wrote its config and marker
+        orbax = orbax_without_marker(Path(checkpoint_dir))
+        if orbax is not None:
+            raise CheckpointError(orbax)
     return ModelConfig.from_json_file(path)
 
 
-def _convert(array: np.ndarray, dtype: np.dtype | None, name: str, file: Path, report: LoadReport) -> np.ndarray:
-    """The tensor in `dtype` (None: its own), counted in report.cast when that changes it."""
+def _convert(array: np.ndarray, dtype: np.dtype | None, name: str, file: Path,
+             report: LoadReport | None) -> np.ndarray:
+    """The tensor in `dtype` (None: its own), counted in report.cast when that changes it (report None: not
+    counted; an expert piece is counted with its assembled tensor)."""
     if not (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
         raise CheckpointError(f"{file}: tensor {name} has dtype {array.dtype}; expected a floating-point tensor")
     target = array.dtype if dtype is None else np.dtype(dtype)
-    report.count_cast(array.dtype, target)
+    if report is not None:
+        report.count_cast(array.dtype, target)
     return array.astype(target, copy=False)
 
 
@@ -82,6 +94,7 @@ class _ExpertAssembler:
         self.report = report
         self.buffers: dict[hf_names.Path, np.ndarray] = {}
         self.seen: dict[hf_names.Path, set[tuple[int, str]]] = {}
+        self.sources: dict[hf_names.Path, set[str]] = {}  # the pieces' dtypes, for report.cast
 
     def add(self, target: hf_names.Target, piece: np.ndarray, shape, dtype, name: str, file: Path):
         """dtype None: the first piece's dtype (pieces of another dtype are cast to it, and counted)."""
@@ -95,12 +108,17 @@ class _ExpertAssembler:
         if buf is None:
             buf = self.buffers[target.path] = np.empty(shape, piece.dtype if dtype is None else dtype)
             self.seen[target.path] = set()
+            self.sources[target.path] = set()
         rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[target.part]
-        buf[target.expert, rows] = _convert(piece, buf.dtype, name, file, self.report)
+        buf[target.expert, rows] = _convert(piece, buf.dtype, name, file, None)
         self.seen[target.path].add((target.expert, target.part))
+        self.sources[target.path].add(np.dtype(piece.dtype).name)
         parts = ("down_proj",) if target.part == "down_proj" else ("gate_proj", "up_proj")
         if len(self.seen[target.path]) == self.cfg.num_experts * len(parts):
             del self.seen[target.path]
+            # One assembled tensor, counted once: under its pieces' dtype, or all of them ("bfloat16+float32")
+            # when they differ.
+            self.report.count_cast("+".join(sorted(self.sources.pop(target.path))), buf.dtype)
             return self.buffers.pop(target.path)
         return None
 
@@ -191,7 +209,7 @@ def load_hf_checkpoint(
     report = LoadReport()
     assembler = _ExpertAssembler(cfg, report)
 
-    def place(path, array: np.ndarray, name: str, file: Path):
+    def place(path, array: np.ndarray, name: str, file: Path, assembled: bool = False):
         var = expected[path]
         if tuple(array.shape) != tuple(var.shape):
             raise CheckpointError(
@@ -199,7 +217,8 @@ def load_hf_checkpoint(
             )
         if path in loaded:
             raise CheckpointError(f"{file}: tensor {name} is given twice (as fused and per-expert tensors?)")
-        host = _convert(array, None if keep else var.dtype, name, file, report)
+        # An assembled expert tensor was counted in report.cast by the assembler (once, not per piece).
+        host = _convert(array, None if keep else var.dtype, name, file, None if assembled else report)
         loaded[path] = put(host, placement(path, tuple(var.shape), host.dtype))
         report.tensors_loaded += 1
 
@@ -234,7 +253,7 @@ def load_hf_checkpoint(
                 fused = assembler.add(target, ckpt.read(name), tuple(var.shape), None if keep else var.dtype, name,
                                       info.file)
                 if fused is not None:
-                    place(target.path, fused, name, info.file)
+                    place(target.path, fused, name, info.file, assembled=True)
             else:
                 path = target.path
                 if path == ("embed_tokens", "weight") and cfg.tie_word_embeddings and ("lm_head", "weight") in expected:

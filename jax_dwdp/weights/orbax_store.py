@@ -45,15 +45,16 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jax_dwdp.config import ModelConfig
+from jax_dwdp.config import ModelConfig, read_json_file
 from jax_dwdp.model import abstract_model
-from jax_dwdp.weights.safetensors_reader import CheckpointError
+from jax_dwdp.weights.safetensors_reader import ORBAX_MARKER, CheckpointError, orbax_without_marker
 
 FORMAT = "jax_dwdp-orbax"
 FORMAT_VERSION = 1
-MARKER = "jax_dwdp.json"
+MARKER = ORBAX_MARKER  # "jax_dwdp.json"
 # Test hook: SIGKILL the converter after this many layers, to prove that a killed conversion leaves nothing.
 _KILL_AFTER_LAYERS = "JAX_DWDP_TEST_KILL_AFTER_LAYERS"
 # "0": turn off page reuse (below), for A/B measurements; the default is on.
@@ -87,6 +88,9 @@ class _KeepFreedMemory:
     again and malloc_trim(0), so the memory goes back. Not glibc: does nothing."""
 
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+
+    def __init__(self):
+        self._libc = None  # __exit__ without __enter__ (the conversion failed before it) does nothing
 
     def __enter__(self):
         try:
@@ -134,6 +138,8 @@ def _checksum_item(root: Path, item: Path) -> dict[str, list[int]]:
 def _describe(relpath: str) -> str:
     """'layer 2, tensor mlp.experts.down_proj' for layers/002/mlp.experts.down_proj/3.0.0."""
     parts = relpath.split("/")
+    if parts[0] == "layers" and len(parts) > 1 and not parts[1].isdigit():
+        return "/".join(parts[:2])
     where = f"layer {int(parts[1])}" if parts[0] == "layers" and len(parts) > 1 else parts[0]
     depth = 2 if parts[0] == "layers" else 1
     if len(parts) > depth + 1:  # a file inside an array's folder
@@ -175,15 +181,105 @@ def checksums_checked(enabled: bool):
 
 
 def verify_checkpoint(directory: str | Path) -> dict:
-    """Checks every file of a checkpoint against its size and CRC-32: {"files", "bytes", "seconds"}, or
-    CheckpointError naming the layer, tensor and file of the first bad one."""
+    """Checks every file of a checkpoint against its size and CRC-32, then that every tensor is finite:
+    {"files", "bytes", "tensors", "seconds"}, or CheckpointError naming the layer, tensor and file of the first bad
+    file, or every tensor that holds NaN or Inf (with the counts).
+
+    The checksums prove the files are what convert wrote, not that the weights are usable: a source with NaN or
+    Inf converts to a checkpoint whose every checksum matches and whose logits are all NaN. The finite check
+    restores one item (one layer) at a time onto the host, in its stored dtype, so host memory holds one layer."""
     directory = Path(directory)
     files = read_marker(directory).get("files")
     if not files:
         raise CheckpointError(f"{directory / MARKER}: no checksums (converted by an older jax_dwdp); convert it again")
     t0 = time.perf_counter()
     n, nbytes = _verify_files(directory, files)
-    return {"directory": str(directory), "files": n, "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
+    items = sorted({name.split("/")[0] if not name.startswith("layers/") else "/".join(name.split("/")[:2])
+                    for name in files if "/" in name}, key=lambda item: (item != "embed", item == "head", item))
+    bad, tensors = [], 0
+    for item in items:
+        arrays = _restore_stored(directory, directory / item)
+        tensors += len(arrays)
+        bad += [(item, name, *counts) for name, counts in _nonfinite(arrays).items()]
+        del arrays
+    if bad:
+        raise CheckpointError(f"{directory}: {_nonfinite_line(bad)} (the files match their checksums: the values "
+                              "came from the source); a prefill with them gives NaN logits")
+    return {"directory": str(directory), "files": n, "bytes": nbytes, "tensors": tensors,
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+_COUNT_BLOCK = 1 << 22  # elements checked at a time: the masks take this many bytes, not the tensor's size
+# Half-precision floats are checked on their bits (every exponent bit set: Inf or NaN), ~3x faster than np.isfinite
+# on bfloat16 (a numpy extension type); float32 and float64 with np.isfinite. 13-17 GB/s on one CPU core, so a
+# conversion (0.3-1 GB/s) spends a few percent on it.
+_EXPONENT_BITS = {np.dtype(jnp.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
+
+
+def _nonfinite(arrays: dict) -> dict:
+    """{key: (NaN count, Inf count, values)} of the host (CPU) arrays that hold NaN or Inf, checked in blocks."""
+    out = {}
+    for key, x in arrays.items():
+        flat = np.asarray(x).reshape(-1)  # a host jax.Array: no copy
+        if not np.issubdtype(flat.dtype, np.inexact) and flat.dtype not in _EXPONENT_BITS:
+            continue
+        bits = _EXPONENT_BITS.get(flat.dtype)
+        bad = False
+        for start in range(0, flat.size, _COUNT_BLOCK):
+            block = flat[start:start + _COUNT_BLOCK]
+            if bits is not None:
+                exponent = block.view(np.uint16) & bits
+                bad = bool(np.any(exponent == bits))
+            else:
+                bad = not np.isfinite(block).all()
+            if bad:
+                break
+        if not bad:
+            continue
+        nan = inf = 0
+        for start in range(0, flat.size, _COUNT_BLOCK):
+            block = flat[start:start + _COUNT_BLOCK]
+            nan += int(np.count_nonzero(np.isnan(block)))
+            inf += int(np.count_nonzero(np.isinf(block)))
+        out[key] = (nan, inf, int(flat.size))
+    return out
+
+
+def _nonfinite_line(bad: list[tuple[str, str, int, int, int]], limit: int = 6) -> str:
+    """'2 tensors hold NaN or Inf: layer 1, tensor mlp.experts.down_proj: 3 NaN, 0 Inf of 16384 values; ...' for
+    (item, tensor, NaN, Inf, values) rows; items are "embed", "head" or "layers/NNN"."""
+    def where(item: str) -> str:
+        return f"layer {int(item.split('/')[1])}" if item.startswith("layers/") else item
+
+    rows = [f"{where(item)}, tensor {name}: {nan} NaN, {inf} Inf of {size} values"
+            for item, name, nan, inf, size in bad[:limit]]
+    more = f"; and {len(bad) - limit} more" if len(bad) > limit else ""
+    return f"{len(bad)} tensor{'s hold' if len(bad) > 1 else ' holds'} NaN or Inf: {'; '.join(rows)}{more}"
+
+
+def _restore_stored(directory: Path, item: Path) -> dict[str, jax.Array]:
+    """{dotted name: array} of every array of an item, in its stored dtype, on the host CPU."""
+    import orbax.checkpoint as ocp
+
+    if not item.is_dir():
+        raise CheckpointError(f"{item}: missing from the checkpoint")
+    ckpt = _checkpointer()
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    _silence_orbax_leftover_reads()
+    try:
+        meta = ckpt.metadata(item)
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=cpu, global_shape=tuple(m.shape), dtype=m.dtype),
+                            tree)
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), tree)
+        restored = ckpt.restore(item, item=target, restore_args=args)
+    except Exception as e:  # Orbax/tensorstore raise many types for damaged or mismatched data
+        _silence_orbax_leftover_reads()
+        raise CheckpointError(_restore_error(directory, item, e)) from None
+    finally:
+        ckpt.close()
+    return {".".join(str(k.key) for k in path): x for path, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
 
 
 def _files_to_read(directory: Path, item: Path, files: dict[str, list[int]], expert_rows: dict[str, set[int]]) -> dict:
@@ -248,6 +344,28 @@ def _silence_orbax_leftover_reads() -> None:
     sys.excepthook, threading.excepthook = excepthook, thread_hook
 
 
+class _LeftoverWrites(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for a tensorstore write of Orbax that failed (the disk
+    full): the failure was raised in the converting thread and reported there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (str(record.msg).startswith("Task exception was never retrieved")
+                    and "Error writing local file" in str(exc))
+
+
+_LEFTOVER_WRITES = _LeftoverWrites()
+
+
+def _silence_orbax_leftover_writes() -> None:
+    """When one write of an item fails (a full disk), Orbax (0.12.8) raises the error in the caller and leaves the
+    item's other writes behind: asyncio logs each as "Task exception was never retrieved" with a traceback when it
+    is collected (often at exit, after the error line), and a closed event loop's callbacks report "Event loop is
+    closed" (see _silence_orbax_leftover_reads). Drops exactly those reports, for the rest of the process."""
+    _silence_orbax_leftover_reads()
+    logging.getLogger("asyncio").addFilter(_LEFTOVER_WRITES)  # (once: addFilter skips a filter it has)
+
+
 def _restore_error(directory: Path, item: Path, error: BaseException) -> str:
     """One line for a failed restore: the file tensorstore could not read (with layer and tensor) when it says."""
     seen = error
@@ -261,7 +379,9 @@ def _restore_error(directory: Path, item: Path, error: BaseException) -> str:
                 what = item.name
             return f"{path}: cannot read ({what}): {m.group(2)}; the checkpoint is damaged, convert it again"
         seen = seen.__cause__ or seen.__context__
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not first or re.search(r"<bound method |<function |<built-in | object at 0x", first):
+        first = type(error).__name__  # a Python repr (a pybind11 callback's) says nothing to a user
     return f"{item}: cannot restore ({first[:300]})"
 
 
@@ -327,9 +447,18 @@ class _QuietAbsl:
         self._logger = logging.getLogger("absl")
         self._level = self._logger.level
         self._logger.setLevel(logging.ERROR)
+        self._logger.addFilter(self._thread_failure)
         return self
 
+    @staticmethod
+    def _thread_failure(record: logging.LogRecord) -> bool:
+        """Drops Orbax's "_SignalingThread.run() raised an exception" (an ERROR with the writer thread's traceback,
+        one per thread that failed: a full disk gave two): the same exception is raised again in the converting
+        thread, which reports it once, as one line."""
+        return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
     def __exit__(self, *exc):
+        self._logger.removeFilter(self._thread_failure)
         self._logger.setLevel(self._level)
         return False
 
@@ -383,7 +512,15 @@ def _lock_destination(out_dir: Path) -> int:
     longer names its file and tries again with a fresh one."""
     path = _lock_path(out_dir)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except IsADirectoryError:
+            raise CheckpointError(f"{path}: is a folder; convert keeps its lock file there while it writes "
+                                  f"{out_dir.name} (and removes it after): remove that folder or choose another "
+                                  "OUT_DIR") from None
+        except OSError as e:  # a read-only file system, an immutable folder, /proc or /sys
+            raise CheckpointError(f"{out_dir}: cannot write in {out_dir.parent} ({e.strerror or e}: creating the "
+                                  f"lock file {path.name})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -397,8 +534,13 @@ def _lock_destination(out_dir: Path) -> int:
             current = None
         mine = os.fstat(fd)
         if current is not None and (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as e:  # the pid is for the message of a second conversion; a full disk refuses it
+                _unlock_destination(out_dir, fd)
+                raise CheckpointError(f"{out_dir}: cannot write in {out_dir.parent} ({e.strerror or e}: writing "
+                                      f"the lock file {path.name})") from None
             return fd
         os.close(fd)
 
@@ -406,6 +548,8 @@ def _lock_destination(out_dir: Path) -> int:
 def _unlock_destination(out_dir: Path, fd: int) -> None:
     try:
         os.unlink(_lock_path(out_dir))
+    except OSError:  # (made immutable meanwhile): a lock file left behind is taken by the next conversion
+        pass
     finally:
         os.close(fd)
 
@@ -453,21 +597,63 @@ def _rename_noreplace(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
 
+def _check_replaceable(out_dir: Path) -> None:
+    """--overwrite replaces a jax_dwdp checkpoint (a folder with the marker convert writes) or an empty folder and
+    nothing else: a folder of other files, a file or a link at a mistyped OUT_DIR is someone's data, which
+    --overwrite would delete. Raises CheckpointError saying what OUT_DIR is."""
+    rule = ("--overwrite replaces only a checkpoint made by convert (a folder with its marker file "
+            f"{MARKER}) or an empty folder; remove it yourself or choose another OUT_DIR")
+    if os.path.islink(out_dir):
+        raise CheckpointError(f"{out_dir}: is a symbolic link, not a jax_dwdp checkpoint; {rule}")
+    if not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir}: is a file, not a jax_dwdp checkpoint; {rule}")
+    if (out_dir / MARKER).exists():
+        try:
+            marker = read_json_file(out_dir / MARKER, CheckpointError)
+        except CheckpointError as e:
+            raise CheckpointError(f"{out_dir}: not a jax_dwdp checkpoint ({e}); {rule}") from None
+        if isinstance(marker, dict) and marker.get("format") == FORMAT:  # any version: convert replaces old ones
+            return
+        raise CheckpointError(f"{out_dir}: not a jax_dwdp checkpoint ({MARKER} is not convert's marker); {rule}")
+    try:
+        entries = sorted(os.listdir(out_dir))
+    except OSError as e:
+        raise CheckpointError(f"{out_dir}: cannot list it ({e.strerror or e}); {rule}") from None
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise CheckpointError(f"{out_dir}: not a jax_dwdp checkpoint (no {MARKER}; it holds {len(entries)} "
+                              f"entr{'ies' if len(entries) > 1 else 'y'}: {shown}); {rule}")
+
+
 def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    """Moves the finished checkpoint to OUT_DIR. An existing OUT_DIR (a folder or a file) is replaced only with
-    overwrite, moved aside first and removed after; anything that appears at OUT_DIR meanwhile is never replaced."""
+    """Moves the finished checkpoint to OUT_DIR. An existing OUT_DIR is replaced only with overwrite and only when
+    it is a checkpoint or an empty folder (checked before the conversion and again here, under the lock), moved
+    aside first and removed after; anything that appears at OUT_DIR meanwhile is never replaced."""
     old = None
     if overwrite and os.path.lexists(out_dir):
+        _check_replaceable(out_dir)
         old = out_dir.parent / f"{out_dir.name}.old-{os.getpid()}"
-        os.rename(out_dir, old)
+        try:
+            os.rename(out_dir, old)
+        except OSError as e:  # an immutable OUT_DIR (chattr +i)
+            raise CheckpointError(f"{out_dir}: cannot move it aside to replace it ({e.strerror or e}); it was left "
+                                  "as it is and the new checkpoint was discarded") from None
     try:
         _rename_noreplace(tmp, out_dir)
     except FileExistsError:
         kept = f"; the checkpoint it replaces is at {old}" if old is not None else ""
         raise CheckpointError(f"{out_dir}: appeared while converting; it was left as it is and the new checkpoint "
                               f"was discarded{kept}") from None
+    except OSError as e:
+        kept = f"; the checkpoint it replaces is at {old}" if old is not None else ""
+        raise CheckpointError(f"{out_dir}: cannot move the new checkpoint there ({e.strerror or e}); it was "
+                              f"discarded{kept}") from None
     if old is not None:
-        _remove(old)
+        try:
+            _remove(old)
+        except OSError as e:
+            raise CheckpointError(f"{out_dir}: converted, but the checkpoint it replaced could not be removed from "
+                                  f"{old} ({e.strerror or e}); remove it yourself") from None
 
 
 def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, overwrite: bool = False,
@@ -496,6 +682,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, 
     try:
         if os.path.lexists(out_dir) and not overwrite:
             raise CheckpointError(f"{out_dir}: already exists; pass --overwrite to replace it")
+        if os.path.lexists(out_dir):
+            _check_replaceable(out_dir)
         _remove_stale_partials(out_dir)
         with _QuietAbsl(), _DeferInterrupt() as interrupt:
             return _convert_locked(hf_dir, out_dir, cfg, None if dtype is None else jnp.dtype(dtype), overwrite,
@@ -512,7 +700,9 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
     bar_open = False  # a progress line without its newline yet
     tmp = out_dir.parent / f"{out_dir.name}.partial-{os.getpid()}"
     t0 = time.perf_counter()
-    summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0, "dtypes": {}, "cast": {}}
+    # non_finite: [item, tensor, NaN count, Inf count, values] of the tensors that hold NaN or Inf (converted as
+    # they are, with a warning: a user may want the checkpoint anyway; `verify` refuses it).
+    summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0, "dtypes": {}, "cast": {}, "non_finite": []}
     files: dict[str, list[int]] = {}  # every file's [size, crc32], for the marker
     crc_seconds = 0.0
     kill_after = int(os.environ.get(_KILL_AFTER_LAYERS, "-1"))
@@ -520,8 +710,11 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
     reuse = os.environ.get(_PAGE_REUSE, "1") != "0"
     keep = _KeepFreedMemory() if reuse else None
 
+    writing = tmp.name  # what a failed write was writing, for its message
+
     def save(item: Path, tree: dict, **kw) -> None:
-        nonlocal crc_seconds
+        nonlocal crc_seconds, writing
+        writing = _item_name(item.relative_to(tmp).as_posix())
         ckpt.save(item, tree, **kw)  # synchronous: the item is complete when it returns
         t = time.perf_counter()
         files.update(_checksum_item(tmp, item))  # its pages are still cached: no disk read
@@ -530,6 +723,7 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
             _drop_written_pages(item)
         interrupt.check()
 
+    _silence_orbax_leftover_writes()
     try:
         tmp.mkdir()
         if keep is not None:
@@ -552,6 +746,9 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
             for key, count in report.cast.items():
                 summary["cast"][key] = summary["cast"].get(key, 0) + count
             summary["skipped_non_text"] = report.skipped_non_text
+            for p, counts in _nonfinite({p: v.get_value() for p, v in flat}).items():
+                item = f"layers/{layer_id:03d}" if p[0] == "layers" else "embed" if p[0] == "embed_tokens" else "head"
+                summary["non_finite"].append([item, ".".join(map(str, p[2:] if p[0] == "layers" else p)), *counts])
             layer = [(p[2:], v.get_value()) for p, v in flat if p[0] == "layers"]
             save(_layer_dir(tmp, layer_id), _to_tree(layer), save_args=_to_tree(
                 [(p, _save_args(p, v)) for p, v in layer]))
@@ -568,6 +765,7 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
         if bar_open:
             progress.write("\n")
             bar_open = False
+        writing = "config.json"
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
         files["config.json"] = list(_file_crc(tmp / "config.json"))
         seconds = time.perf_counter() - t0
@@ -576,14 +774,18 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
                        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                        dtype=None if dtype is None else dtype.name, layers=cfg.num_hidden_layers, source=str(hf_dir),
                        output=str(out_dir))
+        writing = MARKER
         (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, **summary, "files": files},
                                              indent=1))
         _publish(tmp, out_dir, overwrite)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if bar_open:  # end the bar's line, so that the caller's error message gets a line of its own
             progress.write("\n")
             progress.flush()
+        message = None if isinstance(e, CheckpointError) else _write_error(e, tmp, out_dir, writing, source, dtype)
+        if message is not None:
+            raise CheckpointError(message) from None
         raise
     finally:
         if ckpt is not None:
@@ -592,20 +794,100 @@ def _convert_locked(hf_dir: Path, out_dir: Path, cfg: ModelConfig, dtype, overwr
             source.close()
         if keep is not None:
             keep.__exit__(None, None, None)
+    if summary["non_finite"]:
+        print(f"warning: {hf_dir}: {_nonfinite_line(summary['non_finite'])}; converted as they are (a prefill with "
+              "them gives NaN logits)", file=sys.stderr, flush=True)
     return summary
 
 
+def _item_name(relpath: str) -> str:
+    """'layer 3' for layers/003, 'the embedding (embed/)', 'the head (head/)'."""
+    parts = relpath.split("/")
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        return f"layer {int(parts[1])}"
+    return {"embed": "the embedding (embed/)", "head": "the head (head/)"}.get(parts[0], relpath)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _write_error(error: BaseException, tmp: Path, out_dir: Path, writing: str, source, dtype) -> str | None:
+    """One line for a conversion that failed writing its output: the disk full (an OSError, or tensorstore's
+    RESOURCE_EXHAUSTED from inside Orbax) or another OS error, with the item being written (the layer, tensor and
+    file when tensorstore names it). None for any other failure."""
+    code, path, seen = None, None, error
+    while seen is not None and code is None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            code, path = seen.errno, seen.filename
+        else:
+            m = re.search(r"os_error_code='(\d+)'", str(seen))
+            if m:
+                code = int(m.group(1))
+                f = re.search(r'Error writing local file "([^"]+)"', str(seen))
+                path = f.group(1) if f else None
+        seen = seen.__cause__ or seen.__context__
+    if code is None or isinstance(error, KeyboardInterrupt):
+        return None
+    where = ""
+    if path is not None:
+        try:
+            rel = Path(path).relative_to(tmp).as_posix().replace(".orbax-checkpoint-tmp", "")
+        except ValueError:
+            where = f" (file {path})"
+        else:
+            desc = _describe(rel)
+            tensor = desc.split(", ", 1)[1] + ", " if ", tensor " in desc else ""
+            where = f" ({tensor}file {rel})" if rel not in (".", writing) else ""
+    if code in _NO_SPACE:
+        need = _needed_bytes(source, dtype)
+        size = f" (the checkpoint needs about {need / 1e9:.3g} GB)" if need else ""
+        return (f"{out_dir}: no space left on device while writing {writing}{where}; the partial checkpoint was "
+                f"removed; free space in {out_dir.parent}{size} and convert again")
+    if writing == tmp.name:
+        return f"{out_dir}: cannot write in {out_dir.parent} ({os.strerror(code)}: creating the folder {tmp.name})"
+    return (f"{out_dir}: cannot write ({os.strerror(code)}) while writing {writing}{where}; the partial "
+            "checkpoint was removed")
+
+
+def _needed_bytes(source, dtype) -> int:
+    """About the bytes of the converted text model (from the source's headers): for the message of a full disk."""
+    from jax_dwdp.weights import hf_names
+    from jax_dwdp.weights.safetensors_reader import DTYPES
+
+    if source is None:
+        return 0
+    total = 0
+    for name in source.names():
+        target = hf_names.classify(name, 0, 0)
+        if target is None or target.kind == "non_text":
+            continue
+        info = source.info(name)
+        itemsize = DTYPES[info.dtype].itemsize
+        total += info.nbytes if dtype is None else info.nbytes // itemsize * jnp.dtype(dtype).itemsize
+    return total
+
+
 def read_marker(directory: Path) -> dict:
-    try:
-        marker = json.loads((directory / MARKER).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory}: not a jax_dwdp Orbax checkpoint (no {MARKER})") from None
-    except json.JSONDecodeError:
-        raise CheckpointError(f"{directory / MARKER}: not valid JSON") from None
+    if not os.path.lexists(directory / MARKER):
+        raise CheckpointError(orbax_without_marker(directory)
+                              or f"{directory}: not a jax_dwdp Orbax checkpoint (no {MARKER})")
+    marker = read_json_file(directory / MARKER, CheckpointError)
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"{directory / MARKER}: expected a JSON object")
     if marker.get("format") != FORMAT or marker.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{directory / MARKER}: format {marker.get('format')!r} version "
                               f"{marker.get('version')!r}; expected {FORMAT!r} version {FORMAT_VERSION}")
     return marker
+
+
+def _snapshot(directory: Path) -> tuple | None:
+    """What changes when a checkpoint folder is replaced (convert --overwrite renames a new folder in) or its
+    marker rewritten: the folder's and the marker's identity and the marker's size and times. None: gone."""
+    try:
+        folder, marker = os.stat(directory), os.stat(directory / MARKER)
+    except OSError:
+        return None
+    return (folder.st_dev, folder.st_ino, marker.st_ino, marker.st_size, marker.st_mtime_ns, marker.st_ctime_ns)
 
 
 def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_layer: int = 0,
@@ -617,13 +899,36 @@ def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_la
     checksums of the marker first (None: as set by checksums_checked, by default yes); without it their sizes are
     still checked (a stat each), so that a truncated file never reaches Orbax, whose failed reads leave threads that
     print tracebacks at exit. Checkpoints converted before checksums are not checked. Returns (model, LoadReport).
+
+    A folder replaced or rewritten while it is read (`convert --overwrite` into it) fails its checksums or reads,
+    or with --no-verify could mix layers of two checkpoints: the folder and its marker are compared before and
+    after, and a change is reported as such ("changed while being read; run again"), whether the load failed or not.
     """
+    directory = Path(directory)
+    before = _snapshot(directory)
+    try:
+        result = _load_orbax(directory, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
+                             placement=placement, verify=verify)
+    except Exception:
+        if before is not None and _snapshot(directory) != before:
+            raise CheckpointError(_changed(directory)) from None
+        raise
+    if _snapshot(directory) != before:
+        raise CheckpointError(_changed(directory))
+    return result
+
+
+def _changed(directory: Path) -> str:
+    return (f"{directory}: changed while being read (replaced or rewritten, e.g. by `jax-dwdp convert --overwrite` "
+            "into it); run again")
+
+
+def _load_orbax(directory: Path, *, dtype, start_layer: int, end_layer: int | None, placement, verify: bool | None):
     from jax_dwdp.weights.hf_loader import LoadReport
 
     import orbax.checkpoint as ocp
 
     t0 = time.perf_counter()
-    directory = Path(directory)
     marker = read_marker(directory)
     files, crc = marker.get("files"), _VERIFY.get() if verify is None else verify
     cfg = ModelConfig.from_json_file(directory / "config.json")

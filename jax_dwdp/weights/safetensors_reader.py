@@ -30,6 +30,10 @@ import ml_dtypes
 import numpy as np
 
 INDEX_FILENAME = "model.safetensors.index.json"
+# The marker file of a jax_dwdp Orbax checkpoint (orbax_store.MARKER), named here so that a folder that looks like
+# one but lacks it gets a message that says so instead of "no *.safetensors files".
+ORBAX_MARKER = "jax_dwdp.json"
+_ORBAX_ITEMS = ("layers", "embed", "head")
 _METADATA_KEY = "__metadata__"
 _LENGTH_PREFIX_BYTES = 8
 _REQUIRED_FIELDS = ("dtype", "shape", "data_offsets")
@@ -37,6 +41,17 @@ _REQUIRED_FIELDS = ("dtype", "shape", "data_offsets")
 
 class CheckpointError(ValueError):
     """A checkpoint file or folder is missing, malformed or inconsistent."""
+
+
+def orbax_without_marker(directory: Path) -> str | None:
+    """A message when `directory` holds a jax_dwdp Orbax checkpoint's items (layers/, embed/, head/) but no
+    marker file, which convert writes last; None otherwise. Such a folder is not an HF checkpoint either."""
+    items = [name for name in _ORBAX_ITEMS if (directory / name).is_dir()]
+    if not items or (directory / ORBAX_MARKER).is_file():
+        return None
+    return (f"{directory}: looks like a jax_dwdp Orbax checkpoint ({', '.join(n + '/' for n in items)}) but has no "
+            f"marker file {directory / ORBAX_MARKER}, which convert writes last: an interrupted conversion or an "
+            "incomplete copy; convert it again")
 
 
 def _build_dtypes() -> dict[str, np.dtype]:
@@ -361,6 +376,9 @@ class SafetensorsCheckpoint:
     def _open_unindexed(self) -> None:
         paths = sorted(p for p in self.directory.glob("*.safetensors") if p.is_file())
         if not paths:
+            orbax = orbax_without_marker(self.directory)
+            if orbax is not None:
+                raise CheckpointError(orbax)
             raise CheckpointError(
                 f"{self.directory}: no *.safetensors files and no {INDEX_FILENAME}"
             )
