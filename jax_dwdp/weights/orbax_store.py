@@ -14,12 +14,16 @@ array is a folder with one file per chunk, expert tensors one expert per chunk.
 
 The marker lists every file with its size and CRC-32 (computed by `convert` right after each item is written);
 a restore checks the files it is about to read (a DWDP rank only its own experts' chunks) and names the layer,
-tensor and file of the first that is missing, truncated or changed. `verify_checkpoint` checks them all.
+tensor and file of the first that is missing, truncated or changed. `verify_checkpoint` checks them all, then
+restores one layer at a time and names the tensors that hold NaN or Inf (which `convert` warns about). A restore
+that finds the folder replaced meanwhile (another conversion's --overwrite) says so instead of "damaged".
 
 Conversion holds an exclusive lock on `OUT.lock` beside OUT (a second conversion into the same OUT fails at once),
 writes into `OUT.partial-<pid>` and renames it to OUT at the very end (rename is atomic, and never replaces an OUT
 it was not told to replace): a conversion that fails, is interrupted or is killed leaves no folder at OUT, and the
-next run removes leftover `.partial-<pid>` folders whose process is gone.
+next run removes leftover `.partial-<pid>` folders whose process is gone. With overwrite, only a jax_dwdp
+checkpoint or an empty folder is replaced. A write that fails (a full disk, a read-only location) is one
+CheckpointError naming what was being written.
 """
 
 from __future__ import annotations
