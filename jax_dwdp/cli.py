@@ -15,16 +15,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
+
+from jax_dwdp.watchdog import Watchdog
 
 DTYPES = ("bfloat16", "float32")
 EXIT_BAD_INPUT = 2
 EXIT_RUNTIME = 1
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+
+
+DEFAULT_BATCH, DEFAULT_SEQ_LEN = 1, 128
+DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
+MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
+NATIVE_LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "GRPC_VERBOSITY": "ERROR"}  # XLA / gRPC: errors only (3 hides fatal ones too)
 
 
 class UsageError(ValueError):
@@ -33,28 +45,33 @@ class UsageError(ValueError):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", type=Path, help="HF safetensors folder (with config.json)")
+    src.add_argument("--checkpoint", type=Path,
+                     help="an HF safetensors folder (with config.json) or a jax_dwdp Orbax checkpoint (convert)")
     src.add_argument("--preset", help="tiny | 35b-a3b | 122b-a10b | 397b-a17b (random weights)")
-    p.add_argument("--num-layers", type=int, help="with --preset: keep only the first N layers")
+    p.add_argument("--num-layers", type=int, help="keep only the first N layers (a checkpoint: load only those)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights and random tokens")
+    p.add_argument("--seed", type=int, default=0, help=f"seed of random weights and random tokens, in [0, {MAX_SEED}]")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jax-dwdp", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n")[2])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--verbose", action="store_true",
+                        help="let the native libraries' own log lines through (XLA, gRPC, gloo; hidden by default)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prefill", help="run a jit-compiled prefill and report its speed")
     _add_model_args(p)
     p.add_argument("--tokens", type=Path, help="int32 [B, T] .npy of token ids")
-    p.add_argument("--batch", type=int, default=1, help="random tokens: sequences (default 1)")
-    p.add_argument("--seq-len", type=int, default=128, help="random tokens: length (default 128)")
-    p.add_argument("--logits-out", type=Path, help="write float32 [B, T, V] logits of all positions here")
+    p.add_argument("--batch", type=int, help="random tokens: sequences (default 1)")
+    p.add_argument("--seq-len", type=int, help="random tokens: length (default 128)")
+    p.add_argument("--logits-out", metavar="FILE",
+                   help="write float32 [B, T, V] logits of all positions to this regular file (a symlink: to its "
+                        "target), atomically")
     p.add_argument("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
     p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (one mesh row each)")
     p.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (experts split over them)")
-    p.add_argument("--dwdp-backend", default="xla",
+    p.add_argument("--dwdp-backend",
                    help="with --dwdp N > 1: xla (all-gather, every platform), ffi (CUDA VMM store, GPUs) or local "
                         "(every rank holds all experts: the replicated baseline)")
     p.add_argument("--dep", type=int, default=1,
@@ -81,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--process-timeout", type=int, default=60, metavar="S",
                    help="seconds to wait for the other processes to start, and for a silent peer before it counts "
                         "as dead (default 60)")
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="S",
+                   help=f"end the run, naming the step, when one step (compiling, a prefill) goes S seconds without "
+                        f"finishing (default {DEFAULT_STALL_S:g})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-verify", action="store_true",
                    help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
@@ -121,15 +141,31 @@ def _model_config(args):
     if args.checkpoint is not None:
         from jax_dwdp.weights.hf_loader import load_config
 
-        if not args.checkpoint.is_dir():
-            raise UsageError(f"--checkpoint {args.checkpoint}: no such folder")
-        return load_config(args.checkpoint)
-    cfg = ModelConfig.preset(args.preset)
+        _need_folder(args.checkpoint, "--checkpoint")
+        cfg = load_config(args.checkpoint)
+    else:
+        cfg = ModelConfig.preset(args.preset)
     if args.num_layers is not None:
         if not 1 <= args.num_layers <= cfg.num_hidden_layers:
             raise UsageError(f"--num-layers must lie in [1, {cfg.num_hidden_layers}], got {args.num_layers}")
         cfg = cfg.replace(num_hidden_layers=args.num_layers)
     return cfg
+
+
+def _need_folder(path: Path, flag: str = "") -> None:
+    named = f"{flag} {path}".strip()
+    if not path.exists():
+        raise UsageError(f"{named}: no such folder")
+    if not path.is_dir():
+        raise UsageError(f"{named}: is not a folder")
+
+
+def _need_file(path: Path, flag: str = "") -> None:
+    named = f"{flag} {path}".strip()
+    if not path.exists():
+        raise UsageError(f"{named}: no such file")
+    if not path.is_file():
+        raise UsageError(f"{named}: is not a regular file")
 
 
 def _dtype(name: str):
@@ -141,20 +177,54 @@ def _dtype(name: str):
 
 
 def _load_tokens(args, vocab_size: int):
-    import numpy as np
-
     if args.tokens is not None:
-        if not args.tokens.is_file():
-            raise UsageError(f"--tokens {args.tokens}: no such file")
+        _need_file(args.tokens, "--tokens")
         try:
             tokens = np.load(args.tokens, allow_pickle=False)
         except Exception as e:  # numpy raises several types for a file that is not .npy
             raise UsageError(f"--tokens {args.tokens}: not a readable .npy file ({e})") from None
         return tokens
-    if args.batch < 1 or args.seq_len < 1:
-        raise UsageError(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
     rng = np.random.default_rng(args.seed)
     return rng.integers(0, vocab_size, (args.batch, args.seq_len)).astype(np.int32)
+
+
+def _token_shape(args) -> None:
+    """--batch / --seq-len: random tokens only (a --tokens file has its own shape); defaults filled in."""
+    if args.tokens is not None:
+        given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)) if value is not None]
+        if given:
+            verb = "shape" if len(given) > 1 else "shapes"
+            raise UsageError(f"{' and '.join(given)} {verb} random tokens; with --tokens the file gives the shape")
+        return
+    args.batch = DEFAULT_BATCH if args.batch is None else args.batch
+    args.seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
+    if args.batch < 1 or args.seq_len < 1:
+        raise UsageError(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
+
+
+def _check_size(args, cfg, dtype, batch: int, seq_len: int) -> None:
+    """Refuses a prefill whose tokens, caches and logits alone (a lower bound of what it holds) exceed the memory of
+    this machine, before anything is allocated: otherwise numpy's MemoryError, or an allocator failure deep in XLA
+    minutes later."""
+    from jax_dwdp.parallel.pipeline import cache_bytes_per_sequence, cache_bytes_per_token, plan_stages
+
+    whole = plan_stages(cfg, 1)[0]
+    itemsize = dtype.itemsize
+    cache = batch * (cache_bytes_per_sequence(cfg, whole, dtype) + seq_len * cache_bytes_per_token(cfg, whole, dtype))
+    positions = batch * seq_len if args.logits_out is not None else batch
+    logits = positions * cfg.vocab_size * 4
+    hidden = batch * seq_len * cfg.hidden_size * itemsize
+    need = batch * seq_len * 4 + cache + logits + hidden
+    have = _memory_bytes()
+    if need > have:
+        raise UsageError(f"--batch {batch} x {seq_len} tokens needs at least {need / 2**30:.1f} GiB (caches "
+                         f"{cache / 2**30:.1f}, logits {logits / 2**30:.1f}, hidden states {hidden / 2**30:.1f}), "
+                         f"more than this machine's {have / 2**30:.1f} GiB")
+
+
+def _memory_bytes() -> int:
+    """The host's physical memory (CPU devices share it; a GPU's own memory is smaller, and XLA reports that)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _check_options(args) -> None:
@@ -170,13 +240,19 @@ def _check_options(args) -> None:
         if max(args.pipeline, args.microbatches, _ranks(args)) > 1:
             raise UsageError("--prefill-chunk runs on one device: it does not combine with --pipeline, --dwdp, --dep "
                              "or --microbatches")
-    if args.dwdp_backend not in ("xla", "ffi", "local"):
-        raise UsageError(f"--dwdp-backend {args.dwdp_backend!r}: choose xla or ffi (DWDP), or local (every rank holds "
-                         "all experts)")
-    if args.dep > 1 and args.dwdp_backend != "xla":
-        raise UsageError(f"--dwdp-backend {args.dwdp_backend} is for --dwdp; --dep has one way to move tokens")
-    if args.dwdp_backend == "ffi" and args.dwdp < 2:
-        raise UsageError("--dwdp-backend ffi needs --dwdp N with N >= 2 ranks")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
+    if not args.stall_timeout > 0:
+        raise UsageError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
+    if args.dwdp_backend is not None:
+        if args.dwdp_backend not in ("xla", "ffi", "local"):
+            raise UsageError(f"--dwdp-backend {args.dwdp_backend!r}: choose xla or ffi (DWDP), or local (every rank "
+                             "holds all experts)")
+        if args.dep > 1:
+            raise UsageError(f"--dwdp-backend {args.dwdp_backend} is for --dwdp; --dep has one way to move tokens")
+        if args.dwdp < 2:
+            raise UsageError(f"--dwdp-backend {args.dwdp_backend} needs --dwdp N with N >= 2 ranks (it chooses how "
+                             "they get their experts)")
     if args.scan and (_ranks(args) > 1 or args.layerwise or args.prefill_chunk is not None):
         raise UsageError("--scan runs the model (or each --pipeline stage) on one device as one program: it does not "
                          "combine with --dwdp, --dep (their experts move between layers), --layerwise or "
@@ -201,7 +277,7 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
     from jax_dwdp.prefill import jit_prefill
 
     ranks = _ranks(args)  # (the options were checked by cmd_prefill)
-    if args.dwdp_backend == "ffi":
+    if _backend(args) == "ffi":
         import jax
 
         from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable, load_library, require_gpus
@@ -218,7 +294,7 @@ def _build_runner(args, cfg, dtype, mode, batch, resources):
         from jax_dwdp.parallel import Pipeline
         from jax_dwdp.parallel.pipeline import microbatch_rows
 
-        experts = "dep" if args.dep > 1 else args.dwdp_backend if args.dwdp > 1 else "local"
+        experts = "dep" if args.dep > 1 else _backend(args) if args.dwdp > 1 else "local"
         try:
             if args.checkpoint is not None:
                 pipe = Pipeline.from_checkpoint(args.checkpoint, args.pipeline, dwdp=ranks, dtype=dtype, cfg=cfg,
@@ -298,8 +374,6 @@ def chunked_prefill(model, mode, chunk: int, layerwise: bool):
     continuing the previous piece's cache: the logits ("all": every position's, the pieces' side by side; "last":
     each sequence's last position, from the piece that holds it) and the cache of one prefill of the whole prompt."""
     import jax.numpy as jnp
-    import numpy as np
-
     from jax_dwdp.prefill import jit_prefill
 
     programs = {}  # prompt length -> jit_prefill (built once, not on every timed run)
@@ -322,6 +396,11 @@ def chunked_prefill(model, mode, chunk: int, layerwise: bool):
     return run
 
 
+def _backend(args) -> str:
+    """--dwdp-backend, xla when not given."""
+    return args.dwdp_backend or "xla"
+
+
 def _ranks(args) -> int:
     """Ranks per stage: --dwdp N or --dep N (not both)."""
     if args.dwdp > 1 and args.dep > 1:
@@ -341,6 +420,23 @@ def _partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial-{os.getpid()}")
 
 
+def _output_file(raw: str, flag: str) -> Path:
+    """The regular file an output option names, checked before any work. A symlink is written through: its target
+    is what gets replaced (atomically), the link stays. A device, FIFO, socket or folder is refused, so is a name
+    ending in "/" (a folder's name)."""
+    if raw.endswith("/"):
+        raise UsageError(f"{flag} {raw}: names a folder (it ends with /); give a file name, e.g. {raw}logits.npy")
+    path = Path(raw)
+    target = path.resolve() if path.is_symlink() else path
+    if target.exists() and not target.is_file():
+        kind = "a folder" if target.is_dir() else "not a regular file (a device, FIFO or socket)"
+        via = f" (the target of the symlink {path})" if target != path else ""
+        example = f"; give a file name, e.g. {target / 'logits.npy'}" if target.is_dir() else ""
+        raise UsageError(f"{flag} {target}{via}: is {kind}{example}")
+    _check_writable(target, flag)
+    return target
+
+
 def _check_writable(path: Path, flag: str) -> None:
     """Before any work: `path` can be written (its folder exists and takes a new file; it is not a folder)."""
     if not path.parent.is_dir():
@@ -356,15 +452,15 @@ def _check_writable(path: Path, flag: str) -> None:
 
 
 def _save_npy_atomically(path: Path, array, flag: str) -> None:
-    import numpy as np
-
     tmp = _partial_path(path)
     try:
         with open(tmp, "wb") as f:
             np.save(f, array)
         os.replace(tmp, path)
     except OSError as e:  # checked before the run; this is the file system changing meanwhile (or full)
-        raise UsageError(f"{flag} {path}: cannot write ({e.strerror})") from None
+        why = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e) or type(e).__name__)
+        raise UsageError(f"{flag} {path}: cannot write {array.nbytes / 2**20:.1f} MiB ({why}); nothing was "
+                         "written") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -382,11 +478,14 @@ def cmd_prefill(args) -> dict:
 
     dtype = _dtype(args.dtype)
     _check_options(args)
+    _token_shape(args)
     if args.logits_out is not None:
-        _check_writable(args.logits_out, "--logits-out")
+        args.logits_out = _output_file(args.logits_out, "--logits-out")
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
     cfg = _model_config(args)
+    if args.tokens is None:
+        _check_size(args, cfg, dtype, args.batch, args.seq_len)
     if args.checkpoint is not None:
         from jax_dwdp.weights import precision_notice
 
@@ -394,6 +493,8 @@ def cmd_prefill(args) -> dict:
         if notice is not None and not getattr(args, "process_id", None):  # once per launch: process 0 says it
             print(f"notice: {notice}", file=sys.stderr)
     tokens, lengths = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
+    if args.tokens is not None:
+        _check_size(args, cfg, dtype, *tokens.shape)
     mode = "all" if args.logits_out is not None else "last"
     from jax_dwdp.weights.orbax_store import checksums_checked
 
@@ -403,21 +504,26 @@ def cmd_prefill(args) -> dict:
 
 def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
     import jax
-    import numpy as np
-
-    from jax_dwdp.timing import median_seconds
-
     run, compile_fn, source = _build_runner(args, cfg, dtype, mode, tokens.shape[0], resources)
     devices = jax.devices()[:args.pipeline * _ranks(args)]
+    watchdog = Watchdog(args.stall_timeout)
 
     _status(args, "compiling")
     t0 = time.perf_counter()
-    compile_fn(tokens, lengths)
+    with watchdog.step("compiling"):
+        compile_fn(tokens, lengths)
     compile_s = time.perf_counter() - t0
     _status(args, f"running 1 warm-up and {args.iters} timed prefills")
-    logits, caches = run(tokens, lengths)  # warm-up
-    jax.block_until_ready((logits, caches))
-    seconds, _ = median_seconds(lambda: run(tokens, lengths), args.iters)
+    with watchdog.step("running the warm-up prefill"):
+        logits, caches = run(tokens, lengths)
+        jax.block_until_ready((logits, caches))
+    times = []
+    for i in range(args.iters):
+        with watchdog.step(f"running timed prefill {i + 1} of {args.iters}"):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(tokens, lengths))
+            times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
     if jax.process_count() > 1:
         if logits is not None and not logits.is_fully_addressable:  # split over the ranks' processes: all gather
             from jax.experimental import multihost_utils
@@ -430,6 +536,9 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
     n_tokens = int(tokens.size)
     logits_positions = n_tokens if mode == "all" else tokens.shape[0]
     flops = cfg.prefill_flops(tokens.shape[0], tokens.shape[1], logits_positions)
+    finite = bool(np.isfinite(np.asarray(logits)).all())
+    if not finite:
+        _warn_not_finite(args, logits, caches)
     if args.logits_out is not None:
         _save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
     return {
@@ -448,8 +557,28 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
         "peak_device_memory_bytes_per_device": _peak_memory_bytes(devices),
         "cache_bytes": int(sum(c.nbytes() for c in caches)),
         "logits_out": str(args.logits_out) if args.logits_out else None,
-        "logits_finite": bool(np.isfinite(np.asarray(logits)).all()),
+        "logits_finite": finite,
     }
+
+
+def _warn_not_finite(args, logits, caches) -> None:
+    """One stderr line for logits that hold NaN or Inf: how many, and the first layer whose cache does (each
+    layer's cache is computed from its input, so the values went bad in that layer or, through its input, before)."""
+    values = np.asarray(logits)
+    bad = int(values.size - np.isfinite(values).sum())
+    first = None
+    for cache in caches:
+        if cache is None:
+            continue
+        for ids, arrays in ((cache.full_layer_ids, (cache.key, cache.value)),
+                            (cache.linear_layer_ids, (cache.conv, cache.recurrent))):
+            for slot, layer in enumerate(ids):
+                if not all(np.isfinite(np.asarray(a[slot])).all() for a in arrays):
+                    first = layer if first is None else min(first, layer)
+    where = (f"; the first layer whose cache holds such values is layer {first}" if first is not None else
+             "; every layer's cache is finite, so they arose in the final norm or the head")
+    print(f"warning: the logits are not finite ({bad} of {values.size} values NaN or Inf){where}; are the weights "
+          "finite? (`jax-dwdp verify` checks a converted checkpoint)", file=sys.stderr)
 
 
 def _print_human(result: dict) -> None:
@@ -521,8 +650,7 @@ def cmd_convert(args) -> dict:
     from jax_dwdp.weights.orbax_store import convert_hf_to_orbax
 
     dtype = None if args.dtype is None else _dtype(args.dtype)
-    if not args.hf_dir.is_dir():
-        raise UsageError(f"{args.hf_dir}: no such folder")
+    _need_folder(args.hf_dir)
     summary = convert_hf_to_orbax(args.hf_dir, args.out_dir, dtype=dtype, overwrite=args.overwrite,
                                   progress=None if args.json else "stderr")
     return {"command": "convert", **summary}
@@ -531,8 +659,7 @@ def cmd_convert(args) -> dict:
 def cmd_verify(args) -> dict:
     from jax_dwdp.weights.orbax_store import verify_checkpoint
 
-    if not args.directory.is_dir():
-        raise UsageError(f"{args.directory}: no such folder")
+    _need_folder(args.directory)
     return {"command": "verify", **verify_checkpoint(args.directory)}
 
 
@@ -545,8 +672,7 @@ def _ensure_cpu_devices(args) -> None:
     need = getattr(args, "pipeline", 1) * max(getattr(args, "dwdp", 1), getattr(args, "dep", 1))
     flags = os.environ.get("XLA_FLAGS", "")
     if need > 1 and "xla_force_host_platform_device_count" not in flags:
-        # At least 8: with exactly 2 host devices XLA's CPU all-gather deadlocked on a 2-core machine (jax 0.10.2).
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(need, 8)}".strip()
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
 
 
 def _check_processes(args) -> None:
@@ -555,6 +681,10 @@ def _check_processes(args) -> None:
     joined = args.coordinator is not None or args.process_id is not None
     if n < 1:
         raise UsageError(f"--num-processes must be >= 1, got {n}")
+    if not args.process_timeout > 0:
+        raise UsageError(f"--process-timeout must be > 0 seconds, got {args.process_timeout}")
+    if args.coordinator is not None:
+        _check_address(args.coordinator)
     if joined and (args.coordinator is None or args.process_id is None or n < 2):
         raise UsageError("joining a launch needs --coordinator HOST:PORT, --process-id I and --num-processes N "
                          "(N >= 2)")
@@ -569,7 +699,7 @@ def _check_processes(args) -> None:
     if args.pipeline > 1 and _ranks(args) > 1:
         raise UsageError("across processes, --pipeline runs one device per stage and --dwdp / --dep ranks one stage: "
                          "not both yet")
-    if args.dwdp > 1 and args.dwdp_backend == "ffi" and not joined:
+    if args.dwdp > 1 and _backend(args) == "ffi" and not joined:
         from jax_dwdp.distributed import visible_gpus
 
         if not visible_gpus():  # (a joined process finds out from its own devices, in _build_runner)
@@ -579,18 +709,31 @@ def _check_processes(args) -> None:
         raise UsageError("--prefill-chunk runs on one device, in one process")
 
 
+def _check_address(address: str) -> None:
+    """--coordinator HOST:PORT (an IPv6 host in brackets), checked before jax.distributed sees it."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or host in ("[]",):
+        raise UsageError(f"--coordinator {address!r}: expected HOST:PORT, e.g. 10.0.0.1:1234 or [::1]:1234")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--coordinator {address!r}: the port {port!r} is not a number in [1, 65535]")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise UsageError(f"--coordinator {address!r}: write an IPv6 host in brackets, e.g. [::1]:{port}")
+
+
 def _preflight(args) -> None:
     """The launcher's checks of a multi-process prefill before it starts any process: the process and prefill
     options, the dtype, the model's config, the output path, the tokens and the layout against them (no device is
     touched)."""
     from jax_dwdp.prefill import check_tokens
 
-    _check_processes(args)
     _check_options(args)
-    _dtype(args.dtype)
+    _token_shape(args)
+    dtype = _dtype(args.dtype)
     cfg = _model_config(args)
     if args.logits_out is not None:
-        _check_writable(args.logits_out, "--logits-out")
+        _output_file(args.logits_out, "--logits-out")
+    if args.tokens is None:
+        _check_size(args, cfg, dtype, args.batch, args.seq_len)
     tokens, _ = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
     _check_layout(args, cfg, tokens.shape[0])
 
@@ -598,18 +741,27 @@ def _preflight(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if args.command == "prefill" and args.num_processes > 1 and args.process_id is None:
+    quiet_native_logs(args.verbose)
+    if args.command == "prefill":
+        launcher = args.num_processes > 1 and args.process_id is None
         try:
-            _preflight(args)
+            _check_processes(args)
+            if launcher:
+                _preflight(args)
         except Exception as e:  # bad input: one line here, not one per process
             if args.debug or type(e).__name__ not in ("UsageError", "ConfigError", "InputError", "CheckpointError"):
                 raise
             print(f"error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        from jax_dwdp.distributed import launch
+        from jax_dwdp import distributed
 
-        return launch(argv, args.num_processes, timeout_s=args.process_timeout,
-                      status=lambda text: print(text, file=sys.stderr, flush=True))
+        if launcher:
+            return distributed.launch(argv, args.num_processes, timeout_s=args.process_timeout, verbose=args.verbose,
+                                      status=lambda text: print(text, file=sys.stderr, flush=True))
+        if args.process_id is not None and not os.environ.get(distributed.SUPERVISED_ENV):
+            return distributed.supervise(argv, process_id=args.process_id, num_processes=args.num_processes,
+                                         coordinator=args.coordinator, timeout_s=args.process_timeout,
+                                         verbose=args.verbose)
     try:
         return _main(args)
     except KeyboardInterrupt:  # what was being written is already removed (e.g. a conversion's partial folder)
@@ -619,13 +771,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def quiet_native_logs(verbose: bool) -> None:
+    """Keeps XLA's and gRPC's own log lines (below fatal) off stderr unless --verbose, where the user has not chosen
+    a level; must run before jax starts (the entry script calls it before importing jax)."""
+    if not verbose:
+        for name, value in NATIVE_LOG_ENV.items():
+            os.environ.setdefault(name, value)
+
+
 def _main(args) -> int:
-    if getattr(args, "process_id", None) is not None:
-        try:
-            _check_processes(args)
-        except UsageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+    if getattr(args, "process_id", None) is not None:  # (the process options were checked by main)
         from jax_dwdp.distributed import initialize
 
         # Native libraries print to file descriptor 1 (gloo: "Rank i is connected ..."): point it at stderr and keep

@@ -16,17 +16,25 @@ Failure: the launcher watches its processes; when one exits with an error or is 
 (SIGTERM, then SIGKILL after `GRACE_S`), names the process, and exits non-zero: nobody waits on a dead peer's
 collective. Children die with the launcher (PR_SET_PDEATHSIG), so no orphan survives it either. A process of an
 outside launch learns of a dead peer through JAX's heartbeat (`--process-timeout` seconds).
+
+Messages: jax.distributed ends a process whose launch fails (a peer that never joins, a coordinator that is not
+there, a peer that stops answering) with a C++ abort and a stack dump, which no Python handler can catch. So
+every process of a launch runs under a parent that reads its stderr (`supervise`, or the launcher itself): the
+native libraries' own log lines (XLA, gRPC, gloo) are held back unless --verbose (`NativeLogFilter`), and such a
+death becomes one line that says what happened (`explain_death`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 GRACE_S = 5.0  # how long a stopped process gets to exit after SIGTERM before SIGKILL
@@ -35,6 +43,102 @@ EXIT_INTERRUPTED = 130
 
 
 LOCAL_DEVICE_ENV = "JAX_DWDP_LOCAL_DEVICE"
+SUPERVISED_ENV = "JAX_DWDP_SUPERVISED"  # set in a process whose stderr a parent reads (`supervise`, `launch`)
+
+# The start of a native library's log line: glog / absl ("E1207 03:17:57.924346 7178 file.cc:454] ..."), a check
+# failure's stack dump, the C++ runtime's last words, gloo's connection lines.
+_NATIVE = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]|\*\*\* |\s+@\s+0x|terminate called|  what\(\):|"
+                     r"Rank \d+ is connected)")
+# Lines of jax-dwdp's own: results, progress ("compiling ..."), errors and notes, Python's tracebacks (--debug).
+_OURS = re.compile(r"^(error:|warning:|notice:|started |Traceback|\{|jax-dwdp|usage:)|\.\.\.$")
+
+
+class NativeLogFilter:
+    """Decides, line by line, what of a process's stderr a user sees: everything but the native libraries' log
+    messages (a message runs from its first line to the next line of jax-dwdp's own). Held-back lines are kept
+    (the last `keep`) for `explain_death`."""
+
+    def __init__(self, verbose: bool = False, keep: int = 200):
+        self.verbose, self.keep = verbose, keep
+        self.held: list[str] = []
+        self._inside = False
+
+    def passes(self, line: str) -> bool:
+        if _NATIVE.match(line):
+            self._inside = True
+        elif self._inside and _OURS.search(line.rstrip("\n")):
+            self._inside = False
+        if not self._inside:
+            return True
+        self.held = (self.held + [line.rstrip("\n")])[-self.keep:]
+        return self.verbose
+
+    def relay(self, stream, out) -> None:
+        """Copies `stream`'s lines to `out` through the filter until the stream ends."""
+        for line in iter(stream.readline, ""):
+            if self.passes(line):
+                out.write(line)
+                out.flush()
+
+
+def _answers(coordinator: str) -> bool:
+    host, _, port = coordinator.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def explain_death(code: int, held: list[str], *, process_id: int, num_processes: int, coordinator: str,
+                  timeout_s: float) -> str:
+    """One line for a process of a launch that died without saying why itself (a native abort)."""
+    text = "\n".join(held)
+    who = f"process {process_id} of {num_processes}"
+    if "RegisterTask" in text and ("DEADLINE_EXCEEDED" in text or "Deadline Exceeded" in text):
+        if process_id != 0 and not _answers(coordinator):
+            return (f"{who}: nothing answers at {coordinator}, where process 0 of the launch (the coordinator) "
+                    f"should run; waited {timeout_s:g} s (--process-timeout)")
+        others = [i for i in range(num_processes) if i != process_id]
+        missing = (f"process {others[0]}" if len(others) == 1 else
+                   f"one or more of processes {', '.join(map(str, others))}")
+        return f"{who}: {missing} did not join the launch at {coordinator} within {timeout_s:g} s (--process-timeout)"
+    dead = re.search(r"stopped sending heartbeats\):\s*\n([\d, ]+)", text)
+    if dead:
+        ids = dead.group(1).strip().rstrip(",")
+        return (f"{who}: process {ids} stopped answering (no heartbeat for {timeout_s:g} s, --process-timeout); "
+                "this process stopped too")
+    fatal = [line.split("] ", 1)[1] for line in held if line[:1] == "F" and "] " in line]
+    why = f": {fatal[-1][:200]}" if fatal else ""
+    return f"{who} {_describe(code)}{why} (--verbose shows the native libraries' messages)"
+
+
+def supervise(argv: list[str], *, process_id: int, num_processes: int, coordinator: str, timeout_s: float,
+              verbose: bool = False) -> int:
+    """Runs this process's part of an outside launch (`jax-dwdp ARGV`) as a child whose stderr passes through
+    `NativeLogFilter`; stdout (the results) is the child's own. SIGTERM is passed on; Ctrl-C reaches the child
+    from the terminal. Returns the child's exit code, or 1 after one line for a native abort."""
+    env = dict(os.environ, **{SUPERVISED_ENV: "1"})
+    child = subprocess.Popen([sys.executable, "-m", "jax_dwdp.cli", *argv], env=env, stderr=subprocess.PIPE,
+                             text=True, errors="replace", preexec_fn=_die_with_parent)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signal.SIGTERM))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child has it too (same process group) and reports it
+    try:
+        logs = NativeLogFilter(verbose)
+        logs.relay(child.stderr, sys.stderr)
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    if code in (0, 1, 2, EXIT_INTERRUPTED):  # jax-dwdp's own exits: it has said why
+        return code
+    print("error: " + explain_death(code, logs.held, process_id=process_id, num_processes=num_processes,
+                                    coordinator=coordinator, timeout_s=timeout_s), file=sys.stderr, flush=True)
+    return EXIT_RUNTIME
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60) -> None:
@@ -153,9 +257,10 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=None) -> int:
+def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=None, verbose: bool = False) -> int:
     """Runs `jax-dwdp ARGV --process-id I --coordinator 127.0.0.1:PORT` for I in [0, N); returns the exit code:
-    0 when all succeed, else the first failure's (the others stopped). `status(text)` reports progress (stderr)."""
+    0 when all succeed, else the first failure's (the others stopped). `status(text)` reports progress (stderr);
+    the processes' stderr passes through `NativeLogFilter` (verbose: everything)."""
     status = status or (lambda text: print(text, file=sys.stderr, flush=True))
     gpus = visible_gpus()
     if gpus and len(gpus) < num_processes:
@@ -164,9 +269,10 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
     port = reserve_port()
     coordinator = f"127.0.0.1:{port.getsockname()[1]}"
     procs: list[subprocess.Popen] = []
+    relays: list[threading.Thread] = []
     try:
         for i in range(num_processes):
-            env = dict(os.environ)
+            env = dict(os.environ, **{SUPERVISED_ENV: "1"})
             if gpus:  # every process sees every GPU and drives its own (see initialize)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
                 env[LOCAL_DEVICE_ENV] = str(i)
@@ -174,7 +280,11 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
                    "--process-timeout", str(timeout_s)]
             # Their own process group: a Ctrl-C at the terminal reaches the launcher only, which stops them all and
             # says so once (not one "interrupted" line per process).
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, process_group=0))
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, process_group=0,
+                                          stderr=subprocess.PIPE, text=True, errors="replace"))
+            relays.append(threading.Thread(target=NativeLogFilter(verbose).relay, args=(procs[-1].stderr, sys.stderr),
+                                           daemon=True))
+            relays[-1].start()
         status(f"started {num_processes} processes (coordinator {coordinator}): "
                + ", ".join(f"process {i} pid {p.pid}" for i, p in enumerate(procs)))
         return _wait(procs, status)
@@ -184,6 +294,8 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
         return EXIT_INTERRUPTED
     finally:
         _stop(procs)
+        for relay in relays:
+            relay.join(timeout=GRACE_S)
         port.close()
 
 

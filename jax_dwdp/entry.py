@@ -25,8 +25,10 @@ def main() -> int:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
     from jax_dwdp import cli
 
-    if getattr(cli.build_parser().parse_args(), "debug", False):
+    args = cli.build_parser().parse_args()
+    if args.debug:
         signal.signal(signal.SIGINT, previous)  # --debug: a traceback, as the CLI gives
+    cli.quiet_native_logs(args.verbose)
     import jax  # noqa: F401  (the slow import, under the handler above)
 
     signal.signal(signal.SIGINT, previous)

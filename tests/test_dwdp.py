@@ -204,8 +204,8 @@ def test_ffi_backend_without_gpu_is_a_clear_error(setup):
 
 @pytest.mark.devices(2)
 def test_prefill_all_threads_map_results_and_errors(setup, monkeypatch):
-    """The threaded branch of prefill_all (GPUs) with each rank's prefill stubbed (real threads deadlock XLA's CPU
-    client): results come back per rank, inputs are checked before any rank starts, a failing rank's error is
+    """The threaded branch of prefill_all with each rank's prefill stubbed (to fail one rank on purpose): results
+    come back per rank, inputs are checked before any rank starts, a failing rank's error is
     raised after the others finish, and the expert source (the FFI store) is aborted once, not by the failing rank
     itself."""
     import threading

@@ -95,10 +95,16 @@ def test_watchdog_calls_on_stall_for_a_step_that_overruns_and_not_for_one_that_f
 
 
 _STALL = textwrap.dedent("""
-    import time, jax
-    from jax_dwdp.cli import main
-    jax.block_until_ready = lambda x: time.sleep(3600)  # a device program that never completes
-    main(["prefill", "--preset", "tiny", "--seq-len", "8", "--iters", "1", "--stall-timeout", "3"])
+    import time
+    from jax_dwdp import cli
+    build = cli._build_runner
+
+    def never_compiles(*args):  # a step that never returns, as a deadlocked device program
+        run, compile_fn, description = build(*args)
+        return run, lambda *a: time.sleep(3600), description
+
+    cli._build_runner = never_compiles
+    cli.main(["prefill", "--preset", "tiny", "--seq-len", "8", "--iters", "1", "--stall-timeout", "3"])
 """)
 
 
@@ -108,5 +114,5 @@ def test_a_prefill_that_never_completes_ends_with_a_line_naming_the_step():
                           cwd=ROOT)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert last == "error: no progress for 3 s while running the warm-up prefill; stopped (--stall-timeout sets " \
-                   "the bound)", proc.stderr[-2000:]
+    assert last == "error: no progress for 3 s while compiling; stopped (--stall-timeout sets the bound)", \
+        proc.stderr[-2000:]

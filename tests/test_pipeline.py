@@ -247,10 +247,11 @@ def test_stage_threads_give_the_one_thread_results(references, monkeypatch):
 
 
 @pytest.mark.devices(3)
-def test_stage_threads_take_turns_on_the_cpu(references, monkeypatch):
-    """On CPU devices the stage threads never run two stages' programs at once: XLA's CPU client runs every host
-    device on one small thread pool, and two stages executing together there hung about half the runs of
-    bench_pipeline.py. Each stage's call is held for a moment so that overlapping threads would be caught."""
+def test_stage_threads_run_stages_at_once_on_the_cpu(references, monkeypatch):
+    """On CPU devices, as on GPUs, the stage threads run several stages' programs at once and get the one-thread
+    result: nothing left in a stage's program waits on XLA's CPU thread pool for work that needs another of its
+    threads (see gated_delta_rule.unit_lower_inverse). Each stage's call is held for a moment so that the threads
+    overlap."""
     import threading
     import time
 
@@ -276,7 +277,7 @@ def test_stage_threads_take_turns_on_the_cpu(references, monkeypatch):
     want, _ = pipe.prefill(tokens, lengths, microbatches=4, cache_len=72, stage_threads=False)
     monkeypatch.setattr(pipe, "runners", [held(r) for r in pipe.runners])
     got, _ = pipe.prefill(tokens, lengths, microbatches=4, cache_len=72, stage_threads=True)
-    assert most[0] == 1, f"{most[0]} stages ran at once on the CPU"
+    assert most[0] > 1, "the stage threads never overlapped"
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
