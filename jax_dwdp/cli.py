@@ -48,7 +48,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", type=Path,
                      help="an HF safetensors folder (with config.json) or a jax_dwdp Orbax checkpoint (convert)")
     src.add_argument("--preset", help="tiny | 35b-a3b | 122b-a10b | 397b-a17b (random weights)")
-    p.add_argument("--num-layers", type=int, help="keep only the first N layers (a checkpoint: load only those)")
+    p.add_argument("--num-layers", type=int, help="keep only the first N layers (of a checkpoint: load only those)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     p.add_argument("--seed", type=int, default=0, help=f"seed of random weights and random tokens, in [0, {MAX_SEED}]")
 
@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir", type=Path, metavar="OUT_DIR",
                    help="the Orbax checkpoint to write (not inside HF_DIR); locked while converting")
     c.add_argument("--dtype", help="cast every tensor to bfloat16 or float32 (default: keep each tensor's dtype)")
-    c.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR (only once the new one is complete)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR that is a jax_dwdp checkpoint or an empty folder (only once the new "
+                        "one is complete)")
     c.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
     v = sub.add_parser("verify", help="check every file of a converted checkpoint against its checksum")
     v.add_argument("directory", type=Path, metavar="DIR", help="a jax_dwdp Orbax checkpoint made by convert")
@@ -148,7 +149,7 @@ def _model_config(args):
     if args.num_layers is not None:
         if not 1 <= args.num_layers <= cfg.num_hidden_layers:
             raise UsageError(f"--num-layers must lie in [1, {cfg.num_hidden_layers}], got {args.num_layers}")
-        cfg = cfg.replace(num_hidden_layers=args.num_layers)
+        cfg = cfg.first_layers(args.num_layers)
     return cfg
 
 
@@ -816,7 +817,7 @@ def _main(args) -> int:
         print(json.dumps(result))
     elif args.command == "verify":
         print(f"ok: {result['directory']}: {result['files']} files ({result['bytes'] / 1e9:.3f} GB) match their "
-              f"checksums ({result['seconds']:.2f} s)")
+              f"checksums and {result['tensors']} tensors hold no NaN or Inf ({result['seconds']:.2f} s)")
     elif args.command == "convert":
         from jax_dwdp.weights.hf_loader import cast_line
 

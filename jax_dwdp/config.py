@@ -265,6 +265,16 @@ class ModelConfig:
         except KeyError:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """This model cut to its first n layers (their types kept): a quick experiment on a big checkpoint."""
+        if not 1 <= n <= self.num_hidden_layers:
+            raise ConfigError(f"the first {n} layers: choose 1 to {self.num_hidden_layers}")
+        return dataclasses.replace(self, num_hidden_layers=n, layer_types=self.layer_types[:n])
+
+    def cuts(self, stored: "ModelConfig") -> bool:
+        """This config is `stored` (a checkpoint's) cut to fewer layers: a loader skips the others."""
+        return self.num_hidden_layers < stored.num_hidden_layers and stored.first_layers(self.num_hidden_layers) == self
+
     def replace(self, **changes: Any) -> "ModelConfig":
         if "num_hidden_layers" in changes and "layer_types" not in changes:
             changes["layer_types"] = ()

@@ -188,3 +188,33 @@ def test_a_launch_that_never_assembles_ends_with_one_line(process_id, message):
                            "--process-timeout", "3"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr[-3000:])
     assert proc.stderr.strip().splitlines() == [message.format(port=port)], proc.stderr[-3000:]
+
+
+def test_num_layers_with_a_checkpoint_loads_only_the_first_layers(tmp_path, capsys):
+    """HF folder and its Orbax conversion alike: `--num-layers 2` runs the checkpoint's first two layers (their
+    logits equal the Python API's model of those layers), not all four."""
+    import json
+
+    import jax.numpy as jnp
+
+    from jax_dwdp.prefill import jit_prefill
+    from jax_dwdp.weights import load_checkpoint
+    from jax_dwdp.weights.hf_loader import load_config
+    from tests.checkpoint_helpers import write_hf
+
+    hf = write_hf(tmp_path / "hf", ModelConfig.preset("tiny"), seed=3)
+    assert main(["convert", str(hf), str(tmp_path / "orbax"), "--json"]) == 0
+    tokens = np.random.default_rng(4).integers(0, 256, (2, 12)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    model, _ = load_checkpoint(hf, cfg=load_config(hf).first_layers(2), dtype=jnp.float32)
+    want = np.asarray(jit_prefill(model, logits="all")(tokens, np.full((2,), 12, np.int32))[0])
+    capsys.readouterr()
+    for source in (hf, tmp_path / "orbax"):
+        out = tmp_path / f"{source.name}.npy"
+        assert main(["prefill", "--checkpoint", str(source), "--num-layers", "2", "--dtype", "float32", "--iters",
+                     "1", "--tokens", str(tmp_path / "tokens.npy"), "--logits-out", str(out), "--json"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["model"].startswith("2 layers"), result["model"]
+        err = float(np.abs(np.load(out) - want).max() / np.abs(want).max())
+        print(f"{source.name}: --num-layers 2 against the 2-layer model: {err:.2e}")
+        assert err < 1e-5

@@ -183,16 +183,17 @@ def test_output_overlapping_the_source_is_refused(hf_dir, tmp_path, capsys, wher
     assert tree_digest(tmp_path) == before  # nothing deleted, nothing created
 
 
-def test_overwrite_of_a_regular_file_leaves_nothing_behind(hf_dir, tmp_path, capsys):
+def test_overwrite_of_a_regular_file_is_refused(hf_dir, tmp_path, capsys):
+    """--overwrite replaces only a checkpoint or an empty folder: a file at OUT_DIR is left as it is."""
     out = tmp_path / "out"
     out.write_text("not a checkpoint")
-    code = main(["convert", str(hf_dir), str(out)])
-    assert code == 2 and "already exists; pass --overwrite" in capsys.readouterr().err
-    assert out.read_text() == "not a checkpoint"
-    code = main(["convert", str(hf_dir), str(out), "--overwrite"])
-    assert code == 0, capsys.readouterr().err
-    assert_valid_copy(out, hf_dir)
-    assert leftovers(tmp_path) == [], leftovers(tmp_path)
+    for extra in ([], ["--overwrite"]):
+        code = main(["convert", str(hf_dir), str(out), *extra])
+        err = capsys.readouterr().err
+        want = "is a file, not a jax_dwdp checkpoint" if extra else "already exists; pass --overwrite"
+        assert code == 2 and err.count("\n") == 1 and want in err, err
+        assert out.read_text() == "not a checkpoint"
+        assert leftovers(tmp_path) == [], leftovers(tmp_path)
 
 
 def test_ctrl_c_during_conversion_cleans_up(hf_dir, tmp_path):

@@ -290,9 +290,13 @@ def test_existing_output_is_not_overwritten_without_flag(hf_dir, tmp_path):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="already exists; pass --overwrite"):
         convert_hf_to_orbax(hf_dir, out, progress=None)
+    with pytest.raises(CheckpointError, match="not a jax_dwdp checkpoint"):  # --overwrite replaces only a
+        convert_hf_to_orbax(hf_dir, out, progress=None, overwrite=True)    # checkpoint or an empty folder
     assert (out / "keep.txt").read_text() == "mine"
-    convert_hf_to_orbax(hf_dir, out, dtype=jnp.float32, progress=None, overwrite=True)
-    assert is_orbax_checkpoint(out) and not (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
+    for _ in range(2):  # an empty folder, then a checkpoint
+        convert_hf_to_orbax(hf_dir, out, dtype=jnp.float32, progress=None, overwrite=True)
+        assert is_orbax_checkpoint(out)
     assert not list(tmp_path.glob("out.*"))  # no partial or old folders left behind
 
 

@@ -17,7 +17,7 @@ def load_checkpoint(directory: str | Path, *, cfg=None, dtype, start_layer: int 
 
     if is_orbax_checkpoint(directory):
         model, report = load_orbax_checkpoint(directory, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
-                                              placement=placement, verify=verify)
+                                              placement=placement, verify=verify, cfg=cfg)
     else:
         from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 

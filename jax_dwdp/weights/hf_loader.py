@@ -195,7 +195,10 @@ def load_hf_checkpoint(
         opened, checkpoint_dir = checkpoint_dir, checkpoint_dir.directory
     else:
         opened, checkpoint_dir = None, Path(checkpoint_dir)
-    cfg = cfg or load_config(checkpoint_dir)
+    stored = load_config(checkpoint_dir) if cfg is None or (Path(checkpoint_dir) / "config.json").is_file() else cfg
+    cfg = cfg or stored
+    # A config of the checkpoint's first layers (--num-layers) loads those; the others are skipped, not unexpected.
+    stored_layers = stored.num_hidden_layers if cfg.cuts(stored) else cfg.num_hidden_layers
     end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
     keep = dtype is None
     dtype = jnp.dtype(jnp.float32 if keep else dtype)  # with keep, the abstract model gives only the shapes
@@ -231,7 +234,7 @@ def load_hf_checkpoint(
         inside, outside = index.select(start_layer, end_layer)
         # A missing tensor is reported against the file when there is one, else against the folder.
         where = ckpt.files[0] if len(ckpt.files) == 1 else checkpoint_dir
-        beyond = [layer for layer in outside if layer >= cfg.num_hidden_layers]
+        beyond = [layer for layer in outside if layer >= stored_layers]
         if beyond:  # named by its first tensor in name order
             name, layer = min((n, layer) for layer in beyond for n in index.by_layer[layer])
             raise CheckpointError(

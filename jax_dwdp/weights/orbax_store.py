@@ -895,8 +895,10 @@ def _snapshot(directory: Path) -> tuple | None:
 
 
 def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_layer: int = 0,
-                          end_layer: int | None = None, placement=None, verify: bool | None = None):
-    """Restores layers [start_layer, end_layer) (and the embedding / head if the range has them).
+                          end_layer: int | None = None, placement=None, verify: bool | None = None,
+                          cfg: ModelConfig | None = None):
+    """Restores layers [start_layer, end_layer) (and the embedding / head if the range has them) of the stored
+    model, or of `cfg` when it is the stored model cut to its first layers (ModelConfig.first_layers).
 
     placement(path, shape, dtype) -> Sharding decides where each array lands (default: the first device); with a
     sharded placement, each device reads only its slice. verify: check the files about to be read against the
@@ -912,7 +914,7 @@ def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_la
     before = _snapshot(directory)
     try:
         result = _load_orbax(directory, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
-                             placement=placement, verify=verify)
+                             placement=placement, verify=verify, cfg=cfg)
     except Exception:
         if before is not None and _snapshot(directory) != before:
             raise CheckpointError(_changed(directory)) from None
@@ -927,7 +929,8 @@ def _changed(directory: Path) -> str:
             "into it); run again")
 
 
-def _load_orbax(directory: Path, *, dtype, start_layer: int, end_layer: int | None, placement, verify: bool | None):
+def _load_orbax(directory: Path, *, dtype, start_layer: int, end_layer: int | None, placement, verify: bool | None,
+                cfg: ModelConfig | None = None):
     from jax_dwdp.weights.hf_loader import LoadReport
 
     import orbax.checkpoint as ocp
@@ -935,7 +938,8 @@ def _load_orbax(directory: Path, *, dtype, start_layer: int, end_layer: int | No
     t0 = time.perf_counter()
     marker = read_marker(directory)
     files, crc = marker.get("files"), _VERIFY.get() if verify is None else verify
-    cfg = ModelConfig.from_json_file(directory / "config.json")
+    stored = ModelConfig.from_json_file(directory / "config.json")
+    cfg = cfg if cfg is not None and cfg.cuts(stored) else stored
     end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
     dtype = jnp.dtype(dtype)
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer))
