@@ -166,15 +166,17 @@ def layer_part_rows(result: dict) -> list[dict]:
 
 # ---- 2. DWDP: copy vs compute per layer, hidden fraction; 3. FFI vs XLA vs replicated (and DEP) ----------------
 
-DWDP_RUNS = [
-    ("fourth session, XLA GDN (before the stage-runner redesign)", "dwdp_ffi_h200x2_4k_32k_2026-11-30_fourth.json"),
-    ("seventh session, XLA GDN", "dwdp_h200x2_2026-11-30_seventh_xla_gdn.json"),
-    ("seventh session, Pallas GDN", "dwdp_h200x2_2026-11-30_seventh_pallas_gdn.json"),
+DWDP_RUNS = [  # (label: machine, date, code, configuration; file under benchmarks/results/), oldest first
+    ("2x H200, 2026-11-30, before the stage runner (a4f90c6), XLA GDN",
+     "dwdp_ffi_h200x2_4k_32k_2026-11-30_fourth.json"),
+    ("2x H200, 2026-11-30, stage runner (ea0b9bd), XLA GDN", "dwdp_h200x2_2026-11-30_seventh_xla_gdn.json"),
+    ("2x H200, 2026-11-30, stage runner (ea0b9bd), Pallas GDN", "dwdp_h200x2_2026-11-30_seventh_pallas_gdn.json"),
 ]
 
 
 def dwdp_runs() -> list[tuple[str, list[dict]]]:
-    """(label, rows of `bench_dwdp.py stage`) of the committed two-H200 runs, oldest first."""
+    """(label, rows of `bench_dwdp.py stage`) of the committed two-H200 runs, oldest first, each labelled by machine,
+    date, code and configuration."""
     return [(label, load(name)["rows"]) for label, name in DWDP_RUNS]
 
 
@@ -345,7 +347,8 @@ def plot_gemm(rows: list[dict], title: str):
 
 def plot_gdn(current: list[dict], before: list[dict], title: str):
     """Left: the core's time against tokens (35b-a3b heads, batch 1): today's Pallas kernels and fla in the same
-    run, the first Pallas version and the XLA scan it replaced. Right: fla time / Pallas time per measured shape."""
+    run, the first Pallas version and the XLA scan it replaced. Right: fla time / Pallas time per measured shape,
+    labelled by heads, tokens, batch and the row's `note` where it has one."""
     fig, (ax, ax2) = figure(ncols=2, width=10.0, height=3.4)
 
     def line(rows, key, **style):
@@ -367,7 +370,7 @@ def plot_gdn(current: list[dict], before: list[dict], title: str):
     ax.legend(fontsize=7)
     compared = [r for r in current if r.get("fla_ms")]
     labels = [f"{r['heads']} {r['tokens'] // 1024}K" + (f" x{r['batch']}" if r.get("batch", 1) > 1 else "")
-              + (f" ({r['run']})" if "run" in r else "") for r in compared]
+              + (f" ({r['note']})" if r.get("note") else "") for r in compared]
     ax2.bar(range(len(compared)), [r["fla_ms"] / r["pallas_ms"] for r in compared], color="tab:blue")
     ax2.axhline(1.0, color="black", linewidth=1)
     ax2.set_xticks(range(len(compared)), labels, rotation=45, ha="right", fontsize=7)
