@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jax_dwdp import distributed
 from jax_dwdp.watchdog import Watchdog
 
 DTYPES = ("bfloat16", "float32")
@@ -505,6 +506,9 @@ def cmd_prefill(args) -> dict:
 
 def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
     import jax
+
+    from jax_dwdp.native import build_status
+
     run, compile_fn, source = _build_runner(args, cfg, dtype, mode, tokens.shape[0], resources)
     devices = jax.devices()[:args.pipeline * _ranks(args)]
     watchdog = Watchdog(args.stall_timeout)
@@ -559,6 +563,7 @@ def _run_prefill(args, cfg, dtype, mode, tokens, lengths, resources) -> dict:
         "cache_bytes": int(sum(c.nbytes() for c in caches)),
         "logits_out": str(args.logits_out) if args.logits_out else None,
         "logits_finite": finite,
+        "ffi_libraries": build_status(),
     }
 
 
@@ -595,6 +600,7 @@ def _print_human(result: dict) -> None:
     print(f"peak device memory: {peak_s}")
     if result.get("logits_out"):
         print(f"logits written to {result['logits_out']}")
+    print(result["ffi_libraries"])
 
 
 def cmd_plan(args) -> dict:
@@ -740,6 +746,7 @@ def _preflight(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    distributed.die_with_parent()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     quiet_native_logs(args.verbose)
@@ -754,8 +761,6 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        from jax_dwdp import distributed
-
         if launcher:
             return distributed.launch(argv, args.num_processes, timeout_s=args.process_timeout, verbose=args.verbose,
                                       status=lambda text: print(text, file=sys.stderr, flush=True))

@@ -44,6 +44,7 @@ EXIT_INTERRUPTED = 130
 
 LOCAL_DEVICE_ENV = "JAX_DWDP_LOCAL_DEVICE"
 SUPERVISED_ENV = "JAX_DWDP_SUPERVISED"  # set in a process whose stderr a parent reads (`supervise`, `launch`)
+PARENT_ENV = "JAX_DWDP_PARENT_PID"  # the pid of that parent, which the process must not outlive (die_with_parent)
 
 # The start of a native library's log line: glog / absl ("E1207 03:17:57.924346 7178 file.cc:454] ..."), a check
 # failure's stack dump, the C++ runtime's last words, gloo's connection lines.
@@ -118,9 +119,9 @@ def supervise(argv: list[str], *, process_id: int, num_processes: int, coordinat
     """Runs this process's part of an outside launch (`jax-dwdp ARGV`) as a child whose stderr passes through
     `NativeLogFilter`; stdout (the results) is the child's own. SIGTERM is passed on; Ctrl-C reaches the child
     from the terminal. Returns the child's exit code, or 1 after one line for a native abort."""
-    env = dict(os.environ, **{SUPERVISED_ENV: "1"})
+    env = dict(os.environ, **{SUPERVISED_ENV: "1", PARENT_ENV: str(os.getpid())})
     child = subprocess.Popen([sys.executable, "-m", "jax_dwdp.cli", *argv], env=env, stderr=subprocess.PIPE,
-                             text=True, errors="replace", preexec_fn=_die_with_parent)
+                             text=True, errors="replace")
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signal.SIGTERM))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child has it too (same process group) and reports it
@@ -240,12 +241,20 @@ def _gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
+def die_with_parent() -> None:
+    """In a process started by `launch` or `supervise` (their pid in $JAX_DWDP_PARENT_PID), as its first step:
+    SIGKILL when that parent dies (Linux prctl PR_SET_PDEATHSIG), and exit at once if it has died already. Done by
+    the child itself rather than in a preexec_fn, which would run JAX's at-fork warning in a parent that has
+    imported it and is unsafe in a parent with threads."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except OSError:
         pass
+    if os.getppid() != int(parent):  # the parent died before the prctl
+        os._exit(EXIT_RUNTIME)
 
 
 def _describe(code: int) -> str:
@@ -272,7 +281,7 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
     relays: list[threading.Thread] = []
     try:
         for i in range(num_processes):
-            env = dict(os.environ, **{SUPERVISED_ENV: "1"})
+            env = dict(os.environ, **{SUPERVISED_ENV: "1", PARENT_ENV: str(os.getpid())})
             if gpus:  # every process sees every GPU and drives its own (see initialize)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
                 env[LOCAL_DEVICE_ENV] = str(i)
@@ -280,7 +289,7 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
                    "--process-timeout", str(timeout_s)]
             # Their own process group: a Ctrl-C at the terminal reaches the launcher only, which stops them all and
             # says so once (not one "interrupted" line per process).
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, process_group=0,
+            procs.append(subprocess.Popen(cmd, env=env, process_group=0,
                                           stderr=subprocess.PIPE, text=True, errors="replace"))
             relays.append(threading.Thread(target=NativeLogFilter(verbose).relay, args=(procs[-1].stderr, sys.stderr),
                                            daemon=True))

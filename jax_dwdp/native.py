@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import threading
 from collections.abc import Callable
@@ -18,6 +19,20 @@ import jax
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
 REBUILD = "rebuild it: `pip install -e .` (JAX_DWDP_BUILD_FFI=1 makes a failed build an error)"
+
+
+def build_status() -> str:
+    """One line on the FFI libraries: what the install did (jax_dwdp/_lib/BUILD.json, written by setup.py) and
+    which libraries are there."""
+    present = sorted(p.name for p in LIB_DIR.glob("*.so"))
+    libraries = ", ".join(present) if present else "none"
+    try:
+        record = json.loads((LIB_DIR / "BUILD.json").read_text())
+    except (OSError, ValueError):
+        return f"FFI libraries: {libraries} (no build record in {LIB_DIR})"
+    took = f" in {record['seconds']} s" if record.get("seconds") is not None else ""
+    return (f"FFI libraries: {libraries}; the install of {record.get('when', '?')} {record.get('outcome', '?')} them"
+            f"{took} ({record.get('detail', '')})")
 
 
 class NativeLibrary:

@@ -5,6 +5,14 @@ import zlib
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if os.environ.get("JAX_DWDP_TEST_GPU") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Most of the suite's time is XLA compiling the same small programs again: in other tests, in the xdist workers
+# and in the subprocesses the CLI tests start (which inherit these variables). JAX's persistent compilation cache
+# keeps every compiled program (keyed by its HLO, the jax version, the flags and the devices), within a run and
+# across runs; $JAX_COMPILATION_CACHE_DIR chooses another folder, an empty value turns it off.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_dwdp",
+                                   "test-compilation-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
