@@ -27,11 +27,11 @@ costs does not grow with its depth. Chunked prefill (continuing a cache) stays l
 The layer weights inside the scan: each iteration takes its block's weights out of the stacks with a dynamic slice.
 XLA copies such a slice into a buffer of its own unless the op reading it can take the address inside the stack.
 On a GPU it copies the dense weights: a 32-layer 4K prefill on an H100 ran 392 device-to-device copies (2.9 ms,
-~5% of it, the whole of the scan's extra kernel time against the layer-wise programs; twenty-fifth session, run A);
-the expert weights (the CUTLASS custom calls' operands) are not copied. XLA's dynamic-slice fusion
-(`xla_gpu_enable_dynamic_slice_fusion`, per executable) did not remove one of them (twenty-sixth session, run A:
-392 / 400 copies at 4K / 16K with it as without, at 32K their time within 0.05 ms, the kernel time within 0.2%), so
-it is not used.
+~5% of it, the whole of the scan's extra kernel time against the layer-wise programs; 2026-12-05); the expert
+weights (the CUTLASS custom calls' operands) are not copied. XLA's dynamic-slice fusion
+(`xla_gpu_enable_dynamic_slice_fusion`, per executable) did not remove one of them (H100, 2026-12-05: 392 / 400
+copies at 4K / 16K with it as without, at 32K their time within 0.05 ms, the kernel time within 0.2%), so
+it is not used (benchmarks/RESULTS.md, "Scanned layer stack and compile time").
 """
 
 from __future__ import annotations

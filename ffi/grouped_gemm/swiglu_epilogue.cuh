@@ -8,8 +8,8 @@
 // (like CUTLASS's DefaultEpilogueArray, whose interface this keeps so that Sm90TmaWarpSpecializedAdapter wraps it).
 // D has N / 2 columns: row stride and pointer come from the per-group arrays the setup kernel fills.
 //
-// Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30 fifth session): 0.92-1.08x of the unfused CUTLASS GEMM +
-// XLA activation on the MoE gate_up shapes, 0.95-1.04x on the whole routed-expert block, i.e. no gain; a variant
+// Measured on an H200 (2026-11-30; benchmarks/RESULTS.md, "Variants measured slower"): 0.92-1.08x of the unfused
+// CUTLASS GEMM + XLA activation on the MoE gate_up shapes, 0.95-1.04x on the whole routed-expert block, i.e. no gain; a variant
 // that transposed 32-bit words within each quad for 16-byte stores measured slower (0.75-1.00x). So the model keeps
 // the checkpoint layout and the unfused path by default; this kernel is opt-in (`set_fused_swiglu`).
 #pragma once

@@ -17,7 +17,7 @@ Switches (read at trace time):
   it into its command buffers with the kernels around it. It runs (since the handler takes its device from XLA's FFI
   context: cudaStreamGetDevice is refused during stream capture) but measured no faster over the 40-layer 35b-a3b
   prefill on an H200 (66.0 vs 66.8 ms at 4K, 232.3 vs 232.3 at 16K, 528.5 vs 527.4 at 32K) with more host time per
-  call (benchmarks/RESULTS.md, fifteenth session run E), so it stays off by default.
+  call (2026-12-02; benchmarks/RESULTS.md, "Variants measured slower"), so it stays off by default.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def gather_config_names() -> list[str]:
 def gather_swiglu_config_names() -> list[str]:
     """The configurations of the gather grouped GEMM with the fused SwiGLU (`grouped_matmul_gather_swiglu`). (Two
     persistent forms, one CTA per SM with the next tile's loads under this one's epilogue, measured slower on an
-    H200 and were removed: benchmarks/RESULTS.md, twenty-first and twenty-second sessions.)"""
+    H200 (kernel 1.05-1.17x slower, or 0.86-0.99x the default's speed, 2026-12-04) and were removed:
+    benchmarks/RESULTS.md, "Variants measured slower".)"""
     lib = _lib()
     return [lib.JaxDwdpGatherGroupedGemmSwigluConfigName(i).decode()
             for i in range(lib.JaxDwdpGatherGroupedGemmSwigluNumConfigs())]
@@ -151,9 +152,9 @@ def pick_config(m: int, n: int, groups: int, names: list[str] | None = None) -> 
             warnings.warn(f"JAX_DWDP_GMM_CONFIG={env!r}: {name} has no fused SwiGLU build ({names}); the fused "
                           "gate_up projection keeps its automatic choice", stacklevel=2)
     rows_per_group = m / max(groups, 1)
-    # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30, fourth session) at 80-512 rows per group: the
+    # Measured on an H200 (2026-11-30, benchmarks/RESULTS.md, "MoE grouped GEMM") at 80-512 rows per group: the
     # cooperative 128x256 tile without a cluster was the fastest of the five configs on every uniform-routing case,
-    # and ahead of the previous choice on the skewed ones. A 2x1 cluster pairs M tiles that mostly belong to
+    # and ahead of the 2x1-cluster tile on the skewed ones (the fastest of seven again on 2026-12-02). A 2x1 cluster pairs M tiles that mostly belong to
     # different groups; without it, the 64x128 ping-pong tile also beat its clustered form (by 1-9%), so small
     # groups (below half a 128-row tile; not measured there) get that one.
     small = rows_per_group < 64 or n <= 128

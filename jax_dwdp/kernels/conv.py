@@ -7,13 +7,14 @@ reads each [BT, BC] tile's K shifted windows (the overlap hits L1/L2) and writes
 t = 0 are masked loads (zeros), and with `history` the first K-1 rows, the only ones that read it, are recomputed
 by the reference and written over the kernel's. With `splits` it reads each of q's, k's and v's channel ranges in
 place and writes them as three arrays, so the split costs no copy.
-Measured (benchmarks/RESULTS.md): alone the kernel is 1.15-1.18x faster than XLA's conv at 16K-32K tokens and
-slower at 4K (ninth session). Writing one array (ninth session) the whole mixer was 2-4% slower with it (the q/k/v
-slices became copies); writing the three (twelfth session) the linear-attention layer is 1.6% / 0.5% faster at 16K
-/ 32K, and 1.9% slower at 4K. So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on (8,192: between
+Measured on an H200 (2026-12-01; benchmarks/RESULTS.md, "Gated DeltaNet kernels", the older rows in
+benchmarks/history/RESULTS-2026-11-to-12.md): alone the kernel is 1.15-1.18x faster than XLA's conv at 16K-32K
+tokens and slower at 4K. Writing one array, the whole mixer was 2-4% slower with it (the q/k/v slices became
+copies); writing the three, the linear-attention layer is 1.6% / 0.5% faster at 16K / 32K, and 1.9% slower at 4K.
+So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on (8,192: between
 the measured sizes, not measured itself); $JAX_DWDP_CONV=xla|pallas chooses for every size. Tile: 32 rows x up to
-128 channels (MAX_BLOCK_C), 4 warps: the fastest of six shapes inside the mixer (twelfth session), and of seven
-(rows, warps, channel block) tiles alone and inside the mixer at 16K and 32K (twentieth session: 256- and 512-wide
+128 channels (MAX_BLOCK_C), 4 warps: the fastest of six shapes inside the mixer (2026-12-01), and of seven
+(rows, warps, channel block) tiles alone and inside the mixer at 16K and 32K (H200, 2026-12-03: 256- and 512-wide
 channel blocks 5-98% slower alone).
 """
 
@@ -40,10 +41,10 @@ ROWS_PER_PROGRAM = 1  # row tiles of BLOCK_T a program computes one after anothe
 # exp(-x)) with libdevice's exp) or "tanh" (x/2 (1 + tanh.approx(x/2)): an absolute error of about 2^-12 |x|, which
 # for negative x is the whole of the small value (cancellation); measured up to two bf16 steps off on unit-scale
 # inputs): the argument, else $JAX_DWDP_CONV_SILU, else SILU, read when the kernel is traced
-# (`silu_form`). Measured (benchmarks/RESULTS.md, twenty-sixth session runs B / C, one H100, the three q / k / v
-# calls of 35b-a3b at 16K / 32K tokens): exact 0.284 / 0.526 and 0.271 / 0.520 ms, ex2 0.260 / 0.486 and 0.256 /
-# 0.468, tanh 0.250 / 0.475 and 0.250 / 0.462, an XLA element-wise pass over the same bytes 0.211 / 0.395 and
-# 0.194 / 0.394.
+# (`silu_form`). Measured (benchmarks/RESULTS.md, "Gated DeltaNet kernels": one H100, 2026-12-05, two runs, the
+# three q / k / v calls of 35b-a3b at 16K / 32K tokens): exact 0.284 / 0.526 and 0.271 / 0.520 ms, ex2 0.260 /
+# 0.486 and 0.256 / 0.468, tanh 0.250 / 0.475 and 0.250 / 0.462, an XLA element-wise pass over the same bytes 0.211
+# / 0.395 and 0.194 / 0.394.
 SILU = "ex2"
 ENV_SILU = "JAX_DWDP_CONV_SILU"
 SILU_FORMS = ("ex2", "exact", "tanh")

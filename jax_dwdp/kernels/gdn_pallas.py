@@ -375,15 +375,17 @@ class Tuning:
     bf16 operands (half TF32's cost), or TF32 for the diagonal blocks and bf16 for their merge.
     `fused_output`: the output computed inside the recurrence (`fused_recurrence`), two kernels instead of three.
 
-    Defaults, measured on an H200 at 16K tokens, 16/32 heads (benchmarks/RESULTS.md, GDN section, eighth session):
+    Defaults, measured on an H200 at 16K tokens, 16/32 heads (2026-12-01; benchmarks/RESULTS.md, "Gated DeltaNet
+    kernels", the variants in benchmarks/history/RESULTS-2026-11-to-12.md):
     the wide prep with bf16 products and the fused output, 0.933 ms, vs 0.999 unfused, 1.019 / 1.081 with the merge
-    only in bf16 ("mixed"), 1.101 / 1.151 with TF32 (the seventh session's default), 9.6 ms in exact fp32 (64x64
+    only in bf16 ("mixed"), 1.101 / 1.151 with TF32, 9.6 ms in exact fp32 (64x64
     fp32 products on the CUDA cores); 8 prep warps slower than 4. The inverse's precision costs no accuracy that
     shows: it is rounded to bf16 (2^-9) before it is used, and the output / state errors vs the fp32 reference are
     3.86e-3 / 3.01e-3 at every precision (the bf16 inputs set them). The fused output saves the output kernel and
     the per-chunk states' round trip through memory (0.07 ms); its recurrence keeps at most 64 state columns per
-    program (with 128 it failed the mixed-length GPU test in the seventh session; capped, it passes). The
-    recurrence's block_v and warps come from a sweep of 18 launch configurations (sixth session)."""
+    program (with 128 it failed the mixed-length GPU test; capped, it passes). The recurrence's block_v and warps
+    come from a sweep of 18 launch configurations (H200, 2026-11-30), checked again on 2026-12-03 (H200) and
+    2026-12-06 (H100): benchmarks/RESULTS.md, "Gated DeltaNet kernels"."""
 
     block_v: int | None = None
     num_warps: tuple[int, int, int] = (4, 4, 4)
@@ -603,7 +605,7 @@ def prepare_conv(lengths, mixed, conv_weight, g, beta, *, heads: tuple[int, int]
     q)` returns, then the conv'd q [B, T, HK, dk] for `fused_recurrence` (rows of chunks past a length
     unwritten).
 
-    Measured on an H200 (thirteenth session, 35b-a3b heads, 16K tokens): 1.35 ms with 8 warps (3.95 with 4: the
+    Measured on an H200 (2026-12-01, 35b-a3b heads, 16K tokens): 1.35 ms with 8 warps (3.95 with 4: the
     conv tiles beside the prep's 64x64 fp32 tiles spill registers) against 0.455 ms for the plain prep kernel plus
     0.258 ms for the separate split conv kernel, so it is opt-in (`gated_delta_rule.conv_fused`). What it saves,
     the conv output's round trip through memory (~0.2 ms at 16K), would need the conv tiles staged in shared

@@ -5,7 +5,7 @@ Face layout [G, N, K] (both operands K-contiguous, the layout grouped GEMMs on t
 Group sizes live on the device: no host sync, usable inside jit and shard_map.
 `grouped_matmul_swiglu(x, w, group_sizes)` is the gate_up projection with silu(gate) * up, fused into the CUTLASS
 epilogue on the GPU, for weights interleaved by `interleave_gate_up` (opt-in: measured at parity with the unfused
-path on an H200, benchmarks/RESULTS.md, 2026-11-30 fifth session).
+path on an H200, 0.95-1.07x, 2026-11-30: benchmarks/RESULTS.md, "Variants measured slower").
 `grouped_matmul_gather(x, row_token, w, group_sizes)` reads row r as x[row_token[r]] (the tokens in their own order;
 on the GPU the gather is inside the CUTLASS kernel's loads), and `grouped_matmul_gather_swiglu` adds silu(gate) * up
 in that kernel's epilogue for weights in the checkpoint's layout: the MoE block's gate_up projection (issue 15).

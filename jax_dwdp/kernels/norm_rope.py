@@ -7,7 +7,7 @@ q_proj output, whose heads interleave q and the output gate; W = D for k): the k
 so the q/gate split costs no copy.
 
 Why a kernel: XLA makes three passes of it at 16K tokens on the H200 (the q slice converted to an fp32 copy, the norm,
-the rotation's concatenate; 0.35 ms a full-attention layer, eleventh-session probe `benchmarks/probe_layer_kernels.py`),
+the rotation's concatenate; 0.35 ms a full-attention layer, 2026-12-01, `benchmarks/probe_layer_kernels.py`),
 where one pass reads q once and writes it once. The kernel splits the head into power-of-two column pieces
 (the two rotary halves, then the rest) and loads each from the block: Triton has no slicing of loaded values.
 `$JAX_DWDP_NORM_ROPE=xla|pallas` chooses; the kernel is the default where a computation is lowered for a CUDA GPU.

@@ -8,7 +8,8 @@ Two implementations of each: "xla" (the CPU path and the reference) and "pallas"
 $JAX_DWDP_DISPATCH / $JAX_DWDP_COMBINE (or `implementation=`) = xla|pallas choose. By default the dispatch takes
 the kernel where the computation is lowered for a CUDA GPU and XLA elsewhere (decided at lowering, as
 `kernels.routing` decides), and the combine takes XLA everywhere: on an H200 the combine kernel measured slower than
-XLA's fused gather-multiply-reduce (benchmarks/RESULTS.md, tenth session), so it is opt-in.
+XLA's fused gather-multiply-reduce (0.75-0.82x its speed, 2026-12-01: benchmarks/RESULTS.md, "Variants measured
+slower"), so it is opt-in.
 - dispatch, "xla": a row gather x[order // k] (rows moved as 32-bit words, `gather_rows`); rows past M*k hold
   copies of x's first row. "pallas": a *scatter*: one program per block of tokens and columns reads its x tile
   once, coalesced, and writes it to the k rows its pairs go to (x is read once instead of k times; each written
@@ -69,7 +70,8 @@ def _tile(bt: int, bw: int, tokens: int, width: int):
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     """x[index] for x [N, H]: rows of 2-byte elements move as 32-bit words (bit-identical). On an H200, XLA's row
-    gather ran 1.31-1.57x faster that way on the MoE shapes (benchmarks/RESULTS.md, 2026-11-30 fifth session)."""
+    gather ran 1.31-1.57x faster that way on the MoE shapes (2026-11-30;
+    benchmarks/history/RESULTS-2026-11-to-12.md)."""
     n, h = x.shape
     if x.dtype.itemsize != 2 or h % 2:
         return x[index]

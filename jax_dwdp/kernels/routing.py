@@ -201,7 +201,7 @@ def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *, interp
     inverse = base[(token // bm) * num_experts + flat_ids] + rank[:m, :k].reshape(-1)
     # Materialised here: otherwise XLA may fuse this index arithmetic (the scans included) into every consumer's
     # loop, and the combine recomputed it for each of its M*H outputs: 1.2 ms of a 0.83 ms MoE block at 4K tokens
-    # on an H200 (benchmarks/RESULTS.md, eleventh session).
+    # on an H200 (2026-12-01; benchmarks/history/RESULTS-2026-11-to-12.md, "MoE block").
     inverse, group_sizes = lax.optimization_barrier((inverse, group_sizes))
     order = jnp.zeros_like(inverse).at[inverse].set(jnp.arange(m * k, dtype=jnp.int32), unique_indices=True)
     return order, inverse, group_sizes.astype(jnp.int32)

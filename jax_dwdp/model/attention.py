@@ -16,7 +16,8 @@ from jax_dwdp.model.layers import Linear, RMSNorm, rope_cos_sin
 
 # XLA's dot merger would make the q, k and v projections one GEMM (they share x), concatenating the three weights on
 # every call and copying q out of the merged output for the norm + RoPE kernel (on an H200 at 16K tokens 0.16 ms of
-# copy and 0.02 ms of concatenate a full-attention layer, nineteenth-session probe): k and v read x through an
+# copy and 0.02 ms of concatenate a full-attention layer; kept apart, the layer takes 7.457 vs 7.562 ms, 2026-12-03:
+# benchmarks/RESULTS.md, "Attention"): k and v read x through an
 # optimization barrier, a value the merger does not take for the same operand (no copy: the barrier is removed after
 # scheduling). $JAX_DWDP_MERGE_QKV=1 (read when traced) lets XLA merge them again.
 MERGE_QKV_ENV = "JAX_DWDP_MERGE_QKV"

@@ -46,12 +46,14 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
 MERGED_PROJECTION_ENV = "JAX_DWDP_MOE_MERGED_PROJECTION"
 MERGED_PROJECTION_DEFAULT = True  # the router, the shared expert's gate_proj / up_proj and its sigmoid gate as one
 # matmul: XLA's dot merger joins the first three by itself but leaves the gate, a [M, 1] GEMV, apart. On an H200 the
-# merged projection took 0.164 vs 0.194 ms at 16K tokens and 0.092 vs 0.098 ms at 4K (benchmarks/RESULTS.md,
-# twenty-second session run D, layer-parts --fusions rows: the weights stacked unpadded outside the timed call).
+# merged projection took 0.164 vs 0.194 ms at 16K tokens and 0.092 vs 0.098 ms at 4K (2026-12-04, layer-parts
+# --fusions rows, the weights stacked unpadded outside the timed call: benchmarks/history/RESULTS-2026-11-to-12.md);
+# the whole MoE block 2.145 vs 2.171 ms at 16K on an H100 (benchmarks/RESULTS.md, "MoE block").
 MERGED_PROJECTION_MIN_TOKENS = 1024  # ... from this many tokens per call: the four weights are stacked anew in every
 # call (35b-a3b: 2 x 5.2 MB of copy per layer, ~2-3 us of HBM time; 397b-a17b: 2 x 21 MB), which a short chunk or a
 # decode step, bound by reading the weights once, would pay for nothing (an estimate from the bytes). At 1,024 tokens
-# the merged block still measured 2.6% faster (an H100, RESULTS.md twenty-eighth session run A); below, not timed.
+# the merged block still measured 2.6% faster (0.725 vs 0.744 ms, an H100, 2026-12-06: benchmarks/RESULTS.md,
+# "MoE block"); below, not timed.
 
 
 def merged_projection(tokens: int | None = None) -> bool:
@@ -68,7 +70,7 @@ def merged_projection(tokens: int | None = None) -> bool:
 GATHER_ENV = "JAX_DWDP_MOE_GATHER"
 GATHER_DEFAULT = True  # where the gate_up matmul is the CUTLASS kernel, it gathers the tokens itself ...
 # ... on the shapes where that measured faster than the Pallas dispatch (the routed-expert block, one H200,
-# benchmarks/RESULTS.md, nineteenth session runs B-C, seventeenth B and D): hidden 2048 (35b-a3b) at every length,
+# 2026-12-02 and 12-03, benchmarks/RESULTS.md, "MoE block"): hidden 2048 (35b-a3b) at every length,
 # 1.00-1.08x; hidden 3072 / 4096 (122b-a10b / 397b-a17b) at 4K tokens, 1.02x / 1.07-1.08x, but not at 16K (0.96x
 # both; 397b's whole MoE block 10.30 vs 9.89 ms) or 32K (1.01x / 0.98-0.99x). So: always up to GATHER_MAX_HIDDEN,
 # and wider only up to GATHER_MAX_WIDE_ROWS sorted (token, slot) rows (397b at 4K tokens: 40,960).
@@ -265,8 +267,8 @@ def set_fused_swiglu(model, enable: bool, *, permute: bool = True, donate: bool 
     """A model whose expert gate_up weights are in the interleaved layout (enable=True: gate and up rows in
     alternating blocks of 8, which lets the CUTLASS kernel fuse SiLU(gate) * up into the projection's epilogue) or
     in the checkpoint's. It computes the same function. Opt-in: on an H200 the fused kernel measured at parity with
-    the unfused path (benchmarks/RESULTS.md, 2026-11-30 fifth session), so models keep the checkpoint layout by
-    default.
+    the unfused path (0.95-1.07x, 2026-11-30: benchmarks/RESULTS.md, "Variants measured slower"), so models keep the
+    checkpoint layout by default.
 
     Returns a new model that shares every other weight. `model` itself is left as it was, so programs already built
     from it stay valid. The rows are permuted on the weights' own devices, with their shardings kept.

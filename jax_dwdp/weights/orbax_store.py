@@ -63,7 +63,7 @@ MARKER = ORBAX_MARKER  # "jax_dwdp.json"
 _KILL_AFTER_LAYERS = "JAX_DWDP_TEST_KILL_AFTER_LAYERS"
 # "0": turn off page reuse (below), for A/B measurements; the default is on.
 _PAGE_REUSE = "JAX_DWDP_CONVERT_PAGE_REUSE"
-# "1": write items in Orbax's OCDBT format (its default; the format before 2026-11-30's fourth session). The default
+# "1": write items in Orbax's OCDBT format (Orbax's default; older jax_dwdp checkpoints are in it). The default
 # here is plain zarr (one file per chunk), which the CPU machine wrote 19-44% faster. Restore reads either format.
 _OCDBT = "JAX_DWDP_CONVERT_OCDBT"
 
