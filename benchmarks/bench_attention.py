@@ -13,8 +13,9 @@ Accuracy: every implementation's output against a float64 numpy reference on a s
 `--ref-rows` of the sequence plus the first 64, where the causal window is longest and shortest), and against cuDNN
 over the whole output; both printed before any timing. Times: 10 back-to-back calls / 10, median of 5
 (bench_gdn.wall_ms); TF/s counts the causal FLOPs, 4 T^2 Hq D / 2. `--trace` adds each implementation's kernel time
-and span per call from a profiler trace (the twentieth session's: cuDNN's 16K call, 3.484 ms of wall time, is 3.277
-ms of kernels in a 3.334 ms span; the nineteenth session's probe had timed its kernel at 3.14 ms on a higher clock).
+and span per call from a profiler trace (an H200, 2026-12-03: cuDNN's 16K call, 3.484 ms of wall time, is 3.277 ms
+of kernels in a 3.334 ms span, benchmarks/RESULTS.md, "Attention"; a probe of the kernel alone timed it at 3.14 ms
+on a higher clock).
 """
 
 from __future__ import annotations

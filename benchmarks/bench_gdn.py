@@ -116,12 +116,11 @@ def main() -> None:
         lengths = jnp.array([t], jnp.int32)
         ref_o, ref_s = jax.jit(lambda *a: chunk_gated_delta_rule(*a, implementation="xla"))(q, k, v, g, beta)
         best = None
-        # Run B (2026-11-30) settled the recurrence (block_v by _block_v, 4 warps, 3 stages, state not transposed)
-        # and showed the prep kernel at half the time: these are its variants.
-        # The 64-wide prep ("wide", not yet measured) first; then the 16-row prep (4 warps is run B's best).
-        # Seventh session: the output fused into the recurrence (fused_output), with 4 or 8 warps for it.
-        # Eighth session: the inverse's products with bf16 operands (all, or the merge only: "mixed"), and the fused
-        # output again (its recurrence capped at 64 state columns).
+        # Variants of the prep kernel, which took half the core's time (the recurrence is settled: block_v by
+        # _block_v, 4 warps, 3 stages, the state not transposed; H200, 2026-11-30): the 64-wide prep on 4 warps with
+        # the inverse's products in TF32, with bf16 operands ("bf16") or bf16 for the merge only ("mixed"), each with
+        # the output by a third kernel or fused into the recurrence (fused_output; its recurrence capped at 64 state
+        # columns). The defaults and their numbers: gdn_pallas.Tuning.
         cases = [("wide", 4, precision, fused, 4) for fused in (False, True) for precision in ("tf32", "bf16", "mixed")]
         for inverse, w1, precision, fused, w2 in cases:
             tuning = gdn_pallas.Tuning(num_warps=(w1, w2, 4), inverse=inverse, merge_precision=precision,
@@ -190,7 +189,7 @@ def main() -> None:
             row["speedup_vs_fla"] = row["fla_ms"] / row["pallas_ms"]
         # The recurrence's state columns per program: _block_v counts every sequence of the batch, so a batch of 4
         # gets all 128 columns in one program, and the longest sequence's 32 programs set the time. Smaller
-        # blocks give the longest sequence more programs (seventh session: 0.81x fla here; to be measured).
+        # blocks give the longest sequence more programs: these rows time 32 and 64 columns per program.
         for bv in (32, 64):
             variant = dataclasses.replace(tuning, block_v=bv)
             fn = jax.jit(lambda *a, variant=variant: gdn_pallas.chunk_gated_delta_rule_pallas(*a, tuning=variant))

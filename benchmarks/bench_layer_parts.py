@@ -12,12 +12,11 @@ For each token count (batch 1, random bf16 weights of one linear-attention and o
 - the attention mixer's parts and its core by cuDNN (the model's, through `jax.nn.dot_product_attention`) and
   Pallas Triton `ops.gpu.attention.mha` (an implementation that fails prints why). Pallas Mosaic GPU's
   `attention_mgpu` takes only fp16 and jax's default implementation picks XLA's for head_dim 256 (out of memory at
-  32K): both left out (benchmarks/RESULTS.md, ninth session);
+  32K): both left out (benchmarks/RESULTS.md, "Attention");
 - the routing kernels and the permutation kernels (dispatch, combine) against the XLA passes they replaced, the
   conv inside the GDN prep kernel (opt-in) against the separate conv (its kernel and XLA's, each forced),
   the norm + RoPE kernel against XLA's passes,
-  as whole layers and as parts (the ninth session's run C, before the conv went back to XLA, labelled
-  differently: see RESULTS.md);
+  as whole layers and as parts;
 - candidate fusions beside what they would replace (`--fusions`): the four GDN input projections as one matmul,
   the router, shared-expert gate and shared gate/up projections as one matmul.
 Times: 10 back-to-back calls / 10, median of 5 (bench_gdn.wall_ms), so launch overheads count as in a model.

@@ -1,6 +1,7 @@
 """The gated delta rule with the causal conv inside its prep kernel against the separate conv kernel + the same
 gated delta rule, at 35b-a3b's head shapes, bf16, one sequence: the whole (conv + core) and the prep kernel alone,
-over the conv prep kernel's warps x pipeline stages. One H200 in benchmarks/RESULTS.md (thirteenth session).
+over the conv prep kernel's warps x pipeline stages. Its H200 numbers (2026-12-01: conv + core 1.87 vs 1.23 ms at
+16K): benchmarks/RESULTS.md, "Variants measured slower".
 
     python3 benchmarks/probe_gdn_conv.py --tokens 4096 16384 [--out FILE]
 """

@@ -1,4 +1,4 @@
-# Sourced by the GPU session scripts: bundle_out DIR. The device tool returns at most 8 files from $OUT; when DIR
+# Sourced by the scripts in benchmarks/gpu/: bundle_out DIR. The device tool returns at most 8 files from $OUT; when DIR
 # (under $OUT) holds more, its top-level files go back as one DIR/logs.tgz (the originals removed; subfolders such
 # as a profiler trace stay as they are).
 bundle_out() {

@@ -1,4 +1,4 @@
-# Sourced by the GPU session scripts: one deadline for the whole script (the device tool stops a command at 600 s).
+# Sourced by the scripts in benchmarks/gpu/: one deadline for the whole script (the device tool stops a command at 600 s).
 #   limit N       N seconds cut to what is left of $DEADLINE, at least 1 (`timeout 0` would mean no limit at all)
 #   time_for WHAT true when at least $MIN_LEFT seconds (default 40) are left; else says that WHAT is skipped
 #   by_memory A B A on GPUs of more than 100 GB (H200s), else B (80-GB H100s): a default that must fit the card

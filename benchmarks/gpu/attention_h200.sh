@@ -1,7 +1,5 @@
 #!/usr/bin/env bash
 # One H200: the prefill attention core, cuDNN against Pallas Mosaic GPU's attention_mgpu (issue 15's attention item).
-# (The nineteenth session's run A also had a prefill step timing the model with the Mosaic GPU core, an opt-in since
-# removed: the core was slower.)
 # Run from the repository root with the FFI library in jax_dwdp/_lib (carried). Steps ($STEPS, default
 # "bench tests probe"):
 #   bench    bench_attention.py: both cores at $ATTN_TOKENS (float64 reference rows, the diff to cuDNN, TF/s; with

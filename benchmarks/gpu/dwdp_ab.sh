@@ -20,12 +20,13 @@
 #   both with JAX_DWDP_GDN=xla (the old tree has only the XLA gated delta rule: no Pallas GDN, no such variable)
 #   and JAX_DWDP_GROUPED_MATMUL=$GMM (default mosaic: neither build makes the CUTLASS library, so both would take
 #   Mosaic anyway; pinned so a stray libjax_dwdp_gmm.so cannot make the trees differ). ORDER (default "old new")
-#   is the run order; "old new new old" repeats each (ABBA: a drift over the session cancels in the medians). The
+#   is the run order; "old new new old" repeats each (ABBA: a drift over the run cancels in the medians). The
 #   GPUs' SM clock, temperature and power are printed before each run.
-#   Reading the table: per tree the medians of ffi and replicated ms, then new/old for each. Recorded (different
-#   days): old 293.67 / 290.43 ms (a/c 1.011, fourth session), new 292.05 / 277.63 (1.052, seventh). replicated
+#   Reading the table: per tree the medians of ffi and replicated ms, then new/old for each. Recorded in separate
+#   runs (2x H200, 2026-11-30: benchmarks/RESULTS.md, "DWDP vs replicated weights vs DEP"): old 293.67 / 290.43 ms
+#   (a/c 1.011), new 292.05 / 277.63 (1.052). replicated
 #   new/old ~0.96 with ffi new/old ~1.0 on one machine: the regression is real and on the FFI side of the new
-#   tree; both ~1.0: the trees are the same and the recorded gap was the day (machine, clocks); both ~0.96: the
+#   tree; both ~1.0: the trees are the same and the recorded gap was the machine (clocks); both ~0.96: the
 #   new tree is faster everywhere and a/c equal, the old run's FFI number was the odd one.
 # probes: bench_dwdp.py stage --variants ffi ffi-nowait ffi-unused ffi-depth2 replicated at SEQ tokens/rank with
 #   this tree's default GDN (Pallas; PROBE_GDN=xla for the A/B's setting). ffi-nowait and ffi-unused are timing-only

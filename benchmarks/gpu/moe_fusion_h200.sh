@@ -26,7 +26,7 @@ for v in fused unfused mosaic; do
 done
 fi
 if [ "${CMDBUF:-0}" = 1 ]; then
-  # Hypothesis (2026-11-30 fifth session): a linear-attention layer launches its chunk scan's small kernels one by one
+  # Hypothesis (from an H200 run, 2026-11-30): a linear-attention layer launches its chunk scan's small kernels one by one
   # (256 steps at 16K tokens), which would explain 6.6 ms of host time per layer call. CUDA graphs for while loops
   # (XLA command buffers with WHILE) would launch each step as one graph.
   echo "=== 35B-A3B prefill, ${PREFILL_LAYERS:-8} layers, XLA command buffers with WHILE loops vs the default"
