@@ -1,8 +1,8 @@
 """The benchmark scripts run on the CPU in their smallest mode and write the JSON their readers expect.
 
 Timings are never checked (only that they are there, and the ratios computed from them); each test runs one
-subcommand in-process on the tiny preset with a few tokens. Also: every script and subcommand the GPU session
-scripts (benchmarks/gpu/*.sh) call exists, and `kernels report` attributes an Nsight Compute log correctly. The
+subcommand in-process on the tiny preset with a few tokens. Also: every script and subcommand the GPU scripts
+(benchmarks/gpu/*.sh) call exists, and `kernels report` attributes an Nsight Compute log correctly. The
 stage benchmark's FFI variants (the store needs GPUs) run over FakeStore, an XLA stand-in with the store's interface.
 """
 
@@ -606,7 +606,7 @@ def test_gpu_session_scripts_call_scripts_and_subcommands_that_exist():
 
 
 def test_gmm_configs_summary_orders_each_case_fastest_first():
-    """benchmarks/gpu/gmm_configs_summary.py on the fifteenth session's committed run: one line per case, the
+    """benchmarks/gpu/gmm_configs_summary.py on a committed run (seven tiles, H200, 2026-12-02): one line per case, the
     automatic choice named, the configs in increasing time."""
     import importlib.util
 

@@ -75,7 +75,7 @@ def _model_and_prompt(rng, lengths, t):
 
 # fp32 rounding through five layers. On a GPU (JAX_DWDP_TEST_GPU=1) cuBLAS picks other fp32 GEMM algorithms for the
 # pieces' shapes than for the whole prompt's, whose sums round in another order: one sequence at 1.27e-5 (the others
-# 5.6e-6 to 9.5e-6) on an H200 (2026-12-02, fifteenth session, run F; benchmarks/RESULTS.md).
+# 5.6e-6 to 9.5e-6) on an H200 (2026-12-02; benchmarks/history/RESULTS-2026-11-to-12.md).
 PIECES_TOL = 1e-5 if jax.default_backend() == "cpu" else 3e-5
 
 

@@ -101,7 +101,7 @@ def test_cpu_default_is_xla_and_env_switch_is_gpu_only(monkeypatch):
 def test_env_switch_leaves_fp32_on_the_reference_path(monkeypatch):
     """On a GPU, JAX_DWDP_GROUPED_MATMUL picks the kernel of half-type models only: an fp32 model (the reference run
     beside a bf16 one) stays on "xla" (the Mosaic kernel on fp32 tiles asked for 256 KiB of shared memory on an H200,
-    more than the 227 KiB there are, eighth session)."""
+    more than the 227 KiB there are; 2026-12-01)."""
     monkeypatch.setattr(gm, "on_gpu", lambda: True)
     monkeypatch.setenv(gm.ENV_IMPLEMENTATION, "mosaic")
     assert gm.default_implementation(jnp.bfloat16) == "mosaic"

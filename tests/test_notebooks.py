@@ -121,7 +121,7 @@ def test_fresh_runs_are_off_without_gpus_or_when_asked(monkeypatch):
 
 
 def test_layer_part_rows_read_bench_layer_parts():
-    """The committed tenth-session run through the converter the notebook uses: one row per token count with every
+    """The committed H200 run of 2026-12-01 through the converter the notebook uses: one row per token count with every
     plotted key, equal to the JSON's own parts (the default variant, not "(XLA routing)")."""
     result = rp.load("layer_parts_h200_2026-12-01_tenth_a.json")
     rows = rp.layer_part_rows(result)

@@ -94,7 +94,8 @@ def test_a_tile_that_is_no_power_of_two_is_refused():
 
 def test_implementation_switch(rng, monkeypatch):
     """By default the platform decides when lowering: lowered for CUDA the program holds the kernels, lowered for
-    the CPU it does not (on a GPU host the CPU case failed in the ninth session's run B), and it runs there.
+    the CPU it does not (a computation for the CPU device of a GPU host must not take the kernels), and it runs
+    there.
     $JAX_DWDP_ROUTING=xla removes the kernels from a CUDA lowering; =pallas keeps the CPU guard; bad names are
     clear errors."""
     logits = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
@@ -184,7 +185,7 @@ def test_empty_and_impossible_inputs():
 def test_gpu_moe_block_keeps_the_permutation_out_of_the_combine(rng):
     """The routed experts at 35b-a3b shapes and 4K tokens, compiled for the GPU: no fused computation that writes
     the [M, H] output recomputes the counting sort's scans (reduce-window). Before the optimization barrier XLA
-    fused them into the combine's loop, 1.2 ms a layer (eleventh session)."""
+    fused them into the combine's loop, 1.2 ms a layer (an H200, 2026-12-01)."""
     import re
 
     from jax_dwdp.model.moe import routed_experts
