@@ -117,12 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every file of a converted checkpoint against its checksum")
     v.add_argument("directory", type=Path, metavar="DIR", help="a jax_dwdp Orbax checkpoint made by convert")
     v.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    q = sub.add_parser("plan", help="print the stage layout (and DWDP ranks) as one JSON object")
+    q = sub.add_parser("plan", help="print the stage layout: layers, weights and caches per stage, memory per rank")
     _add_model_args(q)
     q.add_argument("--pipeline", type=int, default=1, help="pipeline stages (default 1)")
     q.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (default 1)")
     q.add_argument("--dep", type=int, default=1, help="DEP ranks per stage (default 1; instead of --dwdp)")
     q.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated")
+    q.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
 
 
@@ -603,6 +604,28 @@ def _print_human(result: dict) -> None:
     print(result["ffi_libraries"])
 
 
+def _print_plan(result: dict) -> None:
+    gib = 2**30
+    scheme = "DEP" if result["dep"] > 1 else "DWDP"
+    ranks = max(result["dwdp"], result["dep"])
+    print(f"model: {result['model']}; {result['dtype']}")
+    print(f"{result['pipeline']} stage(s) x {ranks} {scheme} rank(s)")
+    print("| stage | layers | full-attn layers | weights GiB | KV cache per token | state per sequence MiB | device "
+          "| experts | resident GiB | buffers GiB | peer GiB per layer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for st in result["stages"]:
+        for r in st["dwdp_ranks"]:
+            buffers = r["prefetch_buffer_bytes"] if scheme == "DWDP" else 0
+            print(f"| {st['stage']} | [{st['start_layer']}, {st['end_layer']}) | {len(st['full_attention_layers'])} "
+                  f"| {st['weight_bytes'] / gib:.2f} | {st['cache_bytes_per_token'] / 1024:.1f} KiB "
+                  f"| {st['cache_bytes_per_sequence'] / 2**20:.1f} | {r['device']} "
+                  f"| [{r['experts_owned'][0]}, {r['experts_owned'][1]}) | {r['resident_bytes'] / gib:.2f} "
+                  f"| {buffers / gib:.2f} | {r['peer_bytes_per_layer'] / gib:.3f} |")
+    if scheme == "DWDP" and ranks > 1:
+        print("buffers: two layers' full expert sets for the FFI store's prefetch (the XLA all-gather's, with padding "
+              "slots, in --json as xla_gather_buffer_bytes)")
+
+
 def cmd_plan(args) -> dict:
     dtype = _dtype(args.dtype)
     cfg = _model_config(args)
@@ -633,7 +656,8 @@ def plan_layout(cfg, pipeline: int, ranks: int, dtype, *, boundaries=None, dep: 
         moe_layers = st.end_layer - st.start_layer  # every layer is MoE
         weights = stage_weight_bytes(cfg, st, dtype)
         non_expert = weights - moe_layers * cfg.num_experts * expert_bytes_per_layer(cfg, itemsize)
-        rank_rows = [dict(rank_memory(cfg, layout, r, moe_layers, itemsize, prefetch=not dep,
+        # One rank holds every expert: nothing is fetched, so there are no prefetch or gather buffers.
+        rank_rows = [dict(rank_memory(cfg, layout, r, moe_layers, itemsize, prefetch=not dep and ranks > 1,
                                       non_expert_bytes=non_expert), device=st.stage * ranks + r)
                      for r in range(ranks)]
         out.append({
@@ -818,8 +842,10 @@ def _main(args) -> int:
         return EXIT_RUNTIME
     if not result.pop("reporter", True):  # another process of the launch reports
         return 0
-    if args.command == "plan" or args.json:
+    if args.json:
         print(json.dumps(result))
+    elif args.command == "plan":
+        _print_plan(result)
     elif args.command == "verify":
         print(f"ok: {result['directory']}: {result['files']} files ({result['bytes'] / 1e9:.3f} GB) match their "
               f"checksums and {result['tensors']} tensors hold no NaN or Inf ({result['seconds']:.2f} s)")

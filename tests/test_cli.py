@@ -115,7 +115,7 @@ def test_fused_swiglu_flag_computes_the_same_logits(tmp_path, capsys, checkpoint
 
 
 def test_plan_prints_the_stage_layout(capsys):
-    code, out, err = run_cli(capsys, "plan", "--preset", "35b-a3b", "--pipeline", "3")
+    code, out, err = run_cli(capsys, "plan", "--preset", "35b-a3b", "--pipeline", "3", "--json")
     assert code == 0, err
     plan = json.loads(out)
     stages = plan["stages"]
@@ -130,6 +130,16 @@ def test_plan_prints_the_stage_layout(capsys):
     # Weights are split exactly: the stages' bytes add up to the whole model's bf16 bytes (A_log stays fp32).
     a_log = len(cfg.layer_ids("linear_attention")) * cfg.linear_num_value_heads
     assert sum(s["weight_bytes"] for s in stages) == 2 * cfg.param_counts()["total"] + 2 * a_log
+
+
+def test_plan_prints_a_table_and_no_buffers_for_one_rank(capsys):
+    code, out, err = run_cli(capsys, "plan", "--preset", "35b-a3b", "--pipeline", "2", "--dwdp", "2")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 4 and rows[0].startswith("| 0 | [0, 20) |") and rows[3].startswith("| 1 | [20, 40) |")
+    code, out, err = run_cli(capsys, "plan", "--preset", "35b-a3b", "--json")
+    (rank,) = json.loads(out)["stages"][0]["dwdp_ranks"]  # one rank holds every expert: nothing is fetched
+    assert rank["prefetch_buffer_bytes"] == rank["xla_gather_buffer_bytes"] == rank["peer_bytes_per_layer"] == 0
 
 
 def test_plan_and_pipeline_refuse_bad_layouts(capsys):
