@@ -28,6 +28,7 @@ from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, is_orbax_checkpoin
 from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.checkpoint_helpers import flat, write_hf
 from tests.hf_reference import write_config
+from tests.processes import popen_default_sigint
 
 # Many small layers: a conversion takes long enough to be interrupted between layers.
 CFG = ModelConfig.preset("tiny").replace(num_hidden_layers=12, vocab_size=48, num_experts=4)
@@ -41,10 +42,8 @@ def hf_dir(tmp_path_factory):
 
 def cli(*argv: str, **kw) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    # SIGINT at its default in the child even when this test run inherited it ignored (a background launch).
-    return subprocess.Popen([sys.executable, "-m", "jax_dwdp.cli", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
+    return popen_default_sigint([sys.executable, "-m", "jax_dwdp.cli", *argv], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, **kw)
 
 
 def error_lines(stderr: str) -> list[str]:

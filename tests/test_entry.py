@@ -9,6 +9,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from tests.processes import popen_default_sigint
+
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = "import sys; from jax_dwdp.entry import main; sys.exit(main())"  # what pip's jax-dwdp script runs
 MARKER = "fake jax: importing"
@@ -23,11 +25,8 @@ def _slow_jax(tmp_path: Path) -> dict[str, str]:
 
 
 def _start(env, *args):
-    # SIGINT back to its default in the child: a launcher without job control (a background `&`) starts the
-    # test run with SIGINT ignored, which the child would inherit and Python then keeps.
-    return subprocess.Popen([sys.executable, "-c", ENTRY, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return popen_default_sigint([sys.executable, "-c", ENTRY, *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
 
 def test_console_script_is_the_entry_module():
