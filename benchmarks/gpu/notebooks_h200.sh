@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One H200: notebook 03 top to bottom with its fresh runs (JAX_DWDP_FRESH_RUNS=1: layer parts, the GDN kernel with
 # fla, the grouped matmul with torch), as a user on a GPU machine would run it. Needs the notebook wheels (nbclient,
-# nbformat, ipykernel, matplotlib and their dependencies, cp312) in .whl/nb/ and fla in .whl/ (README: GPU
-# machines). Writes the executed notebook and its text outputs under $OUT. NOTEBOOK= picks another notebook.
+# nbformat, ipykernel, matplotlib and their dependencies, cp312) in .whl/nb/ and fla in .whl/ (docs/notebooks.md).
+# Writes the executed notebook and its text outputs under $OUT. NOTEBOOK= picks another notebook.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DWDP_FRESH_RUNS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
