@@ -112,7 +112,7 @@ def conv_fused(dtype, conv_dim: int, kernel: int, heads: tuple[int, int], head_d
     """Whether Gated DeltaNet's causal conv + SiLU runs inside the gated delta rule's Pallas prep kernel
     (`conv_chunk_gated_delta_rule`) instead of as its own kernel (`conv.causal_conv_silu`, the default):
     on request ($JAX_DWDP_GDN_CONV=fused), where the Pallas implementation is chosen and the shapes fit. Measured
-    slower on an H200 (thirteenth session, benchmarks/RESULTS.md: conv + core 1.87 vs 1.23 ms at 16K tokens, the
+    slower on an H200 (2026-12-01; benchmarks/RESULTS.md, "Variants measured slower": conv + core 1.87 vs 1.23 ms at 16K tokens, the
     prep kernel's registers). Prefill from a cache (the conv reads cached inputs before t = 0) always takes the
     separate conv. Unlike the default path this choice is made when tracing, not at lowering: with the opt-in on,
     a half-type model placed on the CPU of a GPU host would lower the fused kernel for the CPU and fail."""
