@@ -19,6 +19,23 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+SLOW_TESTS = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+
+
+def slow_test_ids() -> set[str]:
+    with open(SLOW_TESTS) as f:
+        return {line.split("#")[0].strip() for line in f if line.split("#")[0].strip()}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests listed in slow_tests.txt (measured at 29 s or more each) carry the `slow` mark: the README's test
+    command runs `-m "not slow"`, CI runs both tiers (test_test_tiers.py checks that every listed test exists)."""
+    listed = slow_test_ids()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_setup(item):
     """`@pytest.mark.devices(n)`: the test builds a mesh of n devices of JAX's default backend (pipeline stages, DWDP
     ranks). With fewer (a one-GPU machine under JAX_DWDP_TEST_GPU=1, or XLA_FLAGS asking for fewer CPU devices) it is

@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "ffi"))
 from cuda_paths import cuda_home  # noqa: E402
 
+from tests.elf_symbols import exported_functions  # noqa: E402
+
 LIB = ROOT / "jax_dwdp" / "_lib" / "libjax_dwdp_ffi.so"
 
 
@@ -21,21 +23,19 @@ def test_dwdp_library_is_built_and_exports_its_entry_points():
 
     path = library_path()
     assert path.is_file(), f"{path} missing: `pip install -e .` should have built it (cuda.h is at {cuda_home()})"
-    data = path.read_bytes()
-    assert data[:4] == b"\x7fELF"
-    for symbol in (b"JaxDwdpPrefetch", b"JaxDwdpWait", b"dwdp_store_create", b"dwdp_store_close",
-                   b"dwdp_live_objects"):
-        assert symbol in data, symbol
+    exported = exported_functions(path)
+    for symbol in ("JaxDwdpPrefetch", "JaxDwdpWait", "dwdp_store_create", "dwdp_store_close", "dwdp_live_objects"):
+        assert symbol in exported, symbol
 
 
 @pytest.mark.skipif(cuda_home() is None, reason="no CUDA toolkit here: pip install builds no FFI library")
 def test_grouped_gemm_library_is_built():
     path = ROOT / "jax_dwdp" / "_lib" / "libjax_dwdp_gmm.so"
     assert path.is_file(), f"{path} missing: `pip install -e .` builds it with the nvidia-cutlass headers"
-    data = path.read_bytes()
-    for symbol in (b"JaxDwdpGroupedGemm", b"JaxDwdpGroupedGemmNoGraph", b"JaxDwdpGroupedGemmWorkspaceBytes",
-                   b"JaxDwdpGroupedGemmSwiglu", b"JaxDwdpGroupedGemmSwigluNoGraph"):
-        assert symbol in data, symbol
+    exported = exported_functions(path)
+    for symbol in ("JaxDwdpGroupedGemm", "JaxDwdpGroupedGemmNoGraph", "JaxDwdpGroupedGemmWorkspaceBytes",
+                   "JaxDwdpGroupedGemmSwiglu", "JaxDwdpGroupedGemmSwigluNoGraph"):
+        assert symbol in exported, symbol
 
 
 def test_missing_library_is_a_clear_error(tmp_path, monkeypatch):
@@ -48,3 +48,14 @@ def test_missing_library_is_a_clear_error(tmp_path, monkeypatch):
             dwdp_ffi.load_library()
     finally:
         dwdp_ffi.LIBRARY.load.cache_clear()
+
+
+def test_exported_functions_come_from_the_dynamic_symbol_table_not_the_bytes():
+    """A name in a library's bytes is not an export: the reader finds the loader's function symbols only (this
+    process's libc: malloc is one; GLIBC_2.2.5, a version name in its bytes, is not)."""
+    libc = next(Path(line.split()[-1]) for line in Path("/proc/self/maps").read_text().splitlines()
+                if "/libc.so" in line or "/libc-" in line)
+    assert b"GLIBC_2.2.5" in libc.read_bytes() or b"GLIBC_2.17" in libc.read_bytes()
+    exported = exported_functions(libc)
+    assert {"malloc", "free", "printf"} <= exported
+    assert not {"GLIBC_2.2.5", "GLIBC_2.17"} & exported
