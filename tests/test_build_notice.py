@@ -3,6 +3,7 @@ on the terminal (pip hides build output), and says nothing of the kind with JAX_
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def test_no_notice_when_the_build_is_skipped(tmp_path):
 
 def test_setup_py_announces_the_cmake_build(tmp_path):
     """The build step itself: a CMake that fails at once (a stand-in on PATH) still shows the announcement, then
-    the 'did not build' line (unset JAX_DWDP_BUILD_FFI: not an error)."""
+    the 'did not build' line, on the terminal too (unset JAX_DWDP_BUILD_FFI: not an error); the outcome is
+    recorded in the library folder's BUILD.json, which `jax-dwdp prefill` reports where no terminal is."""
     home = _fake_toolkit(tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -64,4 +66,6 @@ def test_setup_py_announces_the_cmake_build(tmp_path):
     print(tty, run.stdout[-2000:], run.stderr[-2000:])
     assert run.returncode == 0
     assert tty.startswith("jax_dwdp: building the FFI libraries with CMake") and "JAX_DWDP_BUILD_FFI=0 skips" in tty
-    assert "did not build" in run.stdout
+    assert "did not build" in tty and "did not build" in run.stderr
+    record = json.loads((tmp_path / "lib" / "jax_dwdp" / "_lib" / "BUILD.json").read_text())
+    assert record["outcome"] == "failed" and "exit status 3" in record["detail"], record
