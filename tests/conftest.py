@@ -28,8 +28,9 @@ def slow_test_ids() -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests listed in slow_tests.txt (measured at 29 s or more each) carry the `slow` mark: the README's test
-    command runs `-m "not slow"`, CI runs both tiers (test_test_tiers.py checks that every listed test exists)."""
+    """The tests listed in slow_tests.txt (the slowest measured, with their seconds) carry the `slow` mark: the
+    README's test command runs `-m "not slow"`, CI runs both tiers (test_test_tiers.py checks that every listed
+    test exists)."""
     listed = slow_test_ids()
     for item in items:
         if item.nodeid in listed:
