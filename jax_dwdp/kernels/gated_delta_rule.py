@@ -154,6 +154,7 @@ def conv_chunk_gated_delta_rule(
                                                          head_dims=tuple(head_dims))
 
 
+@jax.jit  # one program per shape when the chunk runs eagerly (tests, notebooks): 7.6 s vs 16.0 s op by op, CPU
 def unit_lower_inverse(lower: jax.Array) -> jax.Array:
     """(I + lower)^-1 for strictly lower-triangular `lower` [..., C, C], C a power of two: by doubling the
     diagonal blocks, [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]], log2(C) levels of batched matmuls
@@ -163,7 +164,8 @@ def unit_lower_inverse(lower: jax.Array) -> jax.Array:
     pool and blocks a pool thread until the pieces finish. That pool has max(cores, host devices) threads, so
     when every host device of a mesh runs such a program at once (DWDP or DEP over all the host devices, or
     pipeline stages side by side) every thread waits for pieces that no thread is left to run, forever.
-    Matmuls never wait on the pool."""
+    Matmuls never wait on the pool. Jitted: inside a traced program it is inlined; called eagerly (as the chunk
+    is in tests and notebooks) its 6 levels would otherwise be about 60 separately compiled operations."""
     c = lower.shape[-1]
     if c & (c - 1):
         raise ValueError(f"unit_lower_inverse: the size {c} is not a power of two")
