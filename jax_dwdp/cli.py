@@ -144,7 +144,7 @@ def _model_config(args):
     if args.checkpoint is not None:
         from jax_dwdp.weights.hf_loader import load_config
 
-        _need_folder(args.checkpoint, "--checkpoint")
+        _need(args.checkpoint, True, "--checkpoint")
         cfg = load_config(args.checkpoint)
     else:
         cfg = ModelConfig.preset(args.preset)
@@ -155,20 +155,13 @@ def _model_config(args):
     return cfg
 
 
-def _need_folder(path: Path, flag: str = "") -> None:
-    named = f"{flag} {path}".strip()
+def _need(path: Path, folder: bool, flag: str = "") -> None:
+    """`path` exists and is a folder (folder=True) or a regular file; else one line saying which it is not."""
+    named, kind = f"{flag} {path}".strip(), "folder" if folder else "file"
     if not path.exists():
-        raise UsageError(f"{named}: no such folder")
-    if not path.is_dir():
-        raise UsageError(f"{named}: is not a folder")
-
-
-def _need_file(path: Path, flag: str = "") -> None:
-    named = f"{flag} {path}".strip()
-    if not path.exists():
-        raise UsageError(f"{named}: no such file")
-    if not path.is_file():
-        raise UsageError(f"{named}: is not a regular file")
+        raise UsageError(f"{named}: no such {kind}")
+    if not (path.is_dir() if folder else path.is_file()):
+        raise UsageError(f"{named}: is not a {'folder' if folder else 'regular file'}")
 
 
 def _dtype(name: str):
@@ -181,7 +174,7 @@ def _dtype(name: str):
 
 def _load_tokens(args, vocab_size: int):
     if args.tokens is not None:
-        _need_file(args.tokens, "--tokens")
+        _need(args.tokens, False, "--tokens")
         try:
             tokens = np.load(args.tokens, allow_pickle=False)
         except Exception as e:  # numpy raises several types for a file that is not .npy
@@ -681,7 +674,7 @@ def cmd_convert(args) -> dict:
     from jax_dwdp.weights.orbax_store import convert_hf_to_orbax
 
     dtype = None if args.dtype is None else _dtype(args.dtype)
-    _need_folder(args.hf_dir)
+    _need(args.hf_dir, True)
     summary = convert_hf_to_orbax(args.hf_dir, args.out_dir, dtype=dtype, overwrite=args.overwrite,
                                   progress=None if args.json else "stderr")
     return {"command": "convert", **summary}
@@ -690,7 +683,7 @@ def cmd_convert(args) -> dict:
 def cmd_verify(args) -> dict:
     from jax_dwdp.weights.orbax_store import verify_checkpoint
 
-    _need_folder(args.directory)
+    _need(args.directory, True)
     return {"command": "verify", **verify_checkpoint(args.directory)}
 
 
