@@ -70,9 +70,9 @@ from jax_dwdp.model import init_model
 from jax_dwdp.parallel import Pipeline
 from jax_dwdp.parallel.dwdp import IndependentRanks, expert_blocks, place_model
 from jax_dwdp.parallel.expert_layout import ExpertLayout, rank_memory
-from jax_dwdp.parallel.experts import AXIS, Gather, Local, Store
-from jax_dwdp.parallel.mesh import make_mesh
-from jax_dwdp.parallel.runner import StageRunner
+from jax_dwdp.sources import AXIS, Gather, Local, Store
+from jax_dwdp.devices import make_mesh
+from jax_dwdp.runner import StageRunner
 from jax_dwdp.timing import median_seconds, save_rows
 
 

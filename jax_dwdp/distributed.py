@@ -7,7 +7,7 @@ instead joins a launch made by another tool (a cluster scheduler, mpirun, a note
 process's device (for `--dwdp-backend ffi`: every GPU visible, $JAX_DWDP_LOCAL_DEVICE naming the process's own).
 
 Every process runs the whole program (multi-controller JAX): the mesh spans all processes' devices, each builds
-the same weights and keeps only its own devices' shards (`jax_dwdp.parallel.mesh.put`), and the collectives (the
+the same weights and keeps only its own devices' shards (`jax_dwdp.devices.put`), and the collectives (the
 DWDP all-gather, DEP's all-to-all) cross processes; on the CPU through gloo. With `--pipeline P` each process runs
 its own stage and hands its hidden states to the next stage's process (`parallel.pipeline.Handoff`). Process 0
 reports progress; the process that holds the logits (the last stage's) prints the results and writes --logits-out.

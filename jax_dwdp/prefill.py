@@ -16,6 +16,7 @@ from flax import nnx
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.programs import precision_scope
+from jax_dwdp.runner import StageRunner
 
 
 class InputError(ValueError):
@@ -79,10 +80,8 @@ def jit_prefill(
 
     `prefill.compile(tokens, lengths)` compiles ahead of time; `prefill.lower(tokens, lengths)` gives the whole
     model's lowered program. layerwise=True compiles one program per layer type instead of one for the whole model
-    (the same numbers, a compile time independent of depth; see jax_dwdp.parallel.runner).
+    (the same numbers, a compile time independent of depth; see jax_dwdp.runner).
     """
-    from jax_dwdp.parallel.runner import StageRunner  # (jax_dwdp.parallel imports this module)
-
     if not (model.is_first and model.is_last):
         raise ValueError("jit_prefill needs the whole model; pipeline stages run through jax_dwdp.parallel")
     runner = StageRunner(model)

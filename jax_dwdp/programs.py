@@ -72,7 +72,7 @@ def canonical_graphs(model) -> dict[str, StaticGraph]:
 
 
 def layer_body(graph: StaticGraph, source, state, h, positions, lengths, pending, ahead, layer_cache=None):
-    """One decoder layer with its experts from `source` (jax_dwdp.parallel.experts); traced.
+    """One decoder layer with its experts from `source` (jax_dwdp.sources); traced.
 
     `pending` is what the source delivered for this layer. `ahead` (sources that fetch inside the program, see
     ExpertSource.gathers) is the next layer's fetch operand: its fetch is issued here, ordered after this layer's

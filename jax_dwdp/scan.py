@@ -18,7 +18,7 @@ of one period plus the tail: independent of depth for patterns that repeat (Qwen
 leaves more layers in the unrolled tail.
 
 Which drivers keep the layer-wise path, and why: DWDP (XLA gather, CUDA VMM store), DEP and independent ranks run
-through `parallel.runner.StageRunner` layer by layer, because their expert sources act between layers (a gather
+through `jax_dwdp.runner.StageRunner` layer by layer, because their expert sources act between layers (a gather
 issued one layer ahead, the store's copy of layer l+1 waited on before layer l+1, a process's hand-off) and keep
 per-layer expert weights. Pipeline stages with their own experts (`Pipeline(..., scan=True)`, `--pipeline P
 --scan`) can run scanned: one dispatch per stage and microbatch instead of one per layer, so the host time a stage
@@ -46,7 +46,7 @@ from flax import nnx
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length
-from jax_dwdp.parallel.mesh import place
+from jax_dwdp.devices import place
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
 
 
@@ -219,7 +219,7 @@ class ScannedModel:
         return self.model_state, self.stacked, self.tail, *self.place(x, lengths)
 
     def place(self, *arrays) -> tuple:
-        """The arrays on this model's device, by one transfer call (jax_dwdp.parallel.mesh.place)."""
+        """The arrays on this model's device, by one transfer call (jax_dwdp.devices.place)."""
         return place(arrays, self.device)
 
     def __call__(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None):

@@ -141,8 +141,8 @@ def test_dwdp_stage_probe_sources_order_and_results(monkeypatch):
     enqueued (layers 0 and 1 at the start) and gives the replicated model's logits; the probes (whose stand-in
     copies are complete at once) too, holding every prefetch output until settle."""
     from jax_dwdp.config import ModelConfig
-    from jax_dwdp.parallel.experts import Store
-    from jax_dwdp.parallel.mesh import make_mesh
+    from jax_dwdp.sources import Store
+    from jax_dwdp.devices import make_mesh
 
     bench, _ = fake_stores(monkeypatch)
     cfg = ModelConfig.preset("tiny").replace(num_hidden_layers=3)

@@ -20,8 +20,8 @@ from jax_dwdp.model.moe import routed_experts
 from jax_dwdp.parallel import Pipeline
 from jax_dwdp.parallel.dwdp import IndependentRanks, expert_blocks, place_model
 from jax_dwdp.parallel.expert_layout import ExpertLayout
-from jax_dwdp.parallel.experts import AXIS, DispatchedExperts, Dispatch
-from jax_dwdp.parallel.runner import StageRunner
+from jax_dwdp.sources import AXIS, DispatchedExperts, Dispatch
+from jax_dwdp.runner import StageRunner
 from jax_dwdp.prefill import jit_prefill
 from tests.hf_reference import rel_err
 
@@ -193,14 +193,14 @@ def test_profile_splits_each_layer_and_keeps_the_numbers(setup):
         err = rel_err(getattr(ops_cache, f), getattr(want, f))
         print(f"profiled split layers vs layer programs, {f}: {err:.1e}")
         assert err <= 1e-6, f
-    from jax_dwdp.parallel.experts import Gather
+    from jax_dwdp.sources import Gather
 
     with pytest.raises(ValueError, match="Gather experts cannot be profiled"):
         StageRunner(placed, Gather(expert_blocks(placed), mesh), mesh=mesh).profile(tokens, lengths)
 
 
 def _profiled(runner):
-    from jax_dwdp.parallel.runner import _Profiled
+    from jax_dwdp.runner import _Profiled
 
     return _Profiled(runner)
 

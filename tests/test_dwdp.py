@@ -251,8 +251,8 @@ def test_stage_runner_shares_its_programs_across_logits_modes_and_cache_lengths(
     from jax.sharding import Mesh
 
     from jax_dwdp.parallel.dwdp import expert_blocks, place_model
-    from jax_dwdp.parallel.experts import Gather
-    from jax_dwdp.parallel.runner import StageRunner
+    from jax_dwdp.sources import Gather
+    from jax_dwdp.runner import StageRunner
 
     model, tokens, lengths, ref_logits, _ = setup
     mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))

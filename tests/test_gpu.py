@@ -124,7 +124,7 @@ def test_gpu_scanned_stage_equals_the_layerwise_stage(rng, dtype, bound):
     in the model's bf16 test). Also the whole model's scanned prefill against its layer-wise prefill."""
     from jax_dwdp.config import ModelConfig
     from jax_dwdp.model import init_model
-    from jax_dwdp.parallel.runner import StageRunner
+    from jax_dwdp.runner import StageRunner
     from jax_dwdp.prefill import jit_prefill
     from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
     from tests.test_model import _damp_residual_branches

@@ -53,8 +53,8 @@ def _compare(cfg, dtype, rng, bound, *, poison=False):
 
         from jax_dwdp.parallel.dwdp import expert_blocks, place_model
         from jax_dwdp.parallel.dwdp_ffi import ExpertStore
-        from jax_dwdp.parallel.experts import Store
-        from jax_dwdp.parallel.runner import StageRunner
+        from jax_dwdp.sources import Store
+        from jax_dwdp.runner import StageRunner
 
         mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
         placed = place_model(model, mesh)

@@ -17,6 +17,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from jax_dwdp.devices import put
 from jax_dwdp.model.attention import GatedAttention
 from jax_dwdp.model.gated_deltanet import GatedDeltaNet
 from jax_dwdp.model.layers import Embedding, Linear, RMSNorm
@@ -51,8 +52,6 @@ def _positions(h, b: int, t: int):
     sharding = getattr(h, "sharding", None)
     if isinstance(sharding, NamedSharding):
         spec = (*sharding.spec, None, None)[:2]
-        from jax_dwdp.parallel.mesh import put  # (jax_dwdp.parallel imports this module)
-
         return put(positions, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
     return positions
 

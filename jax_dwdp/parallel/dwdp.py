@@ -35,9 +35,9 @@ from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model
 from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.expert_layout import ExpertLayout
-from jax_dwdp.parallel.experts import _EXPERT_WEIGHTS, AXIS, Local, PeerCopy, Store, is_expert_weight
-from jax_dwdp.parallel.mesh import put
-from jax_dwdp.parallel.runner import StageRunner
+from jax_dwdp.sources import _EXPERT_WEIGHTS, AXIS, Local, PeerCopy, Store, is_expert_weight
+from jax_dwdp.devices import put
+from jax_dwdp.runner import StageRunner
 
 EXPERT_CHOICES = ("local", "xla", "ffi", "dep")
 

@@ -33,9 +33,9 @@ from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_mod
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.dwdp import (CheckpointLayers, Placement, build_placed, check_experts_choice, connect_store,
                                     expert_blocks, model_range, open_store)
-from jax_dwdp.parallel.experts import AXIS, Dispatch, Gather, Local, Store
-from jax_dwdp.parallel.mesh import builder_device, make_mesh, put
-from jax_dwdp.parallel.runner import StageRunner, pad_batch, padded_rows, take_rows
+from jax_dwdp.sources import AXIS, Dispatch, Gather, Local, Store
+from jax_dwdp.devices import builder_device, make_mesh, put
+from jax_dwdp.runner import StageRunner, pad_batch, padded_rows, take_rows
 from jax_dwdp.prefill import InputError, check_tokens
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.devices import put
 from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model
 from jax_dwdp.weights import hf_names
 from jax_dwdp.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint, orbax_without_marker
@@ -224,8 +225,6 @@ def load_hf_checkpoint(
         host = _convert(array, None if keep else var.dtype, name, file, None if assembled else report)
         loaded[path] = put(host, placement(path, tuple(var.shape), host.dtype))
         report.tensors_loaded += 1
-
-    from jax_dwdp.parallel.mesh import put  # (a sharding over other processes' devices too: each keeps its slices)
 
     ckpt = opened if opened is not None else SafetensorsCheckpoint(checkpoint_dir)
     bytes_before = ckpt.bytes_read

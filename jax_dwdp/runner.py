@@ -39,8 +39,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode
-from jax_dwdp.parallel.experts import AXIS, ExpertSource, Local, is_expert_weight
-from jax_dwdp.parallel.mesh import place, put
+from jax_dwdp.sources import AXIS, ExpertSource, Local, is_expert_weight
+from jax_dwdp.devices import place, put
 from jax_dwdp.programs import (StaticGraph, canonical_graphs, embed_body, head_body, layer_body, precision_scope,
                                run_embed, run_head, run_layer, shell_of)
 

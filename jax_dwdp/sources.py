@@ -1,6 +1,6 @@
 """Where a layer's experts come from: one small class per way, chosen once, when a stage runner is built.
 
-The stage runner (jax_dwdp.parallel.runner) owns the layer loop and decides *when* layer l+1's experts start to
+The stage runner (jax_dwdp.runner) owns the layer loop and decides *when* layer l+1's experts start to
 move (just before layer l is enqueued, so that they move while layer l computes); a source decides *how*:
 
 - `Local`: each layer's own expert weights. One device, or every DWDP rank holding all experts (the replicated
