@@ -7,9 +7,9 @@
         --sequences 8 --layouts 2x2:ffi 2x1 1x4:ffi 1x4:xla
 
 stage: one stage's N ranks in one SPMD program, every rank prefilling its own sequence of T tokens (batch 1 per
-  rank): (a) `Store` experts (FFI): each rank stores 1/N of every layer's experts in CUDA VMM memory, layer l+1's
-  copied from the peers over NVLink on a side stream while layer l computes; (b) `Gather` experts (XLA): layer
-  l+1's experts all-gathered inside layer l's program; (c) replicated, `Local` experts: every GPU holds all of them
+  rank): (a) `FfiStoreSource` experts (FFI): each rank stores 1/N of every layer's experts in CUDA VMM memory, layer l+1's
+  copied from the peers over NVLink on a side stream while layer l computes; (b) `XlaGatherSource` experts (XLA): layer
+  l+1's experts all-gathered inside layer l's program; (c) replicated, `LocalSource` experts: every GPU holds all of them
   (no communication: the bound). All three are one StageRunner over the 'dwdp' mesh, layer-wise. Per layer it
   reports the FFI copy time (CUDA events on the copy stream) under compute and on an idle GPU, the MoE block alone
   on the same tokens, and the fraction of copy time hidden: 1 - max(0, t_ffi - t_replicated) / total copy time.
@@ -68,9 +68,10 @@ import jax_dwdp.prefill as prefill_module
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
 from jax_dwdp.parallel import Pipeline
-from jax_dwdp.parallel.dwdp import IndependentRanks, expert_blocks, place_model
+from jax_dwdp.parallel.dwdp import IndependentRanks
+from jax_dwdp.parallel.placement import expert_blocks, place_model
 from jax_dwdp.parallel.expert_layout import ExpertLayout, rank_memory
-from jax_dwdp.sources import AXIS, Gather, Local, Store
+from jax_dwdp.sources import AXIS, XlaGatherSource, LocalSource, FfiStoreSource
 from jax_dwdp.devices import make_mesh
 from jax_dwdp.runner import StageRunner
 from jax_dwdp.timing import median_seconds, save_rows
@@ -111,8 +112,8 @@ def copy_only(runner: StageRunner, store, tokens) -> None:
 
 # The probes of the FFI path (see the module doc): sources over the same store, local to this benchmark.
 
-class NoWait(Store):
-    """ffi-nowait, a TIMING-ONLY probe whose numbers are wrong on purpose: the copies run as in `Store`, but the
+class NoWait(FfiStoreSource):
+    """ffi-nowait, a TIMING-ONLY probe whose numbers are wrong on purpose: the copies run as in `FfiStoreSource`, but the
     MoE takes the prefetch outputs without the wait custom call. Every output is held until `settle` (after the
     prefill), which waits for the copies first: a copy must never write into a buffer XLA has freed."""
 
@@ -149,11 +150,11 @@ class Unused(NoWait):
         return None
 
 
-class Ahead(Store):
+class Ahead(FfiStoreSource):
     """ffi-depth2: prefetch depth `depth`. The runner asks for layer l+1 right before enqueuing layer l; this
     source then starts layer l + depth's copy and hands over layer l+1's, started depth - 1 layers earlier. Each
     copy still waits (the write-after-read guard) for everything enqueued before it, and the MoE waits for its copy
-    as in `Store`; depth + 1 layers' experts are in buffers at a time. Needs no change to the runner."""
+    as in `FfiStoreSource`; depth + 1 layers' experts are in buffers at a time. Needs no change to the runner."""
 
     def __init__(self, store, mesh=None, depth: int = 2):
         super().__init__(store, mesh)
@@ -174,7 +175,7 @@ class Ahead(Store):
         self.started = {}
 
 
-STORE_SOURCES = {"ffi": Store, "ffi-nowait": NoWait, "ffi-unused": Unused, "ffi-depth2": Ahead}
+STORE_SOURCES = {"ffi": FfiStoreSource, "ffi-nowait": NoWait, "ffi-unused": Unused, "ffi-depth2": Ahead}
 VARIANTS = ("ffi", "xla", "replicated", *list(STORE_SOURCES)[1:])
 
 
@@ -204,7 +205,7 @@ def stage_program(cfg, variant, mesh, dtype):
     if store is not None:
         source = STORE_SOURCES[variant](store, mesh)
     else:
-        source = Gather(expert_blocks(placed), mesh) if variant == "xla" else Local()
+        source = XlaGatherSource(expert_blocks(placed), mesh) if variant == "xla" else LocalSource()
     return StageRunner(placed, source, mesh=mesh), store
 
 

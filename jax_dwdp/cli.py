@@ -354,7 +354,7 @@ def _scanned_model(args, cfg, dtype):
     from jax_dwdp.scan import ScannedModel
 
     if args.checkpoint is not None:
-        from jax_dwdp.parallel.dwdp import CheckpointLayers
+        from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
 
         loader = CheckpointLayers(args.checkpoint, cfg, dtype, jax.devices()[0], fused_swiglu=args.fused_swiglu)
         try:

@@ -2,16 +2,16 @@
 
 This is the one layer loop (`StageRunner._run`) and the one place where DWDP's prefetch is scheduled: layer l+1's
 experts start to move right before layer l is enqueued, so that they move while layer l computes. Every driver is
-a thin user: `jit_prefill` (one device, `Local`), `Pipeline` (a stage per mesh row: `Local`, `Gather` or `Store`
-over the row's DWDP ranks), `IndependentRanks` (a runner per device: `PeerCopy` or `Store`).
+a thin user: `jit_prefill` (one device, `LocalSource`), `Pipeline` (a stage per mesh row: `LocalSource`, `XlaGatherSource` or `FfiStoreSource`
+over the row's DWDP ranks), `IndependentRanks` (a runner per device: `XlaPeerCopySource` or `FfiStoreSource`).
 
 Two ways to compile the same loop:
 - layer-wise (default): one program per layer type (the layers of a type share it, their weights passed as
   arguments), the loop driven from Python. The compile time does not grow with depth (XLA needs about 10 s per
   layer on the GPU for whole-model programs); the programs depend on neither the logits mode nor the cache
   length, so one set serves every call.
-- whole: the loop traced into one program per (logits mode, cache length), for sources that can (`Local`,
-  `Gather`); others always run layer-wise.
+- whole: the loop traced into one program per (logits mode, cache length), for sources that can (`LocalSource`,
+  `XlaGatherSource`); others always run layer-wise.
 
 Placement: `mesh` (a 1-D 'dwdp' mesh; the model already placed on it, see dwdp.place_model) runs the programs
 over the ranks with shard_map, the batch split evenly over them (a batch that the ranks do not divide gets rows of
@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode
-from jax_dwdp.sources import AXIS, ExpertSource, Local, is_expert_weight
+from jax_dwdp.sources import AXIS, ExpertSource, LocalSource, is_expert_weight
 from jax_dwdp.devices import place, put
 from jax_dwdp.programs import (StaticGraph, canonical_graphs, embed_body, head_body, layer_body, precision_scope,
                                run_embed, run_head, run_layer, shell_of)
@@ -50,7 +50,7 @@ class StageRunner:
 
     def __init__(self, model: Qwen35MoeForCausalLM, source: ExpertSource | None = None, *, mesh: Mesh | None = None,
                  device: jax.Device | None = None):
-        self.source, self.mesh, self.device = source or Local(), mesh, device
+        self.source, self.mesh, self.device = source or LocalSource(), mesh, device
         self.ranks = mesh.shape[AXIS] if mesh is not None else 1
         graphdef, state = nnx.split(model)
         # The weights the programs take: the experts replaced by scalar placeholders when the source provides them.
@@ -113,7 +113,7 @@ class StageRunner:
         the source's abort to the caller (independent ranks abort once, after every rank has stopped). `cache`
         (one device only): the stage's cache from an earlier prefill of the same sequences, which x continues.
         Over N ranks, a batch that N does not divide is padded with rows of length 0, which the results leave out."""
-        if cache is not None and (self.mesh is not None or not isinstance(self.source, Local)):
+        if cache is not None and (self.mesh is not None or not isinstance(self.source, LocalSource)):
             raise ValueError("a prefill continues a cache on one device with its own experts only")
         batch = x.shape[0]
         x, lengths = pad_batch(x, lengths, padded_rows(batch, self.ranks))
@@ -136,7 +136,7 @@ class StageRunner:
         Returns {"mixer_ms": [layers][ranks] each rank's mixer, "moe_ms": [layers] from the last rank's mixer end
         to the last rank's MoE end, "wait_ms": [layers][ranks] how long each rank waits at the MoE for the slowest
         rank (max over ranks of the mixer end minus its own), "layer_ms": [layers]}. Sources that fetch inside the
-        previous layer's program (`Gather`) have no MoE of their own to split off and are refused."""
+        previous layer's program (`XlaGatherSource`) have no MoE of their own to split off and are refused."""
         if self.source.gathers:
             raise ValueError(f"{type(self.source).__name__} experts cannot be profiled layer by layer")
         batch = x.shape[0]

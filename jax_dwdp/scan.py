@@ -44,9 +44,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
-from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
+from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
 from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length
 from jax_dwdp.devices import place
+from jax_dwdp.prefill import check_tokens
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
 
 
@@ -140,13 +141,11 @@ class ScannedModel:
                     consume: bool = True) -> "ScannedModel":
         """Builds the range [start_layer, end_layer) one layer at a time, straight into the stacked layout:
         `make_range(a, a + 1)` gives layer a as a one-layer model on one device (with the embedding when a == 0,
-        the final norm and lm_head when a is the last layer): a checkpoint loader (`dwdp.CheckpointLayers`) or
+        the final norm and lm_head when a is the last layer): a checkpoint loader (`parallel.checkpoint_layers.CheckpointLayers`) or
         `init_model`. Each layer's weights are written into their stacks and, with `consume`, deleted at once, so
         the peak is the range's weights plus one layer's (from_model's restacking keeps a whole stacked weight
         beside the model); no layer is ever held twice. (For a model that is already built, from_model is the one
         that keeps the peak low: stacking it layer by layer would hold every stack beside the rest of the model.)"""
-        from jax_dwdp.model import abstract_model
-
         end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
         if not 0 <= start_layer < end_layer <= cfg.num_hidden_layers:
             raise ValueError(f"layer range [{start_layer}, {end_layer}) is empty or outside [0, "
@@ -192,8 +191,6 @@ class ScannedModel:
                fused_swiglu: bool = False) -> "ScannedModel":
         """Random weights (`init_model`'s: they depend on the global layer only, so this is the model init_model
         draws for the same seed) made one layer at a time into the stacks (`from_layers`) on `device`."""
-        from jax_dwdp.model import init_model
-
         return cls.from_layers(cfg, lambda a, b: init_model(cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b,
                                                             device=device, fused_swiglu=fused_swiglu),
                                start_layer, end_layer)
@@ -290,8 +287,6 @@ def jit_prefill_scanned(scanned: ScannedModel, *, logits: LogitsMode = "all", ca
     """prefill(tokens [B, T], lengths [B] | None) -> (logits, Cache), the same results as `jit_prefill` on the model
     the ScannedModel was made from (the whole model), compiled as one program (one per shape).
     `prefill.compile(tokens, lengths)` compiles ahead of time."""
-    from jax_dwdp.prefill import check_tokens
-
     if not (scanned.is_first and scanned.is_last):
         raise ValueError("jit_prefill_scanned needs the whole model; a pipeline stage's ScannedModel is called with "
                          "its stage's input (Pipeline(..., scan=True))")

@@ -3,15 +3,15 @@
 The stage runner (jax_dwdp.runner) owns the layer loop and decides *when* layer l+1's experts start to
 move (just before layer l is enqueued, so that they move while layer l computes); a source decides *how*:
 
-- `Local`: each layer's own expert weights. One device, or every DWDP rank holding all experts (the replicated
+- `LocalSource`: each layer's own expert weights. One device, or every DWDP rank holding all experts (the replicated
   baseline DWDP is measured against). Nothing moves.
-- `Gather`: DWDP over XLA. Each rank of a 'dwdp' mesh holds its block of every layer; layer l's program also
+- `XlaGatherSource`: DWDP over XLA. Each rank of a 'dwdp' mesh holds its block of every layer; layer l's program also
   all-gathers layer l+1's blocks (a collective overlaps compute only inside one program).
-- `PeerCopy`: independent ranks (one device each, no collective): the peers' blocks of layer l+1 are copied
+- `XlaPeerCopySource`: independent ranks (one device each, no collective): the peers' blocks of layer l+1 are copied
   device-to-device with jax.device_put.
-- `Store`: the CUDA VMM expert store (jax_dwdp.parallel.dwdp_ffi): a one-call program starts layer l+1's copy on
+- `FfiStoreSource`: the CUDA VMM expert store (jax_dwdp.parallel.dwdp_ffi): a one-call program starts layer l+1's copy on
   the store's copy stream; layer l+1's MoE waits for it. The store is made, owned and closed by whoever chose it.
-- `Dispatch`: DEP, what DWDP replaces. Each rank of a 'dwdp' mesh holds its block of every layer, as with `Gather`,
+- `DepDispatchSource`: DEP, what DWDP replaces. Each rank of a 'dwdp' mesh holds its block of every layer, as with `XlaGatherSource`,
   but nothing moves ahead of time: inside each MoE the tokens travel to the ranks that hold their experts and
   their partial outputs come back (`DispatchedExperts`), and every rank waits for every other there.
 
@@ -79,7 +79,7 @@ class ExpertSource:
         return self
 
 
-class Local(ExpertSource):
+class LocalSource(ExpertSource):
     """Each layer's own expert weights (one device; or the replicated baseline, every rank holding all experts)."""
 
     replaces_experts = False
@@ -91,14 +91,14 @@ class Local(ExpertSource):
     def prefetch(self, index, h):
         return None
 
-    def __eq__(self, other) -> bool:  # stateless: every runner's Local shares the module-level executables
-        return type(other) is Local
+    def __eq__(self, other) -> bool:  # stateless: every runner's LocalSource shares the module-level executables
+        return type(other) is LocalSource
 
     def __hash__(self) -> int:
-        return hash(Local)
+        return hash(LocalSource)
 
 
-class Gather(ExpertSource):
+class XlaGatherSource(ExpertSource):
     """DWDP over XLA: rank r of `mesh` holds block r of every layer; the layers all-gather them one layer ahead.
 
     `blocks[i]` = layer i's (gate_up, down), sharded P('dwdp') over the mesh. The gather for layer l+1 is issued in
@@ -129,10 +129,10 @@ class Gather(ExpertSource):
         return tuple(self.blocks)
 
     def bind(self, operands):
-        return Gather(list(operands))
+        return XlaGatherSource(list(operands))
 
 
-class PeerCopy(ExpertSource):
+class XlaPeerCopySource(ExpertSource):
     """Independent ranks: `blocks[i][r]` = rank r's (gate_up, down) of layer i, on devices[r]. A rank pulls its
     peers' blocks of the next layer with device-to-device copies, issued before the current layer is enqueued;
     at most two layers of remote experts are resident per rank."""
@@ -152,7 +152,7 @@ class PeerCopy(ExpertSource):
         return jnp.concatenate(gate_up, axis=0), jnp.concatenate(down, axis=0)
 
 
-class Store(ExpertSource):
+class FfiStoreSource(ExpertSource):
     """The CUDA VMM expert store (an open dwdp_ffi.ExpertStore, owned by the caller).
 
     With `mesh`, the programs run over the mesh's ranks (inside shard_map); without, each runs on the device of
@@ -187,8 +187,8 @@ class Store(ExpertSource):
         self.store.sync()  # a copy may still be running into a prefetch output the failure dropped
 
 
-class Dispatch(ExpertSource):
-    """DEP: rank r of `mesh` holds block r of every layer (as for `Gather`); the tokens go to the experts.
+class DepDispatchSource(ExpertSource):
+    """DEP: rank r of `mesh` holds block r of every layer (as for `XlaGatherSource`); the tokens go to the experts.
 
     `blocks[i]` = layer i's (gate_up, down), sharded P('dwdp') over the mesh. A layer's MoE gets its own rank's
     block (`DispatchedExperts`), so no expert weight ever moves.
@@ -209,7 +209,7 @@ class Dispatch(ExpertSource):
         return tuple(self.blocks)
 
     def bind(self, operands):
-        return Dispatch(list(operands))
+        return DepDispatchSource(list(operands))
 
 
 class DispatchedExperts:

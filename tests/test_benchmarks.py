@@ -94,7 +94,7 @@ class FakeStore:
 
 def fake_stores(monkeypatch):
     """bench_dwdp with its stores made by FakeStore; returns (the module, the stores it made)."""
-    from jax_dwdp.parallel.dwdp import expert_blocks
+    from jax_dwdp.parallel.placement import expert_blocks
 
     bench, made = load("bench_dwdp"), []
 
@@ -141,7 +141,7 @@ def test_dwdp_stage_probe_sources_order_and_results(monkeypatch):
     enqueued (layers 0 and 1 at the start) and gives the replicated model's logits; the probes (whose stand-in
     copies are complete at once) too, holding every prefetch output until settle."""
     from jax_dwdp.config import ModelConfig
-    from jax_dwdp.sources import Store
+    from jax_dwdp.sources import FfiStoreSource
     from jax_dwdp.devices import make_mesh
 
     bench, _ = fake_stores(monkeypatch)
@@ -153,8 +153,8 @@ def test_dwdp_stage_probe_sources_order_and_results(monkeypatch):
     want = np.asarray(reference(tokens, lengths, logits="all")[0])
 
     events = []
-    issue = Store.prefetch
-    monkeypatch.setattr(Store, "prefetch", lambda self, i, h: (events.append(("fetch", i)), issue(self, i, h))[1])
+    issue = FfiStoreSource.prefetch
+    monkeypatch.setattr(FfiStoreSource, "prefetch", lambda self, i, h: (events.append(("fetch", i)), issue(self, i, h))[1])
     for variant in ("ffi-depth2", "ffi-nowait", "ffi-unused"):
         runner, store = bench.stage_program(cfg, variant, mesh, jnp.float32)
         source = runner.source

@@ -18,9 +18,10 @@ from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import Cache, init_model
 from jax_dwdp.model.moe import routed_experts
 from jax_dwdp.parallel import Pipeline
-from jax_dwdp.parallel.dwdp import IndependentRanks, expert_blocks, place_model
+from jax_dwdp.parallel.dwdp import IndependentRanks
+from jax_dwdp.parallel.placement import expert_blocks, place_model
 from jax_dwdp.parallel.expert_layout import ExpertLayout
-from jax_dwdp.sources import AXIS, DispatchedExperts, Dispatch
+from jax_dwdp.sources import AXIS, DispatchedExperts, DepDispatchSource
 from jax_dwdp.runner import StageRunner
 from jax_dwdp.prefill import jit_prefill
 from tests.hf_reference import rel_err
@@ -99,7 +100,7 @@ def test_dep_equals_one_device(setup, pipeline, ranks, layerwise):
     cache against one device on the same batch."""
     model, tokens, lengths = setup
     pipe = Pipeline.from_model(model, pipeline, dwdp=ranks, experts="dep")
-    assert all(isinstance(r.source, Dispatch) for r in pipe.runners)
+    assert all(isinstance(r.source, DepDispatchSource) for r in pipe.runners)
     got = pipe.prefill(tokens, lengths, cache_len=T, layerwise=layerwise)
     _compare(f"dep P={pipeline} N={ranks} layerwise={layerwise} vs one device", got,
              _one_device(model, tokens, lengths))
@@ -174,11 +175,11 @@ def test_no_token_dropped_when_every_token_goes_to_one_rank(setup):
 def test_profile_splits_each_layer_and_keeps_the_numbers(setup):
     """StageRunner.profile (DEP's per-layer wait): one row per layer with each rank's mixer time, the wait at the
     MoE = max over ranks of the mixer end minus the rank's own (so >= 0, and 0 for the last rank to arrive), and
-    the split layers compute the same cache as the layer programs. `Gather` cannot be split: one clear error."""
+    the split layers compute the same cache as the layer programs. `XlaGatherSource` cannot be split: one clear error."""
     model, tokens, lengths = setup
     mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
     placed = place_model(model, mesh)
-    runner = StageRunner(placed, Dispatch(expert_blocks(placed)), mesh=mesh)
+    runner = StageRunner(placed, DepDispatchSource(expert_blocks(placed)), mesh=mesh)
     profile = runner.profile(tokens, lengths, cache_len=T)
     layers = CFG.num_hidden_layers
     assert np.asarray(profile["mixer_ms"]).shape == np.asarray(profile["wait_ms"]).shape == (layers, 2)
@@ -193,10 +194,10 @@ def test_profile_splits_each_layer_and_keeps_the_numbers(setup):
         err = rel_err(getattr(ops_cache, f), getattr(want, f))
         print(f"profiled split layers vs layer programs, {f}: {err:.1e}")
         assert err <= 1e-6, f
-    from jax_dwdp.sources import Gather
+    from jax_dwdp.sources import XlaGatherSource
 
-    with pytest.raises(ValueError, match="Gather experts cannot be profiled"):
-        StageRunner(placed, Gather(expert_blocks(placed), mesh), mesh=mesh).profile(tokens, lengths)
+    with pytest.raises(ValueError, match="XlaGatherSource experts cannot be profiled"):
+        StageRunner(placed, XlaGatherSource(expert_blocks(placed), mesh), mesh=mesh).profile(tokens, lengths)
 
 
 def _profiled(runner):
@@ -308,10 +309,10 @@ def test_checkpoints_load_one_layer_at_a_time_onto_ranks(tmp_path, setup):
 
 @pytest.mark.devices(4)
 def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
-    """Placement(experts="store") (the FFI path, here with a stand-in store): every (layer, weight, rank) block is
+    """StorePlacement (the FFI path, here with a stand-in store): every (layer, weight, rank) block is
     filled once, on its rank's device, with that rank's experts (zero padding past E), layer by layer; the stage
     keeps scalar placeholders for the experts and the other weights replicated."""
-    from jax_dwdp.parallel.dwdp import Placement, build_placed, model_range
+    from jax_dwdp.parallel.placement import StorePlacement, build_placed, model_range
 
     model, *_ = setup
     devices = jax.devices()[:4]
@@ -329,7 +330,7 @@ def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
 
     mesh = Mesh(np.array(devices), (AXIS,))
     stage = build_placed(CFG, 0, CFG.num_hidden_layers, lambda a, b: model_range(model, a, b),
-                         Placement(mesh, experts="store", store=Store()), dtype=jnp.float32)
+                         StorePlacement(mesh, Store()), dtype=jnp.float32)
     filled = [o[:3] for o in order]
     assert sorted(filled) == [(layer, w, r) for layer in range(CFG.num_hidden_layers) for w in (0, 1) for r in range(4)]
     assert [f[0] for f in filled] == sorted(f[0] for f in filled)  # layer by layer
@@ -349,7 +350,7 @@ def test_store_placement_fills_each_ranks_block_one_layer_at_a_time(setup):
 def test_store_placement_refuses_a_store_not_over_the_mesh(case):
     """A store whose ranks are not the mesh's (other devices, another order, another count) would hand each rank
     another rank's experts: Placement refuses it up front, naming the rank and both devices."""
-    from jax_dwdp.parallel.dwdp import Placement
+    from jax_dwdp.parallel.placement import StorePlacement
 
     devices = jax.devices()[:4]
     mesh = Mesh(np.array(devices), (AXIS,))
@@ -366,4 +367,4 @@ def test_store_placement_refuses_a_store_not_over_the_mesh(case):
 
     with pytest.raises(ValueError, match=re.escape("3 rank(s) for a 'dwdp' mesh of 4") if case == "count" else
                        "the 'dwdp' mesh puts rank"):
-        Placement(mesh, experts="store", store=Store())
+        StorePlacement(mesh, Store())

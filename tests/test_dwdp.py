@@ -173,7 +173,7 @@ def test_independent_ranks_run_their_own_batches_and_lengths(setup):
 @pytest.mark.parametrize("pipeline,dwdp", [pytest.param(*case, marks=pytest.mark.devices(case[0] * case[1]))
                                            for case in [(1, 2), (1, 4), (2, 2)]])
 def test_layerwise_dwdp_equals_whole_program(setup, pipeline, dwdp):
-    """Layer-wise DWDP (Gather experts: one program per layer type, the next layer's gather inside each) against the
+    """Layer-wise DWDP (XlaGatherSource experts: one program per layer type, the next layer's gather inside each) against the
     whole-stage program and against one device on the same per-rank batches (the FFI path's structure)."""
     model, tokens, lengths, *_ = setup
     pipe = Pipeline.from_model(model, pipeline, dwdp=dwdp)
@@ -250,14 +250,14 @@ def test_stage_runner_shares_its_programs_across_logits_modes_and_cache_lengths(
     head compiles per mode), with the same numbers as the one-device prefill."""
     from jax.sharding import Mesh
 
-    from jax_dwdp.parallel.dwdp import expert_blocks, place_model
-    from jax_dwdp.sources import Gather
+    from jax_dwdp.parallel.placement import expert_blocks, place_model
+    from jax_dwdp.sources import XlaGatherSource
     from jax_dwdp.runner import StageRunner
 
     model, tokens, lengths, ref_logits, _ = setup
     mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
     placed = place_model(model, mesh)
-    runner = StageRunner(placed, Gather(expert_blocks(placed), mesh), mesh=mesh)
+    runner = StageRunner(placed, XlaGatherSource(expert_blocks(placed), mesh), mesh=mesh)
     runner(tokens, lengths, logits="all", cache_len=70)
     layer_programs = {k: v for k, v in runner._programs.items() if k[0] == "layer"}
     compiled = {k: v._cache_size() for k, v in layer_programs.items()}

@@ -51,16 +51,16 @@ def _compare(cfg, dtype, rng, bound, *, poison=False):
     if poison:  # a stage runner over a store of its own that poisons and delays every copy
         from jax.sharding import Mesh
 
-        from jax_dwdp.parallel.dwdp import expert_blocks, place_model
+        from jax_dwdp.parallel.placement import expert_blocks, place_model
         from jax_dwdp.parallel.dwdp_ffi import ExpertStore
-        from jax_dwdp.sources import Store
+        from jax_dwdp.sources import FfiStoreSource
         from jax_dwdp.runner import StageRunner
 
         mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
         placed = place_model(model, mesh)
         with ExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, poison=True,
                                       delay_copies=True) as store:
-            runner = StageRunner(placed, Store(store, mesh), mesh=mesh)
+            runner = StageRunner(placed, FfiStoreSource(store, mesh), mesh=mesh)
             for _ in range(2):  # the second call reuses the store, its events and the compiled programs
                 ffi, ffi_cache = runner(tokens, lengths, cache_len=96)
             ffi_caches = [ffi_cache]

@@ -1,6 +1,6 @@
 """DWDP over the CUDA VMM store with one process per rank, through the library's own drivers: `Pipeline(...,
-experts="ffi")` in a jax.distributed launch makes a `ProcessExpertStore` per process (`dwdp.open_store`), fills
-only its own rank's blocks, connects them (`dwdp.connect_store`: FdExchange named by the launch) and runs the same
+experts="ffi")` in a jax.distributed launch makes a `ProcessExpertStore` per process (`FfiBackend` (parallel/backends.py)), fills
+only its own rank's blocks, connects them (`backends.connect_store`: FdExchange named by the launch) and runs the same
 shard_map prefetch / wait programs; and `jax-dwdp prefill --num-processes 2 --dwdp 2 --dwdp-backend ffi`.
 
 - Two processes joined through jax.distributed, their prefill's logits (each process's own rows, written by the

@@ -18,12 +18,15 @@ NVIDIA driver are loaded only when an `ExpertStore` is made.
 from __future__ import annotations
 
 import ctypes
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_dwdp.native import NativeLibrary
+from jax_dwdp.parallel.expert_layout import ExpertLayout
+from jax_dwdp.parallel.fd_exchange import close_all
 
 PREFETCH_TARGET = "jax_dwdp_dwdp_prefetch"
 WAIT_TARGET = "jax_dwdp_dwdp_wait"
@@ -133,8 +136,6 @@ class ExpertStore:
     def _configure(self, ranks: int, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool,
                    poison: bool, delay_copies: bool):
         """The store's layout, shapes and dtype; returns the C API's per-expert byte sizes and flag bits."""
-        from jax_dwdp.parallel.expert_layout import ExpertLayout
-
         self.lib = load_library()
         self.layout = ExpertLayout(num_experts, ranks)
         self.num_layers, self.num_experts = num_layers, num_experts
@@ -294,7 +295,7 @@ class ProcessExpertStore(ExpertStore):
         if not 0 <= rank < num_ranks:
             raise ValueError(f"ProcessExpertStore: rank {rank} is not in [0, {num_ranks})")
         self.devices, self.rank, self.num_ranks = [device], rank, num_ranks
-        self.name = name  # pairs this store with its peers' (the same name in every process; dwdp.connect_store)
+        self.name = name  # pairs this store with its peers' (the same name in every process; backends.connect_store)
         sizes, flags = self._configure(num_ranks, num_layers, num_experts, shapes, dtype, timing=timing,
                                        poison=poison, delay_copies=delay_copies)
         sid = ctypes.c_int64()
@@ -350,10 +351,6 @@ class ProcessExpertStore(ExpertStore):
         and the difference, on every rank), and afterwards tell each other whether their imports worked, so a
         failure on one rank is an error on all. Every descriptor, its own and the received, is closed on every
         path."""
-        import json
-
-        from jax_dwdp.parallel.fd_exchange import close_all
-
         if exchange.rank != self.rank or exchange.world != self.num_ranks:
             raise ValueError(f"ProcessExpertStore.connect: exchange of rank {exchange.rank} / {exchange.world}, "
                              f"store of rank {self.rank} / {self.num_ranks}")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
+import threading
 from pathlib import Path
 
 import jax
@@ -29,14 +31,18 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from jax_dwdp.devices import builder_device, make_mesh, put
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
 from jax_dwdp.model.qwen35_moe import LogitsMode
-from jax_dwdp.parallel.dwdp import (CheckpointLayers, Placement, build_placed, check_experts_choice, connect_store,
-                                    expert_blocks, model_range, open_store)
-from jax_dwdp.sources import AXIS, Dispatch, Gather, Local, Store
-from jax_dwdp.devices import builder_device, make_mesh, put
-from jax_dwdp.runner import StageRunner, pad_batch, padded_rows, take_rows
+from jax_dwdp.parallel.backends import ExpertBackend, expert_backend
+from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
+from jax_dwdp.parallel.placement import build_placed, model_range
 from jax_dwdp.prefill import InputError, check_tokens
+from jax_dwdp.runner import StageRunner, pad_batch, padded_rows, take_rows
+from jax_dwdp.scan import ScannedModel
+from jax_dwdp.sources import AXIS
+from jax_dwdp.weights import load_checkpoint
+from jax_dwdp.weights.hf_loader import load_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +113,13 @@ class Pipeline:
     """Stages of one model on the rows of a (pipeline, dwdp) mesh, each run by a StageRunner (or, with `scan=True`,
     as one scanned program, `jax_dwdp.scan.ScannedModel`).
 
-    `experts` is chosen once: "local" (each device holds all of its stage's experts; with a 'dwdp' axis of N > 1,
-    the replicated baseline), "xla" (DWDP: each of the row's N ranks stores 1/N of its stage's experts, the
-    layers all-gather them one layer ahead), "ffi" (DWDP through one CUDA VMM expert store per stage, GPUs only;
-    the stage's experts move into the store, which this pipeline owns: close it with `close()` or a `with`
-    block) or "dep" (DEP: the ranks hold the same blocks as "xla", but each MoE sends its tokens to the ranks
-    holding their experts and back; `Dispatch`). Default: "xla" with N > 1 ranks, else "local". With ranks the
-    batch is split over them. (SGLang refuses DWDP together with pipeline parallelism; here the two compose.)
+    `experts` is chosen once, a word of `backends.BACKENDS` (or an ExpertBackend): "local" (each device holds all
+    of its stage's experts; with a 'dwdp' axis of N > 1, the replicated baseline), "xla" (DWDP: each of the row's
+    N ranks stores 1/N of its stage's experts, the layers all-gather them one layer ahead), "ffi" (DWDP through
+    one CUDA VMM expert store per stage, GPUs only; the stores belong to the backend, which this pipeline owns:
+    close it with `close()` or a `with` block) or "dep" (DEP: the ranks hold the same blocks as "xla", but each
+    MoE sends its tokens to the ranks holding their experts and back). Default: "xla" with N > 1 ranks, else
+    "local". With ranks the batch is split over them. (SGLang refuses DWDP together with pipeline parallelism; here the two compose.)
 
     `scan=True` (one device per stage, its own experts): each stage is built one layer at a time straight into a
     `ScannedModel`'s stacks (`ScannedModel.from_layers`: make_range(stage, l, l + 1) per layer, each layer's arrays
@@ -126,7 +132,7 @@ class Pipeline:
     """
 
     def __init__(self, cfg: ModelConfig, stages: list[StageSpec], mesh, make_range, *, dtype,
-                 experts: str | None = None, owned: bool = True, scan: bool = False):
+                 experts: str | ExpertBackend | None = None, owned: bool = True, scan: bool = False):
         """make_range(stage index, a, b) -> the model of layers [a, b) on the stage's first device; `owned`: its
         arrays belong to this pipeline (made for it), so they are freed as soon as they are placed."""
         self.cfg, self.stages, self.mesh, self.dtype = cfg, stages, mesh, dtype
@@ -139,25 +145,19 @@ class Pipeline:
         if any(self.handoffs) and self.ranks > 1:
             raise ValueError("a pipeline across processes runs one device per stage (--dwdp / --dep ranks across "
                              "processes with one stage, or stages across processes without ranks)")
-        self.experts = experts = experts or ("xla" if self.ranks > 1 else "local")
-        check_experts_choice(experts, self.ranks)
+        self.backend = expert_backend(experts or ("xla" if self.ranks > 1 else "local"))
+        self.experts = self.backend.name
         self.scan = scan
-        if scan and (self.ranks > 1 or experts != "local"):
+        if scan and self.ranks > 1:
             raise ValueError(f"scan=True runs each stage as one scanned program on one device with its own experts; "
-                             f"{self.ranks} ranks per stage with experts {experts!r} run layer-wise (their expert "
-                             f"sources act between layers)")
-        if experts == "ffi":
-            from jax_dwdp.parallel.dwdp_ffi import require_gpus
-
-            require_gpus(mesh.devices.flat)  # before any weights are made
+                             f"{self.ranks} ranks per stage with experts {self.experts!r} run layer-wise (their "
+                             f"expert sources act between layers)")
+        self.backend.check(list(mesh.devices.flat), self.ranks)  # before any weights are made
         self.devices = [mesh.devices[s, 0] for s in range(len(stages))]
         self.row_meshes = [Mesh(mesh.devices[s], (AXIS,)) for s in range(len(stages))]
-        self.stores: list = []
         self.load_reports: list = []  # one per stage when loaded from a checkpoint
         try:
             if scan:
-                from jax_dwdp.scan import ScannedModel
-
                 self.models = [None] * len(stages)
                 scanned = [ScannedModel.from_layers(self.cfg, functools.partial(make_range, st.stage), st.start_layer,
                                                     st.end_layer, consume=owned) if self.mine[st.stage] else None
@@ -175,18 +175,9 @@ class Pipeline:
         if scan:
             self.runners = scanned
             return
-        if experts == "ffi":
-            sources = [Store(store, row) for store, row in zip(self.stores, self.row_meshes)]
-        elif experts == "xla":
-            sources = [None if m is None else Gather(expert_blocks(m), row)
-                       for m, row in zip(self.models, self.row_meshes)]
-        elif experts == "dep":
-            sources = [None if m is None else Dispatch(expert_blocks(m)) for m in self.models]
-        else:
-            sources = [Local() for _ in self.models]
-        mesh_of = self.row_meshes if self.ranks > 1 else [None] * len(self.models)
-        self.runners = [None if m is None else StageRunner(m, source, mesh=row)
-                        for m, source, row in zip(self.models, sources, mesh_of)]
+        self.runners = [None if m is None else StageRunner(m, self.backend.stage_source(s, m, self.row_meshes[s]),
+                                                           mesh=self.row_meshes[s] if self.ranks > 1 else None)
+                        for s, m in enumerate(self.models)]
 
     @property
     def holds_logits(self) -> bool:
@@ -199,21 +190,15 @@ class Pipeline:
         return self.mesh.devices[-1, 0].process_index == jax.process_index()
 
     def _build(self, st: StageSpec, make_range, dtype, owned: bool) -> Qwen35MoeForCausalLM:
-        """Stage `st`: as made, on its device (one rank); else placed on its row one layer at a time (experts
-        split, replicated, or moved into the stage's expert store)."""
+        """Stage `st`: as made, on its device (one rank); else placed on its row one layer at a time, where the
+        expert backend puts each weight."""
         ranges = functools.partial(make_range, st.stage)
         if self.ranks == 1:
             return ranges(st.start_layer, st.end_layer)
-        row = self.row_meshes[st.stage]
-        if self.experts == "ffi":
-            self.stores.append(open_store(row, self.cfg, st.end_layer - st.start_layer, dtype,
-                                          name=f"stage{st.stage}"))
-            placement = Placement(row, experts="store", store=self.stores[-1], owned=owned)
-        else:
-            placement = Placement(row, experts="replicate" if self.experts == "local" else "split", owned=owned)
+        placement = self.backend.placement(self.row_meshes[st.stage], self.cfg, st.end_layer - st.start_layer, dtype,
+                                           owned=owned, stage=st.stage)
         stage = build_placed(self.cfg, st.start_layer, st.end_layer, ranges, placement, dtype=dtype)
-        if self.experts == "ffi":
-            connect_store(self.stores[-1])  # one process per device: map the peer processes' blocks
+        self.backend.built(st.stage)
         return stage
 
     # ---- construction ---------------------------------------------------------------------
@@ -253,10 +238,8 @@ class Pipeline:
         layer at a time onto its first device, each placed on the row before the next loads (N ranks); with
         `scan=True` one layer at a time into the stage's stacks (`CheckpointLayers`, the file opened once).
         `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
-        from jax_dwdp.weights import load_checkpoint
-        from jax_dwdp.weights.hf_loader import load_config
-
         cfg = cfg or load_config(checkpoint_dir)
+        backend = expert_backend(experts or ("xla" if dwdp > 1 else "local"))
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(cfg, pipeline, boundaries)
         reports, loaders = [], {}
@@ -266,7 +249,7 @@ class Pipeline:
             if dwdp > 1 or scan:  # (a scanned stage is loaded one layer at a time)
                 if stage not in loaders:
                     # Replicated experts ("local") are loaded whole: splitting them first would only gather them back.
-                    row = None if experts == "local" or dwdp == 1 else Mesh(mesh.devices[stage], (AXIS,))
+                    row = Mesh(mesh.devices[stage], (AXIS,)) if dwdp > 1 and backend.splits_experts else None
                     loaders[stage] = CheckpointLayers(checkpoint_dir, cfg, dtype, device, fused_swiglu=fused_swiglu,
                                                       row=row)
                 return loaders[stage](a, b)
@@ -276,7 +259,7 @@ class Pipeline:
             reports.append(report)
             return model
         try:
-            pipe = cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts, scan=scan)
+            pipe = cls(cfg, stages, mesh, make_range, dtype=dtype, experts=backend, scan=scan)
         finally:
             for loader in loaders.values():
                 loader.close()
@@ -286,14 +269,15 @@ class Pipeline:
         return pipe
 
     # ---- lifetime -----------------------------------------------------------------------------
-    def close(self, exc: BaseException | None = None) -> None:
-        """Releases the FFI expert stores, if any (the other backends hold nothing outside XLA); while `exc`
-        propagates, a failure to close only warns (close_store). An FFI pipeline cannot run afterwards."""
-        if self.stores:
-            from jax_dwdp.parallel.dwdp_ffi import close_store
+    @property
+    def stores(self) -> list:
+        """The FFI backend's expert stores, one per stage this process builds (empty for the other backends)."""
+        return list(getattr(self.backend, "stores", {}).values())
 
-            for store in self.stores:
-                close_store(store, exc)
+    def close(self, exc: BaseException | None = None) -> None:
+        """Releases what the expert backend opened (the FFI stores; the other backends hold nothing outside XLA);
+        while `exc` propagates, a failure to close only warns. An FFI pipeline cannot run afterwards."""
+        self.backend.close(exc)
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -369,9 +353,6 @@ def _stages_in_threads(step, inputs: list, stages: int) -> tuple[list, list[list
     is in) and is raised here, the others' errors attached as notes. Ctrl-C while waiting stops the stages too and
     waits for them to finish their steps (a second Ctrl-C stops waiting), so nothing a stage still uses (an FFI
     expert store) is released under it."""
-    import queue
-    import threading
-
     links = [queue.SimpleQueue() for _ in range(stages + 1)]
     for x in inputs:
         links[0].put(x)
