@@ -25,9 +25,9 @@ from flax import nnx
 from jax_dwdp.cli import main
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
-from jax_dwdp.weights import load_checkpoint, orbax_store
+from jax_dwdp.weights import (convert_hf_to_orbax, integrity, is_orbax_checkpoint, load_checkpoint,
+                              load_orbax_checkpoint, orbax_format)
 from jax_dwdp.weights.hf_loader import load_hf_checkpoint
-from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, is_orbax_checkpoint, load_orbax_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.checkpoint_helpers import flat, write_hf
 
@@ -344,13 +344,13 @@ def test_verify_names_tensors_with_nan_or_inf_and_convert_warns(tmp_path, capsys
 
 def test_verify_restores_one_item_at_a_time(orbax_dir, capsys, monkeypatch):
     seen = []
-    real = orbax_store._restore_stored
+    real = integrity.restore_stored
 
     def restore(directory, item):
         seen.append(item.relative_to(directory).as_posix())
         return real(directory, item)
 
-    monkeypatch.setattr(orbax_store, "_restore_stored", restore)
+    monkeypatch.setattr(integrity, "restore_stored", restore)
     assert main(["verify", str(orbax_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert seen == ["embed", *(f"layers/{i:03d}" for i in range(CFG.num_hidden_layers)), "head"]
@@ -368,7 +368,7 @@ def test_checkpoint_replaced_while_loading_says_so(hf_dir, orbax_dir, tmp_path, 
     shutil.copytree(orbax_dir, ckpt)
     other = tmp_path / "other"
     convert_hf_to_orbax(write_hf(tmp_path / "hf2", CFG, seed=fresh_seed()), other, progress=None)
-    real, calls = orbax_store._files_to_read, []
+    real, calls = integrity.files_to_read, []
 
     def files_to_read(*args):
         calls.append(1)
@@ -378,13 +378,13 @@ def test_checkpoint_replaced_while_loading_says_so(hf_dir, orbax_dir, tmp_path, 
             shutil.rmtree(tmp_path / "ckpt.old")
         return real(*args)
 
-    monkeypatch.setattr(orbax_store, "_files_to_read", files_to_read)
+    monkeypatch.setattr(integrity, "files_to_read", files_to_read)
     argv = ["prefill", "--checkpoint", str(ckpt), "--seq-len", "4", "--iters", "1", "--json"]
     code = main(argv + ([] if verify else ["--no-verify"]))
     line = one_error(capsys)
     assert code == 2 and line == (f"error: {ckpt}: changed while being read (replaced or rewritten, e.g. by "
                                   "`jax-dwdp convert --overwrite` into it); run again"), line
-    monkeypatch.setattr(orbax_store, "_files_to_read", real)
+    monkeypatch.setattr(integrity, "files_to_read", real)
     assert main(["verify", str(ckpt)]) == 0
     capsys.readouterr()
     load_checkpoint(ckpt, dtype=jnp.float32)  # and run again, it loads
@@ -394,7 +394,7 @@ def test_restore_error_never_shows_a_python_repr(orbax_dir):
     error = TypeError("<bound method pybind11_detail_function_record_v1.__call__ of "
                       "<pybind11_detail_function_record_v1 object at 0x7f0011223344>>")
     item = orbax_dir / "layers" / "001"
-    message = orbax_store._restore_error(orbax_dir, item, error)
+    message = orbax_format.restore_error(orbax_dir, item, error)
     assert message == f"{item}: cannot restore (TypeError)", message
 
 

@@ -16,8 +16,7 @@ import pytest
 
 from jax_dwdp.cli import main
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.weights import load_checkpoint, orbax_store
-from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, load_orbax_checkpoint, verify_checkpoint
+from jax_dwdp.weights import convert_hf_to_orbax, integrity, load_checkpoint, load_orbax_checkpoint, verify_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.checkpoint_helpers import flat, write_hf
 
@@ -131,7 +130,7 @@ def test_a_rank_checks_only_the_experts_it_reads(orbax_dir):
     files = json.loads((orbax_dir / "jax_dwdp.json").read_text())["files"]
     item = orbax_dir / "layers" / "001"
     rows = {"mlp.experts.down_proj": {2, 3}, "mlp.experts.gate_up_proj": {2, 3}}
-    wanted = orbax_store._files_to_read(orbax_dir, item, files, rows)
+    wanted = integrity.files_to_read(orbax_dir, item, files, rows)
     experts = sorted(n.split("/", 2)[2] for n in wanted if "/mlp.experts." in n)
     assert experts == sorted(f"{name}/{f}" for name in rows for f in (".zarray", "2.0.0", "3.0.0"))
     others = {n for n in files if n.startswith("layers/001/") and "/mlp.experts." not in n}

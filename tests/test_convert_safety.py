@@ -22,9 +22,8 @@ from flax import nnx
 from jax_dwdp.cli import main
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
-from jax_dwdp.weights import orbax_store
+from jax_dwdp.weights import convert_hf_to_orbax, is_orbax_checkpoint, load_orbax_checkpoint, orbax_store, publish
 from jax_dwdp.weights.hf_loader import load_hf_checkpoint
-from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, is_orbax_checkpoint, load_orbax_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.checkpoint_helpers import flat, write_hf
 from tests.hf_reference import write_config
@@ -95,14 +94,14 @@ def test_two_conversions_race_one_wins(hf_dir, tmp_path):
 
 def test_lock_refuses_a_second_conversion_and_is_released_on_every_path(hf_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    fd = orbax_store._lock_destination(out)  # another conversion in progress
+    fd = publish.lock_destination(out)  # another conversion in progress
     try:
         code = main(["convert", str(hf_dir), str(out)])
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and f"another conversion (pid {os.getpid()})" in err, err
         assert not out.exists() and leftovers(tmp_path) == ["out.lock"]
     finally:
-        orbax_store._unlock_destination(out, fd)
+        publish.unlock_destination(out, fd)
     assert leftovers(tmp_path) == []
     # A conversion that fails (a tensor missing from the source, found at layer 2) releases it too.
     bad = write_hf(tmp_path / "bad", CFG.replace(num_hidden_layers=2), seed=1)
@@ -155,15 +154,15 @@ def test_rename_noreplace_without_renameat2(tmp_path, monkeypatch):
         def __init__(self, *_, **__):
             pass
 
-    monkeypatch.setattr(orbax_store.ctypes, "CDLL", NoRenameat2)
+    monkeypatch.setattr(publish.ctypes, "CDLL", NoRenameat2)
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     dst.mkdir()
     with pytest.raises(FileExistsError):
-        orbax_store._rename_noreplace(src, dst)
+        publish.rename_noreplace(src, dst)
     assert src.is_dir() and dst.is_dir()
     dst.rmdir()
-    orbax_store._rename_noreplace(src, dst)
+    publish.rename_noreplace(src, dst)
     assert dst.is_dir() and not src.exists()
 
 

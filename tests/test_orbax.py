@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from jax_dwdp.cli import main
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.prefill import jit_prefill
+from jax_dwdp.weights import convert_hf_to_orbax, is_orbax_checkpoint, load_orbax_checkpoint, orbax_store
 from jax_dwdp.weights.hf_loader import load_hf_checkpoint
-from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, is_orbax_checkpoint, load_orbax_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.hf_reference import random_hf_model, rel_err, save_hf
 
@@ -112,8 +112,6 @@ def test_convert_drops_each_finished_item_from_page_cache(hf_dir, orbax_dir, tmp
     cache exactly once, only after it is complete (its Orbax metadata is there); without page reuse nothing is
     dropped. The default writes plain zarr, JAX_DWDP_CONVERT_OCDBT=1
     OCDBT; both restore equal to the HF load."""
-    from jax_dwdp.weights import orbax_store
-
     dropped = []
     real = orbax_store._drop_written_pages
 
@@ -300,20 +298,54 @@ def test_existing_output_is_not_overwritten_without_flag(hf_dir, tmp_path):
     assert not list(tmp_path.glob("out.*"))  # no partial or old folders left behind
 
 
+# `jax-dwdp convert` with orbax_store's hook replaced: SIGKILL right after the second layer is saved.
+_KILLED_AFTER_TWO_LAYERS = r"""
+import os, signal, sys
+from jax_dwdp.weights import orbax_store
+assert callable(orbax_store._after_layer_saved)  # the hook replaced below: a renamed hook fails here, not silently
+
+def kill(layer_id):
+    if layer_id == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+orbax_store._after_layer_saved = kill
+from jax_dwdp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_killed_conversion_leaves_nothing_and_rerun_succeeds(hf_dir, tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, JAX_DWDP_TEST_KILL_AFTER_LAYERS="2", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "jax_dwdp.cli", "convert", str(hf_dir), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER_TWO_LAYERS, "convert", str(hf_dir), str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr  # SIGKILL after two layers
     assert not out.exists() and list(tmp_path.glob("out.partial-*"))
-    env.pop("JAX_DWDP_TEST_KILL_AFTER_LAYERS")
+    assert list(tmp_path.glob("out.partial-*/layers/001"))  # killed with two layers written, not before
     proc = subprocess.run([sys.executable, "-m", "jax_dwdp.cli", "convert", str(hf_dir), str(out), "--json"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert is_orbax_checkpoint(out) and not list(tmp_path.glob("out.partial-*"))
     summary = json.loads(proc.stdout)
     assert summary["tensors"] > 0 and summary["peak_rss_bytes"] > 0
+
+
+def test_production_code_reads_no_test_switch():
+    """Fault injection lives in the tests (they replace hooks such as orbax_store._after_layer_saved), not in
+    environment variables that the library reads."""
+    root = Path(__file__).resolve().parents[1] / "jax_dwdp"
+    readers = [str(p.relative_to(root.parent)) for p in root.rglob("*.py") if "JAX_DWDP_TEST_" in p.read_text()]
+    assert readers == []
+
+
+@pytest.mark.parametrize("name,value", [("JAX_DWDP_CONVERT_OCDBT", "yes"), ("JAX_DWDP_CONVERT_PAGE_REUSE", "off")])
+def test_bad_converter_switch_is_refused_before_anything_is_written(hf_dir, tmp_path, monkeypatch, capsys, name,
+                                                                    value):
+    monkeypatch.setenv(name, value)
+    code = main(["convert", str(hf_dir), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"error: {name}={value!r}: expected 0 or 1 (unset: {int(name.endswith('REUSE'))})\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bad_source_leaves_nothing(hf_dir, tmp_path, capsys):
