@@ -64,27 +64,3 @@ def check_against_reference(o, state, ref, lengths, label: str, bound: float) ->
 def poisoned(b, t, hv, dv, dtype=jnp.bfloat16):
     """A NaN-filled output buffer [b, t, hv, dv]."""
     return jnp.full((b, t, hv, dv), jnp.nan, dtype)
-
-
-def conv_gdn_inputs(rng, b, t, hk, hv, dk, dv, kernel=4, dtype=jnp.bfloat16):
-    """Gated DeltaNet's input projection mixed [B, T, 2 HK dk + HV dv] (q's, k's, v's channels), its conv weight
-    [C, 1, K] and gates g, beta [B, T, HV] as `gdn_inputs` makes them; fresh from `rng`."""
-    c = 2 * hk * dk + hv * dv
-    mixed = jnp.asarray(rng.standard_normal((b, t, c)), dtype)
-    weight = jnp.asarray(rng.standard_normal((c, 1, kernel)) * kernel**-0.5, dtype)
-    a_log = np.log(rng.uniform(1.0, 16.0, hv))
-    g = -np.exp(a_log) * np.logaddexp(0.0, rng.standard_normal((b, t, hv)) - 4.0)
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, hv))))
-    return mixed, weight, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)
-
-
-def conv_split(mixed, weight, hk, hv, dk, dv, dtype=None):
-    """q, k [B, T, HK, dk], v [B, T, HV, dv]: silu(causal conv) of mixed (XLA's conv, in `dtype`, default mixed's)
-    split into heads: what the separate conv feeds the gated delta rule."""
-    from jax_dwdp.kernels.conv import causal_conv_silu_xla
-
-    dtype = dtype or mixed.dtype
-    out = causal_conv_silu_xla(mixed.astype(dtype), weight.astype(dtype))
-    b, t, _ = out.shape
-    q, k, v = jnp.split(out, [hk * dk, 2 * hk * dk], axis=-1)
-    return q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jax_dwdp.kernels import conv
+from jax_dwdp.kernels.choices import KernelChoices
 
 on_gpu = jax.default_backend() == "gpu"
 
@@ -63,7 +64,7 @@ def test_bf16_matches_the_xla_path(rng):
     assert np.all(diff <= np.abs(np.asarray(want, np.float32)) * 2**-7 + 1e-6)
 
 
-SILU_BOUNDS = {"exact": 1e-5, "ex2": 1e-6, "tanh": 1e-5}  # fp32 vs float64 on the GPU (measured 1e-7, 1e-7, 2e-6)
+SILU_BOUNDS = {"ex2": 1e-6, "tanh": 1e-5}  # fp32 vs float64 on the GPU (measured 1e-7, 2e-6)
 
 
 @pytest.mark.parametrize("silu", conv.SILU_FORMS)
@@ -92,8 +93,7 @@ def test_silu_forms_and_rows_per_program(rng, silu, rows_per_program):
 @pytest.mark.parametrize("silu", conv.SILU_FORMS)
 def test_silu_forms_at_extreme_values(silu):
     """Each form at 0, +-20, +-87.5, +-100 (fp32; a conv with one tap on, so the conv is the input; width 4 and width
-    1, which has no left padding in interpret mode): silu(x) within the form's error (exact 1e-6 relative; ex2 2e-5
-    relative, the rounding of x log2 e scaled by ex2; tanh 2^-10 |x| absolute: tanh.approx's error, and at negative
+    1, which has no left padding in interpret mode): silu(x) within the form's error (ex2 2e-5 relative, the rounding of x log2 e scaled by ex2; tanh 2^-10 |x| absolute: tanh.approx's error, and at negative
     x the cancellation in x/2 (1 + tanh(x/2)) leaves no relative accuracy), or 1e-30 absolute where silu(x) is about
     0; with width 1, inf at inf and NaN at -inf and NaN, as x * sigmoid(x) gives (width 4 would spread 0 * inf to the
     next rows)."""
@@ -108,33 +108,34 @@ def test_silu_forms_at_extreme_values(silu):
         with np.errstate(over="ignore", invalid="ignore"):
             want = v / (1 + np.exp(-v))
         ok = np.isfinite(want)
-        rel, scaled = {"exact": (1e-6, 0.0), "ex2": (2e-5, 0.0), "tanh": (0.0, 2.0**-10)}[silu]
+        rel, scaled = {"ex2": (2e-5, 0.0), "tanh": (0.0, 2.0**-10)}[silu]
         bound = rel * np.abs(want[ok]) + scaled * np.abs(v[ok]) + 1e-30
         assert np.all(np.abs(got[ok] - want[ok]) <= bound), (silu, taps, got, want)
         assert np.all(got[v == np.inf] == np.inf) and np.all(np.isnan(got[~ok & (v != np.inf)])), (silu, got)
 
 
-def test_silu_form_reaches_the_kernel(rng, monkeypatch):
-    """The kernel as traced for the GPU (no interpret mode) computes the form chosen by the argument, else
-    $JAX_DWDP_CONV_SILU, else conv.SILU: ex2.approx, tanh.approx or the exact logistic in its jaxpr."""
+def test_silu_form_reaches_the_kernel(rng):
+    """The kernel as traced for the GPU (no interpret mode) computes the form chosen by the argument, else the
+    process's `KernelChoices.conv_silu` (ex2 by default); through `causal_conv_silu`, the form of the choices it is
+    given: ex2.approx or tanh.approx in its jaxpr. A form that is not one of SILU_FORMS is refused."""
     x, weight, _ = _inputs(rng, 1, 40, 32, 4, jnp.bfloat16)
-    marks = {"ex2": "ex2.approx", "tanh": "tanh.approx", "exact": "logistic"}
+    marks = {"ex2": "ex2.approx", "tanh": "tanh.approx"}
 
-    def traced(**kw):
-        text = str(jax.make_jaxpr(lambda a, w: conv.causal_conv_silu_pallas(a, w, **kw))(x, weight))
-        found = [form for form, mark in marks.items() if mark in text]
-        assert len(found) == 1, found
-        return found[0]
+    def found(fn):
+        text = str(jax.make_jaxpr(fn)(x, weight))
+        forms = [form for form, mark in marks.items() if mark in text]
+        assert len(forms) == 1, forms
+        return forms[0]
 
-    monkeypatch.delenv(conv.ENV_SILU, raising=False)
-    assert traced() == conv.SILU == "ex2"
-    assert all(traced(silu=form) == form for form in conv.SILU_FORMS)
-    monkeypatch.setenv(conv.ENV_SILU, "tanh")
-    assert traced() == "tanh" and traced(silu="exact") == "exact"  # the argument before the environment
-    monkeypatch.setattr(conv, "SILU", "exact")
-    assert traced() == "tanh"  # the environment before the module's default
-    monkeypatch.delenv(conv.ENV_SILU)
-    assert traced() == "exact"
+    assert found(lambda a, w: conv.causal_conv_silu_pallas(a, w)) == KernelChoices.from_environment().conv_silu
+    assert KernelChoices.defaults().conv_silu == "ex2"
+    assert all(found(lambda a, w, f=form: conv.causal_conv_silu_pallas(a, w, silu=f)) == form
+               for form in conv.SILU_FORMS)
+    for form in conv.SILU_FORMS:  # the model's path: the kernel chosen for every size, the choices' SiLU
+        kernels = KernelChoices.defaults().replace(conv="pallas", conv_silu=form)
+        assert found(lambda a, w, k=kernels: conv.causal_conv_silu(a, w, kernels=k)) == form
+    with pytest.raises(ValueError, match="silu='exact' is none of"):
+        conv.causal_conv_silu_pallas(x, weight, silu="exact", interpret=True)
 
 
 def test_channel_block_is_the_widest_power_of_two_up_to_max_block_c(rng, monkeypatch):
@@ -152,8 +153,7 @@ def test_channel_block_is_the_widest_power_of_two_up_to_max_block_c(rng, monkeyp
     np.testing.assert_allclose(np.asarray(wide), np.asarray(default), rtol=1e-6, atol=1e-6)
 
 
-def test_dispatch_and_unsupported_shapes(rng, monkeypatch):
-    monkeypatch.delenv(conv.ENV_IMPLEMENTATION, raising=False)
+def test_dispatch_and_unsupported_shapes(rng):
     xb, wb, _ = _inputs(rng, 1, 8, 32, 4, jnp.bfloat16)
     assert "gdn_causal_conv_silu" not in jax.jit(conv.causal_conv_silu).lower(xb, wb).as_text()  # XLA by default
     x, weight, _ = _inputs(rng, 1, 8, 24, 4, jnp.float32)  # 24 channels: no power-of-two block >= 16 divides them
@@ -161,9 +161,8 @@ def test_dispatch_and_unsupported_shapes(rng, monkeypatch):
     np.testing.assert_array_equal(conv.causal_conv_silu(x, weight), conv.causal_conv_silu_xla(x, weight))
     with pytest.raises(ValueError, match="channels 24"):
         conv.causal_conv_silu_pallas(x, weight, interpret=True)
-    monkeypatch.setenv(conv.ENV_IMPLEMENTATION, "cudnn")
-    with pytest.raises(ValueError, match="'cudnn' is none of"):
-        conv.causal_conv_silu(x, weight)
+    with pytest.raises(ValueError, match="implementation='cudnn' is none of"):
+        conv.causal_conv_silu(x, weight, implementation="cudnn")
 
 
 @pytest.mark.gpu
@@ -199,27 +198,29 @@ def test_split_outputs_are_the_channel_ranges(rng, with_history):
         conv.causal_conv_silu_pallas(x, weight, channels=(16, 80), interpret=True)  # 64 wide: start not aligned
 
 
-def test_default_takes_the_kernel_from_the_token_threshold(rng, monkeypatch):
+def test_default_takes_the_kernel_from_the_token_threshold(rng):
     """Lowered for CUDA: XLA's conv below PALLAS_MIN_TOKENS tokens, the kernel (one call per split) from there on;
-    the CPU lowering never holds it; $JAX_DWDP_CONV=xla keeps XLA at any size."""
-    monkeypatch.delenv(conv.ENV_IMPLEMENTATION, raising=False)
+    the CPU lowering never holds it; `KernelChoices.conv="xla"` keeps XLA at any size, "pallas" takes the kernel
+    below the threshold too."""
     weight = jnp.asarray(rng.standard_normal((64, 1, 4)), jnp.bfloat16)
+    default = KernelChoices.defaults("cpu")
+    assert default.conv is None
 
-    def lowered(t, platform="cuda"):
+    def lowered(t, platform="cuda", kernels=default):
         x = jax.ShapeDtypeStruct((1, t, 64), jnp.bfloat16)
-        fn = jax.jit(lambda x, w: conv.causal_conv_silu(x, w, splits=(16, 32)))
+        fn = jax.jit(lambda x, w: conv.causal_conv_silu(x, w, splits=(16, 32), kernels=kernels))
         return fn.trace(x, weight).lower(lowering_platforms=(platform,)).as_text()
 
     assert "gdn_causal_conv_silu" not in lowered(conv.PALLAS_MIN_TOKENS - 1)
     assert lowered(conv.PALLAS_MIN_TOKENS).count("gdn_causal_conv_silu") >= 3
     assert "gdn_causal_conv_silu" not in lowered(conv.PALLAS_MIN_TOKENS, "cpu")
-    monkeypatch.setenv(conv.ENV_IMPLEMENTATION, "xla")
-    assert "gdn_causal_conv_silu" not in lowered(conv.PALLAS_MIN_TOKENS)
+    assert "gdn_causal_conv_silu" not in lowered(conv.PALLAS_MIN_TOKENS, kernels=default.replace(conv="xla"))
+    assert "gdn_causal_conv_silu" in lowered(64, kernels=default.replace(conv="pallas"))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)")
-def test_gpu_gdn_mixer_takes_the_split_kernel_and_equals_xla(rng, monkeypatch):
+def test_gpu_gdn_mixer_takes_the_split_kernel_and_equals_xla(rng):
     """A 35B-A3B Gated DeltaNet mixer at 2 x 4100 tokens (past the threshold), bf16: the default lowers to the split
     conv kernel, and its output is within bf16 rounding of the mixer with XLA's conv."""
     from flax import nnx
@@ -228,15 +229,12 @@ def test_gpu_gdn_mixer_takes_the_split_kernel_and_equals_xla(rng, monkeypatch):
     from jax_dwdp.model.gated_deltanet import GatedDeltaNet
 
     cfg = ModelConfig.preset("35b-a3b")
-    mixer = GatedDeltaNet(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
     x = jnp.asarray(rng.standard_normal((2, 4100, cfg.hidden_size)), jnp.bfloat16)
     lengths = jnp.array([4100, 3000], jnp.int32)
     outs = {}
     for impl in (None, "xla"):
-        if impl is None:
-            monkeypatch.delenv(conv.ENV_IMPLEMENTATION, raising=False)
-        else:
-            monkeypatch.setenv(conv.ENV_IMPLEMENTATION, impl)
+        kernels = KernelChoices.defaults("gpu").replace(conv=impl)
+        mixer = GatedDeltaNet(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1), kernels=kernels)  # (the same weights)
         graph, state = nnx.split(mixer)
         fn = jax.jit(lambda s, x, n: nnx.merge(graph, s)(x, n)[0])
         assert ("gdn_causal_conv_silu" in fn.lower(state, x, lengths).as_text()) == (impl is None)

@@ -100,28 +100,32 @@ def test_bad_shapes_and_index_dtype(rng):
         gm.grouped_matmul_gather(x, row_token.astype(jnp.float32), w, gs)
 
 
-def test_moe_gather_switch(monkeypatch):
-    monkeypatch.delenv(moe.GATHER_ENV, raising=False)
-    # by default only where the grouped matmul is the CUTLASS kernel (the one that fuses the gather)
-    assert moe.gather_in_gemm(None, "cutlass") is moe.GATHER_DEFAULT
-    assert not moe.gather_in_gemm(None, "xla") and not moe.gather_in_gemm(None, "mosaic")
-    if jax.default_backend() == "cpu":
-        assert not moe.gather_in_gemm()
+def test_moe_gather_switch():
+    """`gather_in_gemm`: the argument, else `KernelChoices.moe_gather` when set, else by default only where the
+    grouped matmul is the CUTLASS kernel (the one that fuses the gather), on the shapes it measured faster."""
+    from jax_dwdp.kernels.choices import KernelChoices
+
+    default = KernelChoices.defaults("cpu")
+    assert default.moe_gather is None
+    assert moe.gather_in_gemm(None, "cutlass", kernels=default) is moe.GATHER_DEFAULT
+    assert not moe.gather_in_gemm(None, "xla", kernels=default) and not moe.gather_in_gemm(None, "mosaic",
+                                                                                          kernels=default)
+    assert not moe.gather_in_gemm(kernels=default)  # the CPU's grouped matmul: XLA's
+    assert moe.gather_in_gemm(kernels=default.replace(grouped_matmul="cutlass")) is moe.GATHER_DEFAULT
     assert moe.gather_in_gemm(True) and not moe.gather_in_gemm(False, "cutlass")
     # ... on the shapes it measured faster: any row count at hidden 2048, wider hidden only up to 40,960 rows
     wide = moe.GATHER_MAX_HIDDEN + 1024
-    assert moe.gather_in_gemm(None, "cutlass", hidden=moe.GATHER_MAX_HIDDEN, rows=10**6) is moe.GATHER_DEFAULT
-    assert moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=moe.GATHER_MAX_WIDE_ROWS) is moe.GATHER_DEFAULT
-    assert not moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=moe.GATHER_MAX_WIDE_ROWS + 1)
-    assert moe.gather_in_gemm(True, "cutlass", hidden=wide, rows=10**6)
-    monkeypatch.setenv(moe.GATHER_ENV, "1")
-    assert moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=10**6)
-    assert moe.gather_in_gemm() and moe.gather_in_gemm(None, "xla") and not moe.gather_in_gemm(False)
-    monkeypatch.setenv(moe.GATHER_ENV, "0")
-    assert not moe.gather_in_gemm()
-    monkeypatch.setenv(moe.GATHER_ENV, "yes")
-    with pytest.raises(ValueError, match="JAX_DWDP_MOE_GATHER"):
-        moe.gather_in_gemm()
+    fits = dict(hidden=moe.GATHER_MAX_HIDDEN, rows=10**6, kernels=default)
+    assert moe.gather_in_gemm(None, "cutlass", **fits) is moe.GATHER_DEFAULT
+    assert moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=moe.GATHER_MAX_WIDE_ROWS,
+                              kernels=default) is moe.GATHER_DEFAULT
+    assert not moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=moe.GATHER_MAX_WIDE_ROWS + 1, kernels=default)
+    assert moe.gather_in_gemm(True, "cutlass", hidden=wide, rows=10**6, kernels=default)
+    on, off = default.replace(moe_gather=True), default.replace(moe_gather=False)
+    assert moe.gather_in_gemm(None, "cutlass", hidden=wide, rows=10**6, kernels=on)
+    assert moe.gather_in_gemm(kernels=on) and moe.gather_in_gemm(None, "xla", kernels=on)
+    assert not moe.gather_in_gemm(False, kernels=on)
+    assert not moe.gather_in_gemm(None, "cutlass", kernels=off) and moe.gather_in_gemm(True, kernels=off)
 
 
 def _routed_case(rng, t, h, e, i, k, dtype):
@@ -335,21 +339,24 @@ def test_routed_experts_gather_on_gpu(rng):
 
 
 @pytest.mark.gpu
-def test_routed_experts_default_gathers_on_the_shapes_it_measured_faster(monkeypatch):
-    """With nothing asked for, the GPU block gathers inside the gate_up GEMM at hidden 2048 whatever the row count,
-    and at a wider hidden only up to GATHER_MAX_WIDE_ROWS rows; past that it dispatches first (lowered, not run)."""
+def test_routed_experts_default_gathers_on_the_shapes_it_measured_faster():
+    """With the GPU's default choices, the block gathers inside the gate_up GEMM at hidden 2048 whatever the row
+    count, and at a wider hidden only up to GATHER_MAX_WIDE_ROWS rows; past that it dispatches first (lowered, not
+    run)."""
+    import functools
+
     _gpu_only()
     _require_library()
     from jax_dwdp.kernels import _cutlass
+    from jax_dwdp.kernels.choices import KernelChoices
 
-    monkeypatch.delenv(moe.GATHER_ENV, raising=False)
-    monkeypatch.delenv("JAX_DWDP_GROUPED_MATMUL", raising=False)
+    block = functools.partial(moe.routed_experts, kernels=KernelChoices.defaults("gpu"))
 
     def lowered(t, h, k, e=16, i=128):
         bf16 = jnp.bfloat16
         shapes = [((t, h), bf16), ((t, k), jnp.int32), ((t, k), bf16), ((e, 2 * i, h), bf16), ((e, h, i), bf16)]
         args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-        return jax.jit(moe.routed_experts).lower(*args).as_text()
+        return jax.jit(block).lower(*args).as_text()
 
     def gathers(text):
         assert (_cutlass.GATHER_SWIGLU_TARGET in text) != ("moe_dispatch_rows" in text)

@@ -74,10 +74,10 @@ def _bf16_and_fp32_models(rng, t: int):
     return cfg, tokens, m16, m32
 
 
-def test_attention_projections_are_not_merged_into_one_gemm(rng, monkeypatch):
+def test_attention_projections_are_not_merged_into_one_gemm(rng):
     """q, k and v share their input, so XLA's dot merger would make them one GEMM (concatenating the weights each
-    call, then copying q out of the merged output for the norm + RoPE kernel); the module keeps them apart, and
-    $JAX_DWDP_MERGE_QKV=1 lets XLA merge them (the merged shape the check looks for shows up)."""
+    call, then copying q out of the merged output for the norm + RoPE kernel); the module keeps them apart. The
+    same three projections without the module's barrier do merge (the merged shape the check looks for shows up)."""
     import re
 
     from flax import nnx
@@ -88,14 +88,11 @@ def test_attention_projections_are_not_merged_into_one_gemm(rng, monkeypatch):
     x = jnp.asarray(rng.standard_normal((1, 1024, cfg.hidden_size)), jnp.bfloat16)
     positions = jnp.arange(1024, dtype=jnp.int32)[None]
     merged = re.compile(rf"bf16\[(?:\d+,)*{sa.num_heads * sa.head_dim * 2 + 2 * sa.num_kv_heads * sa.head_dim}[,\]]")
-
-    def hlo():  # a new function each time: the environment is read when traced
-        return jax.jit(lambda s, x, p: nnx.merge(graph, s)._project(x, p)).lower(state, x, positions).compile().as_text()
-
-    monkeypatch.delenv("JAX_DWDP_MERGE_QKV", raising=False)
-    assert not merged.search(hlo()), "the attention module's q, k, v projections were merged into one GEMM"
-    monkeypatch.setenv("JAX_DWDP_MERGE_QKV", "1")
-    assert merged.search(hlo()), "with JAX_DWDP_MERGE_QKV=1 XLA did not merge the three dots"
+    module = jax.jit(lambda s, x, p: nnx.merge(graph, s)._project(x, p)).lower(state, x, positions).compile().as_text()
+    assert not merged.search(module), "the attention module's q, k, v projections were merged into one GEMM"
+    weights = [p.weight[...] for p in (sa.q_proj, sa.k_proj, sa.v_proj)]
+    plain = jax.jit(lambda x, *ws: tuple(jnp.einsum("bti,oi->bto", x, w) for w in ws)).lower(x, *weights)
+    assert merged.search(plain.compile().as_text()), "XLA did not merge three plain projections of one input"
 
 
 def test_gpu_prefill_matches_cpu_fp32(rng):
@@ -135,7 +132,7 @@ def test_gpu_scanned_stage_equals_the_layerwise_stage(rng, dtype, bound):
                                     0.2)
     h = jax.device_put(jnp.asarray(rng.standard_normal((2, 150, cfg.hidden_size)), dtype), gpu)
     lengths = jax.device_put(np.array([150, 77], np.int32), gpu)
-    want, want_cache = StageRunner(stage)(h, lengths, cache_len=160)
+    want, want_cache = StageRunner(stage)(h, lengths, cache_len=160, mode="layerwise")
     scanned = ScannedModel.from_model(stage, consume=False)
     got, cache = scanned(h, lengths, cache_len=160)
     errs = {"hidden": rel_err(got, want), **{name: rel_err(getattr(cache, name), getattr(want_cache, name))
@@ -192,22 +189,22 @@ def test_gpu_pipeline_stages_on_one_gpu_equal_the_one_device_prefill(rng, scan):
 
 
 @pytest.mark.parametrize("grouped_matmul", ["default", "mosaic"])
-def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul):
-    """bf16 on the GPU takes cuDNN attention, the Pallas gated delta rule and routing kernels (the conv kernel on
-    request) and the GPU grouped matmul (the CUTLASS kernel when its library is built, else Mosaic; then Mosaic
-    forced); compare with GPU fp32 (XLA paths but the routing kernels)."""
-    from jax_dwdp.kernels import _cutlass, norm_rope
-    from jax_dwdp.model import init_model
+def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, grouped_matmul):
+    """bf16 on the GPU takes cuDNN attention, the Pallas gated delta rule and routing kernels (the conv kernel when
+    chosen) and the GPU grouped matmul (the CUTLASS kernel when its library is built, else Mosaic; then Mosaic
+    chosen); compare with GPU fp32 (XLA paths but the routing kernels)."""
+    from jax_dwdp.kernels import KernelChoices, _cutlass, norm_rope
+    from jax_dwdp.model import init_model, with_kernels
     from jax_dwdp.prefill import jit_prefill
     from tests.test_model import _damp_residual_branches
 
+    kernels = KernelChoices.defaults("gpu")
     if grouped_matmul == "mosaic":
-        monkeypatch.setenv("JAX_DWDP_GROUPED_MATMUL", "mosaic")
-    else:
-        monkeypatch.delenv("JAX_DWDP_GROUPED_MATMUL", raising=False)
+        kernels = kernels.replace(grouped_matmul="mosaic")
     want = _cutlass.TARGET if grouped_matmul == "default" and _cutlass.available() else "mosaic"
 
     cfg, tokens, m16, m32 = _bf16_and_fp32_models(rng, 1000)
+    m16, m32 = with_kernels(m16, kernels), with_kernels(m32, kernels)
     text = jit_prefill(m16).lower(tokens, np.array([1000], np.int32)).as_text()
     assert want.lower() in text.lower(), f"bf16 GPU prefill did not use the expected grouped matmul ({want})"
     assert "gdn_recurrence" in text, "bf16 GPU prefill did not use the Pallas gated delta rule"
@@ -215,24 +212,14 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
         assert kernel in text, f"bf16 GPU prefill did not use the Pallas kernel {kernel}"
     assert norm_rope.supported(cfg.head_dim, cfg.rotary_dim) and "attention_norm_rope" in text
     assert "gdn_causal_conv_silu" not in text  # 1000 tokens: below conv.PALLAS_MIN_TOKENS, XLA's conv
-    assert "gdn_conv_prep" not in text  # the conv inside the GDN prep kernel: opt-in
-    # The environment is read when traced: a new length traces anew, with the conv inside the GDN prep kernel asked
-    # for (998 tokens), then the conv kernel (999).
-    monkeypatch.setenv("JAX_DWDP_GDN_CONV", "fused")
-    short = tokens[:, :998]
-    assert "gdn_conv_prep" in jit_prefill(m16).lower(short, np.array([998], np.int32)).as_text()
-    fused_conv_err = rel_err(jit_prefill(m16)(short)[0].astype(jnp.float32), jit_prefill(m32)(short)[0])
-    print(f"GPU bf16 with the conv in the GDN prep kernel (opt-in) vs fp32 logits: {fused_conv_err:.2e}")
-    assert fused_conv_err <= 2e-2
-    monkeypatch.delenv("JAX_DWDP_GDN_CONV")
-    monkeypatch.setenv("JAX_DWDP_CONV", "pallas")
+    # The same weights with the conv kernel chosen at any size.
+    m16c = with_kernels(m16, kernels.replace(conv="pallas"))
     short = tokens[:, :999]
-    opted = jit_prefill(m16).lower(short, np.array([999], np.int32)).as_text()
+    opted = jit_prefill(m16c).lower(short, np.array([999], np.int32)).as_text()
     assert "gdn_causal_conv_silu" in opted
-    conv_err = rel_err(jit_prefill(m16)(short)[0].astype(jnp.float32), jit_prefill(m32)(short)[0])
-    print(f"GPU bf16 with the Pallas conv (opt-in) vs fp32 logits: {conv_err:.2e}")
+    conv_err = rel_err(jit_prefill(m16c)(short)[0].astype(jnp.float32), jit_prefill(m32)(short)[0])
+    print(f"GPU bf16 with the Pallas conv (chosen) vs fp32 logits: {conv_err:.2e}")
     assert conv_err <= 2e-2
-    monkeypatch.delenv("JAX_DWDP_CONV")
     from jax_dwdp.model import fused_swiglu_enabled
 
     # Models keep the checkpoint layout by default (the fused SwiGLU kernel is opt-in); with the CUTLASS kernel, the
@@ -240,7 +227,8 @@ def test_gpu_bf16_prefill_runs_the_fast_kernels(rng, monkeypatch, grouped_matmul
     assert not fused_swiglu_enabled(m16) and _cutlass.SWIGLU_TARGET not in text
     fused = want == _cutlass.TARGET
     if fused:
-        m16f = _damp_residual_branches(init_model(cfg, dtype=jnp.bfloat16, seed=2, fused_swiglu=True), 0.2)
+        m16f = _damp_residual_branches(init_model(cfg, dtype=jnp.bfloat16, seed=2, fused_swiglu=True,
+                                                  kernels=kernels), 0.2)
         assert _cutlass.SWIGLU_TARGET in jit_prefill(m16f).lower(tokens, np.array([1000], np.int32)).as_text()
         err = rel_err(jit_prefill(m16f)(tokens)[0].astype(jnp.float32), jit_prefill(m32)(tokens)[0])
         print(f"GPU bf16 (fused SwiGLU kernel) vs fp32 logits: {err:.2e}")

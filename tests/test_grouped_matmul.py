@@ -91,27 +91,27 @@ def test_xla_path_inside_shard_map(rng):
     assert err <= BF16_BOUND
 
 
-def test_cpu_default_is_xla_and_env_switch_is_gpu_only(monkeypatch):
-    """The environment switch picks the GPU implementation; the CPU always takes the portable path."""
-    monkeypatch.setenv(gm.ENV_IMPLEMENTATION, "mosaic")
-    want = "xla" if jax.default_backend() == "cpu" else "mosaic"
-    assert gm.default_implementation(jnp.bfloat16) == want
+def test_default_follows_the_choices_for_half_types_only():
+    """The form without `implementation=`: the choices' for half types (XLA on the CPU's defaults), "mosaic" for
+    fp16 where the choices name CUTLASS (bf16 only); fp32 inputs, the reference run beside a bf16 one, stay on "xla"
+    (the Mosaic kernel on fp32 tiles asked for 256 KiB of shared memory on an H200, more than the 227 KiB there are;
+    2026-12-01)."""
+    from jax_dwdp.kernels.choices import KernelChoices
 
-
-def test_env_switch_leaves_fp32_on_the_reference_path(monkeypatch):
-    """On a GPU, JAX_DWDP_GROUPED_MATMUL picks the kernel of half-type models only: an fp32 model (the reference run
-    beside a bf16 one) stays on "xla" (the Mosaic kernel on fp32 tiles asked for 256 KiB of shared memory on an H200,
-    more than the 227 KiB there are; 2026-12-01)."""
-    monkeypatch.setattr(gm, "on_gpu", lambda: True)
-    monkeypatch.setenv(gm.ENV_IMPLEMENTATION, "mosaic")
-    assert gm.default_implementation(jnp.bfloat16) == "mosaic"
-    assert gm.default_implementation(jnp.float16) == "mosaic"
-    assert gm.default_implementation(jnp.float32) == "xla"
+    cpu = KernelChoices.defaults("cpu")
+    assert gm.default_implementation(jnp.bfloat16, cpu) == "xla"
+    assert gm.default_implementation(jnp.bfloat16) == gm.default_implementation(
+        jnp.bfloat16, KernelChoices.from_environment())
+    mosaic, cutlass = cpu.replace(grouped_matmul="mosaic"), cpu.replace(grouped_matmul="cutlass")
+    assert gm.default_implementation(jnp.bfloat16, mosaic) == gm.default_implementation(jnp.float16, mosaic) == "mosaic"
+    assert gm.default_implementation(jnp.float32, mosaic) == gm.default_implementation(jnp.float32, cutlass) == "xla"
+    assert gm.default_implementation(jnp.bfloat16, cutlass) == "cutlass"
+    assert gm.default_implementation(jnp.float16, cutlass) == "mosaic"
 
 
 def test_bad_implementation_and_shapes(rng):
     x, w, sizes = make_case(rng, 32, 2, 16, 16)
-    with pytest.raises(ValueError, match="unknown grouped matmul implementation"):
+    with pytest.raises(ValueError, match="grouped matmul implementation='nope' is none of"):
         gm.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), implementation="nope")
     with pytest.raises(ValueError, match="do not fit"):
         gm.grouped_matmul(x, w[:, :, :8], jnp.asarray(sizes, jnp.int32), implementation="xla")
@@ -160,36 +160,31 @@ def test_stale_cutlass_library_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_cutlass_config_choice(monkeypatch):
     """pick_config (no library needed): the no-cluster cooperative 128x256 tile from 64 rows per group (measured
-    fastest at 80-512), the no-cluster 64x128 ping-pong below it and for narrow N; $JAX_DWDP_GMM_CONFIG wins."""
+    fastest at 80-512), the no-cluster 64x128 ping-pong below it and for narrow N; a preferred tile
+    (`KernelChoices.gmm_config`: a name, or an index into config_names()) wins."""
     from jax_dwdp.kernels import _cutlass
 
     names = ["coop_128x256x64_c2x1", "pingpong_64x128x128_c2x1", "pingpong_128x128x64_c2x1",
              "coop_128x256x64_c1x1", "pingpong_64x128x128_c1x1"]
     monkeypatch.setattr(_cutlass, "config_names", lambda: names)
-    monkeypatch.delenv("JAX_DWDP_GMM_CONFIG", raising=False)
-    pick = lambda m, n, g: names[_cutlass.pick_config(m, n, g)]  # noqa: E731
+    pick = lambda m, n, g, preferred=None: names[_cutlass.pick_config(m, n, g, preferred=preferred)]  # noqa: E731
     assert pick(16384 * 8, 1024, 256) == "coop_128x256x64_c1x1"  # 512 rows per expert
     assert pick(4096 * 10, 2048, 512) == "coop_128x256x64_c1x1"  # 80
     assert pick(64 * 256, 2048, 256) == "coop_128x256x64_c1x1"
     assert pick(63 * 256, 2048, 256) == "pingpong_64x128x128_c1x1"
     assert pick(8 * 256, 2048, 256) == "pingpong_64x128x128_c1x1"  # decode-like
     assert pick(16384 * 8, 128, 256) == "pingpong_64x128x128_c1x1"
-    monkeypatch.setenv("JAX_DWDP_GMM_CONFIG", "pingpong_128x128x64_c2x1")
-    assert pick(16384 * 8, 1024, 256) == "pingpong_128x128x64_c2x1"
-    monkeypatch.setenv("JAX_DWDP_GMM_CONFIG", "1")
-    assert pick(16384 * 8, 1024, 256) == "pingpong_64x128x128_c2x1"
-    # The fused SwiGLU kernel has a subset of the tiles: a forced name it has is taken, one it lacks is ignored.
+    assert pick(16384 * 8, 1024, 256, "pingpong_128x128x64_c2x1") == "pingpong_128x128x64_c2x1"
+    assert pick(16384 * 8, 1024, 256, "1") == "pingpong_64x128x128_c2x1"
+    # The fused SwiGLU kernel has a subset of the tiles: a preferred name it has is taken, one it lacks is ignored.
     fused = ["coop_128x256x64_c1x1", "pingpong_64x128x128_c1x1"]
-    pick_fused = lambda m, n, g: fused[_cutlass.pick_config(m, n, g, fused)]  # noqa: E731
+    pick_fused = lambda m, n, g, p=None: fused[_cutlass.pick_config(m, n, g, fused, p)]  # noqa: E731
     with pytest.warns(UserWarning, match="no fused SwiGLU build"):  # "1": pingpong_64x128x128_c2x1, not fused
-        assert pick_fused(16384 * 8, 1024, 256) == "coop_128x256x64_c1x1"
-    monkeypatch.setenv("JAX_DWDP_GMM_CONFIG", "pingpong_64x128x128_c1x1")
-    assert pick_fused(16384 * 8, 1024, 256) == "pingpong_64x128x128_c1x1"
-    monkeypatch.delenv("JAX_DWDP_GMM_CONFIG")
+        assert pick_fused(16384 * 8, 1024, 256, "1") == "coop_128x256x64_c1x1"
+    assert pick_fused(16384 * 8, 1024, 256, "pingpong_64x128x128_c1x1") == "pingpong_64x128x128_c1x1"
     assert pick_fused(8 * 256, 1024, 256) == "pingpong_64x128x128_c1x1"
-    monkeypatch.setenv("JAX_DWDP_GMM_CONFIG", "nonsense")
-    with pytest.raises(ValueError, match="JAX_DWDP_GMM_CONFIG='nonsense' is none of"):
-        _cutlass.pick_config(1024, 1024, 8)
+    with pytest.raises(ValueError, match=r"KernelChoices\.gmm_config / \$JAX_DWDP_GMM_CONFIG='nonsense' is none of"):
+        _cutlass.pick_config(1024, 1024, 8, preferred="nonsense")
 
 
 def test_import_does_not_load_the_library():
@@ -281,7 +276,9 @@ def test_cutlass_default_and_inside_jit_and_shard_map(rng):
     g, n, k, m = 32, 512, 256, 2048
     x, w, sizes = make_case(rng, m, g, n, k, empty=(5,), slack=9)
     gs = jnp.asarray(sizes, jnp.int32)
-    assert gm.default_implementation(jnp.bfloat16) in ("cutlass", os.environ.get(gm.ENV_IMPLEMENTATION))
+    from jax_dwdp.kernels.choices import KernelChoices
+
+    assert KernelChoices.defaults("gpu").grouped_matmul == "cutlass"  # (the library is built)
     out = jax.jit(lambda a, b, s: gm.grouped_matmul(a, b, s, implementation="cutlass"))(x, w, gs)
     _check(out, x, w, sizes, "inside jit")
 
@@ -299,8 +296,8 @@ def test_cutlass_default_and_inside_jit_and_shard_map(rng):
 @pytest.mark.gpu
 def test_cutlass_in_a_graph_of_many_ops_repeated(rng):
     """Two chained grouped matmuls among other ops in one jit (enough for XLA to form command buffers; the handler is
-    registered without the command-buffer trait unless JAX_DWDP_GMM_CMD_BUFFER=1, so by default XLA runs it outside
-    them), called repeatedly with new sizes. The bound is doubled: the first matmul's bf16 rounding, which the
+    registered without the command-buffer trait unless `cmd_buffer=True`, `KernelChoices.gmm_cmd_buffer`, so by
+    default XLA runs it outside them), called repeatedly with new sizes. The bound is doubled: the first matmul's bf16 rounding, which the
     reference does not share, feeds the second."""
     _gpu_only()
     cutlass = _require_library()

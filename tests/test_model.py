@@ -218,53 +218,34 @@ def test_fused_swiglu_layout_computes_the_same_model(rng):
 
 
 
-def test_merge_qkv_switch(monkeypatch):
-    """$JAX_DWDP_MERGE_QKV: unset or 0 keeps the attention projections apart, 1 lets XLA merge them (the same
-    function either way); any other value names the variable."""
-    from jax_dwdp.model import attention
-
-    monkeypatch.delenv(attention.MERGE_QKV_ENV, raising=False)
-    assert not attention.merge_qkv()
-    monkeypatch.setenv(attention.MERGE_QKV_ENV, "0")
-    assert not attention.merge_qkv()
-    monkeypatch.setenv(attention.MERGE_QKV_ENV, "1")
-    assert attention.merge_qkv()
-    monkeypatch.setenv(attention.MERGE_QKV_ENV, "yes")
-    with pytest.raises(ValueError, match=r"\$JAX_DWDP_MERGE_QKV='yes'"):
-        attention.merge_qkv()
-
-
 @pytest.mark.parametrize("experts", [6, 7])  # 6 + 2 x 16 + 1 = 39 rows: one zero row padded; 7: 40, none
-def test_merged_token_projection_computes_the_same_block(monkeypatch, rng, experts):
-    """$JAX_DWDP_MOE_MERGED_PROJECTION (default on from MERGED_PROJECTION_MIN_TOKENS tokens per call): the router,
-    the shared expert's gate / up and its sigmoid gate as one matmul (three dots fewer in the block's jaxpr)
-    computes the block the four separate projections do (fp32, random weights and tokens); any other value than
-    1 / 0 names the variable."""
+def test_merged_token_projection_computes_the_same_block(rng, experts):
+    """`KernelChoices.moe_merged_projection` (None, the default: on from MERGED_PROJECTION_MIN_TOKENS tokens per
+    call): the router, the shared expert's gate / up and its sigmoid gate as one matmul (three dots fewer in the
+    block's jaxpr) computes the block the four separate projections do (fp32, random weights and tokens)."""
+    from jax_dwdp.kernels import KernelChoices
     from jax_dwdp.model import moe
     from jax_dwdp.model.moe import SparseMoe
 
-    block = SparseMoe(CFG.replace(num_experts=experts), dtype=jnp.float32, rngs=nnx.Rngs(3))
+    default = KernelChoices.defaults("cpu")
+    cfg = CFG.replace(num_experts=experts)
     x = jnp.asarray(rng.standard_normal((2, 37, CFG.hidden_size)), jnp.float32)
 
-    def dots():
-        return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(lambda v: block(v))(x).jaxpr.eqns)
+    def run(flag):  # the same weights (same rngs), the choice a static attribute of the block
+        block = SparseMoe(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3), kernels=default.replace(moe_merged_projection=flag))
+        dots = sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(lambda v: block(v))(x).jaxpr.eqns)
+        return np.asarray(block(x)), dots
 
-    def run(flag):
-        monkeypatch.setenv(moe.MERGED_PROJECTION_ENV, flag)
-        return np.asarray(block(x)), dots()
-
-    (merged, merged_dots), (apart, apart_dots) = run("1"), run("0")
-    monkeypatch.delenv(moe.MERGED_PROJECTION_ENV)
-    assert moe.MERGED_PROJECTION_DEFAULT and moe.merged_projection()
-    assert moe.merged_projection(tokens=moe.MERGED_PROJECTION_MIN_TOKENS)
-    assert not moe.merged_projection(tokens=moe.MERGED_PROJECTION_MIN_TOKENS - 1)
+    (merged, merged_dots), (apart, apart_dots), (_, default_dots) = run(True), run(False), run(None)
+    assert moe.MERGED_PROJECTION_DEFAULT and default.moe_merged_projection is None
+    assert moe.merged_projection(kernels=default)
+    assert moe.merged_projection(tokens=moe.MERGED_PROJECTION_MIN_TOKENS, kernels=default)
+    assert not moe.merged_projection(tokens=moe.MERGED_PROJECTION_MIN_TOKENS - 1, kernels=default)
+    assert moe.merged_projection(tokens=1, kernels=default.replace(moe_merged_projection=True))
     # by default a call of fewer tokens than MERGED_PROJECTION_MIN_TOKENS keeps the projections apart
-    assert x.shape[0] * x.shape[1] < moe.MERGED_PROJECTION_MIN_TOKENS and dots() == apart_dots
+    assert x.shape[0] * x.shape[1] < moe.MERGED_PROJECTION_MIN_TOKENS and default_dots == apart_dots
     assert merged_dots == apart_dots - 3, (merged_dots, apart_dots)
     err = rel_err(merged, apart)
     print(f"merged vs separate projections (fp32, {experts} experts): rel err {err:.2e}")
     assert err < 1e-5
     assert np.abs(merged).max() > 0  # a real output, not an empty one
-    monkeypatch.setenv(moe.MERGED_PROJECTION_ENV, "yes")
-    with pytest.raises(ValueError, match=r"\$JAX_DWDP_MOE_MERGED_PROJECTION='yes'"):
-        block(x)

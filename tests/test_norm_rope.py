@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jax_dwdp.kernels import norm_rope as nr
+from jax_dwdp.kernels.choices import KernelChoices
 from jax_dwdp.model.layers import rope_cos_sin
 
 on_gpu = jax.default_backend() == "gpu"
@@ -83,28 +84,28 @@ def test_unsupported_widths_take_the_xla_path_or_fail_clearly(rng):
         nr.norm_rope_pallas(x, weight, cos, sin, eps=EPS, head_dim=24, interpret=True)
 
 
-def test_implementation_switch(rng, monkeypatch):
-    """Lowered for CUDA the attention projection holds the kernel, for the CPU it does not; $JAX_DWDP_NORM_ROPE=xla
-    removes it from the CUDA lowering; fp32 inputs never take it."""
+def test_implementation_switch(rng):
+    """Lowered for CUDA the attention projection holds the kernel, for the CPU it does not;
+    `KernelChoices.norm_rope="xla"` removes it from the CUDA lowering; fp32 inputs never take it; a bad forced
+    form is named."""
     x, weight, cos, sin = _inputs(rng, 1, 16, 2, 256, 512, 64, jnp.bfloat16)
+    pallas = KernelChoices.defaults("cpu")
+    assert pallas.norm_rope == "pallas"
 
-    def lowered(platform, args=(x, weight, cos, sin)):
-        traced = jax.jit(lambda *a: nr.norm_rope(*a, eps=EPS, head_dim=256)).trace(*args)
+    def lowered(platform, args=(x, weight, cos, sin), kernels=pallas, **kw):
+        traced = jax.jit(lambda *a: nr.norm_rope(*a, eps=EPS, head_dim=256, kernels=kernels, **kw)).trace(*args)
         return traced.lower(lowering_platforms=(platform,)).as_text()
 
-    monkeypatch.delenv(nr.ENV_IMPLEMENTATION, raising=False)
     assert "attention_norm_rope" in lowered("cuda") and "attention_norm_rope" not in lowered("cpu")
     assert "attention_norm_rope" not in lowered("cuda", (x.astype(jnp.float32), weight, cos, sin))
-    monkeypatch.setenv(nr.ENV_IMPLEMENTATION, "xla")
-    assert "attention_norm_rope" not in lowered("cuda")
-    monkeypatch.setenv(nr.ENV_IMPLEMENTATION, "nope")
-    with pytest.raises(ValueError, match="JAX_DWDP_NORM_ROPE='nope'"):
-        lowered("cuda")
+    assert "attention_norm_rope" not in lowered("cuda", kernels=pallas.replace(norm_rope="xla"))
+    with pytest.raises(ValueError, match="norm_rope: implementation='nope'"):
+        lowered("cuda", implementation="nope")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (set JAX_DWDP_TEST_GPU=1)")
-def test_gpu_attention_layer_with_the_kernel_equals_xla(rng, monkeypatch):
+def test_gpu_attention_layer_with_the_kernel_equals_xla(rng):
     """A 35B-A3B full-attention mixer at 1000 tokens, bf16, with the kernel and with XLA's passes: within bf16
     rounding of each other (the attention output, whose scale is set by v)."""
     from flax import nnx
@@ -113,12 +114,12 @@ def test_gpu_attention_layer_with_the_kernel_equals_xla(rng, monkeypatch):
     from jax_dwdp.model.attention import GatedAttention
 
     cfg = ModelConfig.preset("35b-a3b")
-    attn = GatedAttention(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.standard_normal((1, 1000, cfg.hidden_size)), jnp.bfloat16)
     positions = jnp.arange(1000, dtype=jnp.int32)[None]
     outs = {}
     for impl in ("pallas", "xla"):
-        monkeypatch.setenv(nr.ENV_IMPLEMENTATION, impl)
+        kernels = KernelChoices.defaults("gpu").replace(norm_rope=impl)
+        attn = GatedAttention(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), kernels=kernels)  # (the same weights)
         graph, state = nnx.split(attn)
         fn = jax.jit(lambda s, x, p: nnx.merge(graph, s)(x, p)[0])
         text = fn.lower(state, x, positions).as_text()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jax_dwdp.kernels import routing
+from jax_dwdp.kernels.choices import KernelChoices
 
 SHAPES = [(100, 8, 2), (37, 6, 3), (64, 256, 8), (130, 512, 10)]  # tokens, experts, top-k (odd sizes padded)
 on_gpu = jax.default_backend() == "gpu"
@@ -92,41 +93,33 @@ def test_a_tile_that_is_no_power_of_two_is_refused():
             routing.expert_permutation_pallas(jnp.ones((4, 2), jnp.int32), 8, interpret=True, block_rows=rows)
 
 
-def test_implementation_switch(rng, monkeypatch):
+def test_implementation_switch(rng):
     """By default the platform decides when lowering: lowered for CUDA the program holds the kernels, lowered for
     the CPU it does not (a computation for the CPU device of a GPU host must not take the kernels), and it runs
     there.
-    $JAX_DWDP_ROUTING=xla removes the kernels from a CUDA lowering; =pallas keeps the CPU guard; bad names are
-    clear errors."""
+    `KernelChoices.routing="xla"` removes the kernels from a CUDA lowering; "pallas" keeps the CPU guard; bad names
+    are clear errors."""
     logits = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
     ids_in = jax.ShapeDtypeStruct((40, 2), jnp.int32)
-    topk = jax.jit(lambda x: routing.topk_softmax(x, 2))
+    pallas = KernelChoices.defaults("cpu")
+    assert pallas.routing == "pallas"
 
-    def lowered(platform):  # traced anew: the choice is read at trace time, and jit caches traces
-        t = jax.jit(lambda x: routing.topk_softmax(x, 2)).trace(logits)
-        p = jax.jit(lambda i: routing.expert_permutation(i, 8)).trace(ids_in)
+    def lowered(platform, kernels=pallas):
+        t = jax.jit(lambda x: routing.topk_softmax(x, 2, kernels=kernels)).trace(logits)
+        p = jax.jit(lambda i: routing.expert_permutation(i, 8, kernels=kernels)).trace(ids_in)
         return t.lower(lowering_platforms=(platform,)).as_text() + p.lower(lowering_platforms=(platform,)).as_text()
 
-    monkeypatch.delenv(routing.ENV_IMPLEMENTATION, raising=False)
     cuda, cpu_text = lowered("cuda"), lowered("cpu")
     assert "moe_topk_softmax" in cuda and "moe_expert_ranks" in cuda
     assert "moe_topk_softmax" not in cpu_text and "moe_expert_ranks" not in cpu_text
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        ids, _ = topk(jax.device_put(logits, cpu))
+        ids, _ = jax.jit(lambda x: routing.topk_softmax(x, 2, kernels=pallas))(jax.device_put(logits, cpu))
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(routing.topk_softmax_xla(logits, 2)[0]))
-    monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "xla")
-    cuda = lowered("cuda")
+    cuda = lowered("cuda", pallas.replace(routing="xla"))
     assert "moe_topk_softmax" not in cuda and "moe_expert_ranks" not in cuda
-    monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "pallas")
-    assert "moe_topk_softmax" in lowered("cuda")
-    with jax.default_device(cpu):
-        forced, _ = topk(jax.device_put(logits, cpu))
-    np.testing.assert_array_equal(np.asarray(forced), np.asarray(ids))
-    monkeypatch.setenv(routing.ENV_IMPLEMENTATION, "cub")
-    with pytest.raises(ValueError, match="JAX_DWDP_ROUTING='cub'"):
-        routing.topk_softmax(logits, 2)
-    monkeypatch.delenv(routing.ENV_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="routing: implementation='cub'"):
+        routing.topk_softmax(logits, 2, implementation="cub")
     with pytest.raises(ValueError, match="implementation='cub'"):
         routing.expert_permutation(ids, 8, implementation="cub")
 

@@ -1,17 +1,13 @@
 """Kernels behind small functions: attention, grouped matmul, gated delta rule.
 
-Each function picks its implementation from the backend of its inputs, so model code stays the same on the
-CPU (portable XLA paths, the numerical reference) and on the GPU (cuDNN flash attention, Mosaic GPU grouped
-matmul). Later work swaps an implementation here without touching the model.
+Each function picks its implementation where the program is lowered, so model code stays the same on the CPU
+(portable XLA paths, the numerical reference) and on the GPU (cuDNN flash attention, the CUTLASS grouped matmul,
+Pallas kernels); which GPU form runs is the model's `KernelChoices` (`choices.py`), passed to each function.
 """
 
 from jax_dwdp.kernels.attention import cached_attention, causal_attention, decode_attention
-from jax_dwdp.kernels.gated_delta_rule import (
-    chunk_gated_delta_rule,
-    conv_chunk_gated_delta_rule,
-    conv_fused,
-    recurrent_gated_delta_step,
-)
+from jax_dwdp.kernels.choices import KernelChoices
+from jax_dwdp.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
 from jax_dwdp.kernels.grouped_matmul import ROW_MULTIPLE as GROUPED_MATMUL_ROW_MULTIPLE
 from jax_dwdp.kernels.grouped_matmul import (
     deinterleave_gate_up,
@@ -24,12 +20,11 @@ from jax_dwdp.kernels.grouped_matmul import (
 from jax_dwdp.kernels.permute import combine_rows, dispatch_rows, gather_rows
 
 __all__ = [
+    "KernelChoices",
     "causal_attention",
     "cached_attention",
     "decode_attention",
     "chunk_gated_delta_rule",
-    "conv_chunk_gated_delta_rule",
-    "conv_fused",
     "recurrent_gated_delta_step",
     "grouped_matmul",
     "grouped_matmul_swiglu",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 from jax import lax
 
@@ -37,36 +35,24 @@ def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def env_flag(env: str, *, on: str, off: str) -> bool | None:
-    """$env as a switch: "1" True, "0" False, unset or empty None (the caller's default); any other value refused,
-    naming the variable and what 1 (`on`) and 0 (`off`) mean."""
-    value = os.environ.get(env, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"${env}={value!r}: use 1 ({on}) or 0 ({off})")
-    return None if value == "" else value == "1"
+def check(value: str, allowed: tuple[str, ...], what: str) -> str:
+    """`value` if it is one of `allowed`, else a ValueError naming `what` (e.g. "routing: implementation")."""
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is none of {allowed}")
+    return value
 
 
-def choose(implementation: str | None, env: str, *, what: str, choices: tuple[str, ...] = IMPLEMENTATIONS,
-           arg: str = "implementation") -> str | None:
-    """The choice asked for (the argument `arg`, else $env), validated against `choices` (by default a kernel's
-    implementations); None when neither asks."""
-    impl = implementation or os.environ.get(env) or None
-    if impl is not None and impl not in choices:
-        where = arg if implementation else env
-        raise ValueError(f"{what}: {where}={impl!r} is none of {choices}")
-    return impl
-
-
-def by_platform(xla_fn, pallas_fn, *args, implementation: str | None, env: str, default: str, what: str):
+def by_platform(xla_fn, pallas_fn, *args, implementation: str | None, choice: str, what: str):
     """Runs xla_fn(*args) or pallas_fn(*args).
 
-    implementation="pallas" (tests, benchmarks): the kernel itself, whatever the platform. "xla" (argument or $env):
-    XLA. "pallas" from $env, or `default`="pallas" when nothing asks: the kernel where the computation is lowered
-    for a CUDA GPU and XLA elsewhere (decided at lowering, so a CPU computation on a GPU host takes the XLA path).
+    `implementation` (tests, benchmarks) forces a form: "pallas" the kernel whatever the platform, "xla" XLA.
+    Otherwise `choice` (the kernel's `KernelChoices` field): "pallas" the kernel where the computation is lowered
+    for a CUDA GPU and XLA elsewhere (decided at lowering, so a CPU computation on a GPU host takes the XLA path),
+    "xla" XLA.
     """
-    impl = choose(implementation, env, what=what) or default
-    if implementation == "pallas":
-        return pallas_fn(*args)
-    if impl == "xla":
+    if implementation is not None:
+        check(implementation, IMPLEMENTATIONS, f"{what}: implementation")
+        return pallas_fn(*args) if implementation == "pallas" else xla_fn(*args)
+    if check(choice, IMPLEMENTATIONS, f"{what}: KernelChoices") == "xla":
         return xla_fn(*args)
     return lax.platform_dependent(*args, cuda=pallas_fn, default=xla_fn)

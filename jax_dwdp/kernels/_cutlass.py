@@ -6,35 +6,37 @@ The shared library `jax_dwdp/_lib/libjax_dwdp_gmm.so` (or the path in $JAX_DWDP_
 only, never when jax_dwdp is imported, and its handlers are registered once for the CUDA platform
 (jax_dwdp.native).
 
-Switches (read at trace time):
-- $JAX_DWDP_GMM_CONFIG: a kernel configuration by name or by index into `config_names()`; default: chosen from the
-  average rows per group (`pick_config`: the cooperative 128x256 tile without a cluster from 64 rows per group).
-  The fused SwiGLU kernel is built for two of those tiles (`swiglu_config_names()`); for it, a forced name it lacks
-  keeps the automatic choice, with a warning. (The `config=` argument indexes the function's own list.)
-- $JAX_DWDP_GATHER_CONFIG, $JAX_DWDP_GATHER_SWIGLU_CONFIG: the gather kernels' configuration by name or index into
-  `gather_config_names()` / `gather_swiglu_config_names()` (the `config=` argument wins); default: the first of each.
-- $JAX_DWDP_GMM_CMD_BUFFER=1: register the handler with the command-buffer (CUDA graph) trait, so that XLA records
-  it into its command buffers with the kernels around it. It runs (since the handler takes its device from XLA's FFI
-  context: cudaStreamGetDevice is refused during stream capture) but measured no faster over the 40-layer 35b-a3b
-  prefill on an H200 (66.0 vs 66.8 ms at 4K, 232.3 vs 232.3 at 16K, 528.5 vs 527.4 at 32K) with more host time per
-  call (2026-12-02; benchmarks/RESULTS.md, "Variants measured slower"), so it stays off by default.
+Choices (`KernelChoices`, passed down by the grouped matmul functions; each call here takes them as arguments):
+- `gmm_config` (`preferred=`): a kernel configuration by name or by index into `config_names()`; default: chosen from
+  the average rows per group (`pick_config`: the cooperative 128x256 tile without a cluster from 64 rows per group).
+  The fused SwiGLU kernel is built for two of those tiles (`swiglu_config_names()`); for it, a preferred name it
+  lacks keeps the automatic choice, with a warning. (The `config=` argument indexes the function's own list.)
+- `gather_config`, `gather_swiglu_config` (`config=`): the gather kernels' configuration by name or index into
+  `gather_config_names()` / `gather_swiglu_config_names()`; default: the first of each.
+- `gmm_cmd_buffer` (`cmd_buffer=`): the grouped GEMM's handler with the command-buffer (CUDA graph) trait, so that
+  XLA records it into its command buffers with the kernels around it (both handlers are registered, under two
+  target names). It runs (the handler takes its device from XLA's FFI context: cudaStreamGetDevice is refused
+  during stream capture) and measured at parity over the 40-layer 35b-a3b prefill on an H200 (66.0 vs 66.8 ms at
+  4K, 232.3 vs 232.3 at 16K, 528.5 vs 527.4 at 32K) with more host time per call (2026-12-02; benchmarks/RESULTS.md,
+  "Variants measured slower"), so it is off by default and kept as an option.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dwdp.kernels.choices import env_var
 from jax_dwdp.native import NativeLibrary
 
 TARGET = "jax_dwdp_grouped_gemm"
 SWIGLU_TARGET = "jax_dwdp_grouped_gemm_swiglu"
+CMD_BUFFER_SUFFIX = "_cmd_buffer"  # the same kernels' handlers with XLA's command-buffer trait (`cmd_buffer=True`)
 GATHER_TARGET = "jax_dwdp_gather_grouped_gemm"
 GATHER_SWIGLU_TARGET = "jax_dwdp_gather_grouped_gemm_swiglu"
 _warned: set[str] = set()
@@ -100,17 +102,18 @@ def gather_swiglu_config_names() -> list[str]:
             for i in range(lib.JaxDwdpGatherGroupedGemmSwigluNumConfigs())]
 
 
-def _gather_choice(names: list[str], config: int | str | None, env: str, default: int, what: str) -> int:
-    """Index into `names` of `config` (a name or an index), else of $env, else `default`."""
-    choice = config if config is not None else (os.environ.get(env) or default)
+def _gather_choice(names: list[str], config: int | str | None, what: str, field: str) -> int:
+    """Index into `names` of `config` (a name or an index, from `config=` or `KernelChoices.<field>`), else 0."""
+    choice = 0 if config is None else config
+    where = f"(config=, or KernelChoices.{field} / ${env_var(field)})"
     if isinstance(choice, str) and choice.isdigit():
         choice = int(choice)
     if isinstance(choice, str):
         if choice not in names:
-            raise ValueError(f"{what} config {choice!r} is none of {names}")
+            raise ValueError(f"{what} config {choice!r} {where} is none of {names}")
         choice = names.index(choice)
     if not 0 <= int(choice) < len(names):
-        raise ValueError(f"{what} config index {choice} is out of range for {names}")
+        raise ValueError(f"{what} config index {choice} {where} is out of range for {names}")
     return int(choice)
 
 
@@ -119,9 +122,9 @@ def _register() -> None:
         raise CutlassUnavailable(
             f"the CUTLASS grouped matmul needs a CUDA GPU (JAX's default backend is {jax.default_backend()!r})"
         )
-    graphs = os.environ.get("JAX_DWDP_GMM_CMD_BUFFER", "0") == "1"  # opt-in: no faster (see the module's docstring)
-    suffix = "" if graphs else "NoGraph"
-    LIBRARY.register({TARGET: "JaxDwdpGroupedGemm" + suffix, SWIGLU_TARGET: "JaxDwdpGroupedGemmSwiglu" + suffix,
+    LIBRARY.register({TARGET: "JaxDwdpGroupedGemmNoGraph", SWIGLU_TARGET: "JaxDwdpGroupedGemmSwigluNoGraph",
+                      TARGET + CMD_BUFFER_SUFFIX: "JaxDwdpGroupedGemm",
+                      SWIGLU_TARGET + CMD_BUFFER_SUFFIX: "JaxDwdpGroupedGemmSwiglu",
                       GATHER_TARGET: "JaxDwdpGatherGroupedGemm", GATHER_SWIGLU_TARGET: "JaxDwdpGatherGroupedGemmSwiglu"})
 
 
@@ -135,22 +138,22 @@ def workspace_bytes(groups: int, sm_count: int) -> int:
     return int(_lib().JaxDwdpGroupedGemmWorkspaceBytes(groups, sm_count))
 
 
-def pick_config(m: int, n: int, groups: int, names: list[str] | None = None) -> int:
-    """Index into `names` (default `config_names()`) of the kernel configuration: $JAX_DWDP_GMM_CONFIG, else by
-    average rows per group (like PyTorch)."""
+def pick_config(m: int, n: int, groups: int, names: list[str] | None = None, preferred: str | None = None) -> int:
+    """Index into `names` (default `config_names()`) of the kernel configuration: `preferred`
+    (`KernelChoices.gmm_config`: a name, or an index into `config_names()`), else by average rows per group (like
+    PyTorch)."""
     full = config_names()
     names = full if names is None else names
-    env = os.environ.get("JAX_DWDP_GMM_CONFIG")
-    if env:  # a name, or an index into config_names()
-        name = full[int(env)] if env.isdigit() and int(env) < len(full) else env
+    if preferred:
+        name = full[int(preferred)] if preferred.isdigit() and int(preferred) < len(full) else preferred
         if name in names:
             return names.index(name)
         if name not in full:
-            raise ValueError(f"JAX_DWDP_GMM_CONFIG={env!r} is none of {full}")
+            raise ValueError(f"KernelChoices.gmm_config / $JAX_DWDP_GMM_CONFIG={preferred!r} is none of {full}")
         if name not in _warned:  # a configuration without a fused SwiGLU build: keep the automatic choice
             _warned.add(name)
-            warnings.warn(f"JAX_DWDP_GMM_CONFIG={env!r}: {name} has no fused SwiGLU build ({names}); the fused "
-                          "gate_up projection keeps its automatic choice", stacklevel=2)
+            warnings.warn(f"KernelChoices.gmm_config={preferred!r}: {name} has no fused SwiGLU build ({names}); the "
+                          "fused gate_up projection keeps its automatic choice", stacklevel=2)
     rows_per_group = m / max(groups, 1)
     # Measured on an H200 (2026-11-30, benchmarks/RESULTS.md, "MoE grouped GEMM") at 80-512 rows per group: the
     # cooperative 128x256 tile without a cluster was the fastest of the five configs on every uniform-routing case,
@@ -161,14 +164,17 @@ def pick_config(m: int, n: int, groups: int, names: list[str] | None = None) -> 
     return names.index("pingpong_64x128x128_c1x1" if small else "coop_128x256x64_c1x1")
 
 
-def _call(target: str, names: list[str], n_out: int, x, w, group_sizes, config) -> jax.Array:
+def _call(target: str, names: list[str], n_out: int, x, w, group_sizes, config, preferred: str | None = None,
+          cmd_buffer: bool = False) -> jax.Array:
     m, k = x.shape
     g, n, _ = w.shape
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         raise ValueError(f"cutlass grouped matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
     _register()
+    if cmd_buffer:
+        target += CMD_BUFFER_SUFFIX
     if config is None:
-        cfg = pick_config(m, n, g, names)
+        cfg = pick_config(m, n, g, names, preferred)
     elif isinstance(config, str):
         if config not in names:
             raise ValueError(f"cutlass config {config!r} is not built for this call; one of {names}")
@@ -186,29 +192,33 @@ def _call(target: str, names: list[str], n_out: int, x, w, group_sizes, config) 
     return out
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: int | str | None = None) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: int | str | None = None,
+                   preferred: str | None = None, cmd_buffer: bool = False) -> jax.Array:
     """x [M, K] bf16 rows sorted by group; w [G, N, K] bf16; group_sizes [G] int32 (device). Returns [M, N] bf16.
 
-    Rows past sum(group_sizes) are zeros. Needs K % 8 == 0 and N % 8 == 0 (16-byte TMA rows).
+    Rows past sum(group_sizes) are zeros. Needs K % 8 == 0 and N % 8 == 0 (16-byte TMA rows). `config`: a name or
+    index into `config_names()`, else `preferred` or the automatic choice (`pick_config`); `cmd_buffer`: the handler
+    with the command-buffer trait (see the module's docstring).
     """
     k, n = x.shape[1], w.shape[1]
     if k % 8 or n % 8:
         raise ValueError(f"cutlass grouped matmul needs K % 8 == 0 and N % 8 == 0, got K={k} N={n}")
-    return _call(TARGET, config_names(), n, x, w, group_sizes, config)
+    return _call(TARGET, config_names(), n, x, w, group_sizes, config, preferred, cmd_buffer)
 
 
 def grouped_matmul_swiglu(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: int | str | None = None
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: int | str | None = None,
+    preferred: str | None = None, cmd_buffer: bool = False,
 ) -> jax.Array:
     """The gate_up projection with SiLU(gate) * up in the epilogue: x [M, K] bf16 rows sorted by group; w [G, 2I, K]
     bf16 with gate and up rows interleaved in blocks of 8 (`grouped_matmul.interleave_gate_up`); returns [M, I] bf16
     = silu(x @ gate^T) * (x @ up^T), computed from the fp32 accumulators. Rows past sum(group_sizes) are zeros.
-    Needs K % 8 == 0 and I % 8 == 0.
+    Needs K % 8 == 0 and I % 8 == 0. `config`, `preferred`, `cmd_buffer`: as `grouped_matmul`'s.
     """
     k, n = x.shape[1], w.shape[1]
     if k % 8 or n % 16:
         raise ValueError(f"cutlass fused SwiGLU grouped matmul needs K % 8 == 0 and 2I % 16 == 0, got K={k} 2I={n}")
-    return _call(SWIGLU_TARGET, swiglu_config_names(), n // 2, x, w, group_sizes, config)
+    return _call(SWIGLU_TARGET, swiglu_config_names(), n // 2, x, w, group_sizes, config, preferred, cmd_buffer)
 
 
 def _gather_call(target: str, what: str, n_multiple: int, n_out_div: int, x, row_token, w, group_sizes,
@@ -234,9 +244,9 @@ def grouped_matmul_gather(x: jax.Array, row_token: jax.Array, w: jax.Array, grou
     inside the GEMM's loads: x [T, K] bf16 (tokens in their own order), row_token [M] int32, w [G, N, K] bf16,
     group_sizes [G] int32 (device). Returns [M, N] bf16. Rows past sum(group_sizes), and rows whose token index is
     outside [0, T), are zeros. Needs K % 8 == 0 and N % 8 == 0. `config`: a name or index into
-    `gather_config_names()` (default: $JAX_DWDP_GATHER_CONFIG, else the first).
+    `gather_config_names()` (`KernelChoices.gather_config`; default: the first).
     """
-    choice = _gather_choice(gather_config_names(), config, "JAX_DWDP_GATHER_CONFIG", 0, "gather grouped matmul")
+    choice = _gather_choice(gather_config_names(), config, "gather grouped matmul", "gather_config")
     return _gather_call(GATHER_TARGET, "gather grouped matmul", 8, 1, x, row_token, w, group_sizes, choice)
 
 
@@ -246,10 +256,10 @@ def grouped_matmul_gather_swiglu(x: jax.Array, row_token: jax.Array, w: jax.Arra
     row_token [M] int32, w [G, 2I, K] bf16 in the checkpoint's layout (gate rows, then up rows), group_sizes [G].
     Returns [M, I] bf16 = silu(gate) * up in fp32 from gate and up rounded to bf16 (as `grouped_matmul_gather`,
     then the activation, computes it). Rows past sum(group_sizes) and rows of a token outside [0, T) are zeros.
-    Needs K % 8 == 0 and I % 8 == 0. `config`: a name or index into `gather_swiglu_config_names()` (default:
-    $JAX_DWDP_GATHER_SWIGLU_CONFIG, else the first).
+    Needs K % 8 == 0 and I % 8 == 0. `config`: a name or index into `gather_swiglu_config_names()`
+    (`KernelChoices.gather_swiglu_config`; default: the first).
     """
-    choice = _gather_choice(gather_swiglu_config_names(), config, "JAX_DWDP_GATHER_SWIGLU_CONFIG", 0,
-                            "gather SwiGLU grouped matmul")
+    choice = _gather_choice(gather_swiglu_config_names(), config, "gather SwiGLU grouped matmul",
+                            "gather_swiglu_config")
     return _gather_call(GATHER_SWIGLU_TARGET, "gather SwiGLU grouped matmul", 16, 2, x, row_token, w, group_sizes,
                         choice)

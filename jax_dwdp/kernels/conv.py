@@ -11,9 +11,8 @@ Measured on an H200 (2026-12-01; benchmarks/RESULTS.md, "Gated DeltaNet kernels"
 benchmarks/history/RESULTS-2026-11-to-12.md): alone the kernel is 1.15-1.18x faster than XLA's conv at 16K-32K
 tokens and slower at 4K. Writing one array, the whole mixer was 2-4% slower with it (the q/k/v slices became
 copies); writing the three, the linear-attention layer is 1.6% / 0.5% faster at 16K / 32K, and 1.9% slower at 4K.
-So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on (8,192: between
-the measured sizes, not measured itself); $JAX_DWDP_CONV=xla|pallas chooses for every size. Tile: 32 rows x up to
-128 channels (MAX_BLOCK_C), 4 warps: the fastest of six shapes inside the mixer (2026-12-01), and of seven
+So the kernel is the default on CUDA from PALLAS_MIN_TOKENS tokens on (8,192: between the measured sizes, not
+measured itself); `KernelChoices.conv` = xla|pallas chooses for every size. Tile: 32 rows x up to 128 channels (MAX_BLOCK_C), 4 warps: the fastest of six shapes inside the mixer (2026-12-01), and of seven
 (rows, warps, channel block) tiles alone and inside the mixer at 16K and 32K (H200, 2026-12-03: 256- and 512-wide
 channel blocks 5-98% slower alone).
 """
@@ -26,28 +25,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_dwdp.kernels._backend import IMPLEMENTATIONS, choose  # noqa: F401 (IMPLEMENTATIONS: re-exported)
+from jax_dwdp.kernels._backend import IMPLEMENTATIONS, check
+from jax_dwdp.kernels.choices import SILU_FORMS, KernelChoices, resolve
 
-
-ENV_IMPLEMENTATION = "JAX_DWDP_CONV"
 PALLAS_MIN_TOKENS = 8192  # the default: the kernel from this many tokens (B x T) on, XLA below
 _F32 = jnp.float32
 BLOCK_T = 32  # rows of a program's tile
 NUM_WARPS = 4
 MAX_BLOCK_C = 128  # the widest channel block a program takes (a power of two; the kernel uses the widest dividing C)
 ROWS_PER_PROGRAM = 1  # row tiles of BLOCK_T a program computes one after another (2-8 measured slower)
-# SiLU inside the kernel: "ex2" (x * rcp.approx(1 + ex2.approx(-x log2 e)): an error of about 2 + 1.2|x| fp32 ulps,
-# far below a bf16 step, so the bf16 output rounds as the exact form's but for one step at most), "exact" (x / (1 +
-# exp(-x)) with libdevice's exp) or "tanh" (x/2 (1 + tanh.approx(x/2)): an absolute error of about 2^-12 |x|, which
-# for negative x is the whole of the small value (cancellation); measured up to two bf16 steps off on unit-scale
-# inputs): the argument, else $JAX_DWDP_CONV_SILU, else SILU, read when the kernel is traced
-# (`silu_form`). Measured (benchmarks/RESULTS.md, "Gated DeltaNet kernels": one H100, 2026-12-05, two runs, the
-# three q / k / v calls of 35b-a3b at 16K / 32K tokens): exact 0.284 / 0.526 and 0.271 / 0.520 ms, ex2 0.260 /
-# 0.486 and 0.256 / 0.468, tanh 0.250 / 0.475 and 0.250 / 0.462, an XLA element-wise pass over the same bytes 0.211
-# / 0.395 and 0.194 / 0.394.
-SILU = "ex2"
-ENV_SILU = "JAX_DWDP_CONV_SILU"
-SILU_FORMS = ("ex2", "exact", "tanh")
+# SiLU inside the kernel (`KernelChoices.conv_silu`, or `silu=`): "ex2" (x * rcp.approx(1 + ex2.approx(-x log2 e)): an
+# error of about 2 + 1.2|x| fp32 ulps, far below a bf16 step, so the bf16 output rounds as the exact form's but for
+# one step at most), the default: the kernel 0.256 / 0.468 ms at 16K / 32K tokens against 0.271 / 0.520 with
+# x / (1 + exp(-x)) from libdevice's exp (benchmarks/RESULTS.md, "Gated DeltaNet kernels": one H100, 2026-12-05,
+# the three q / k / v calls of 35b-a3b). "tanh" (x/2 (1 + tanh.approx(x/2)): an absolute error of about 2^-12 |x|,
+# which for negative x is the whole of the small value (cancellation); measured up to two bf16 steps off on
+# unit-scale inputs) is kept as an option: as fast (0.250 / 0.462 ms, the mixer 2.834 vs 2.791 ms at 16K, within
+# the mixer's run-to-run spread) but less accurate, so not the default.
 _LOG2E = 1.4426950408889634
 
 
@@ -83,19 +77,11 @@ def _range_supported(c0: int, c1: int, c: int, kernel: int) -> bool:
     return 0 <= c0 < c1 <= c and supported(c1 - c0, kernel) and c0 % _block_c(c1 - c0) == 0
 
 
-def silu_form(silu: str | None = None) -> str:
-    """The SiLU form the kernel computes: `silu`, else $JAX_DWDP_CONV_SILU, else SILU (the module's, read now); a
-    value that is none of SILU_FORMS is refused, naming where it came from."""
-    return choose(silu, ENV_SILU, what="causal conv SiLU", choices=SILU_FORMS, arg="silu") or SILU
-
-
 def _silu(x, form: str, interpret: bool):
-    """silu(x) of an fp32 tile inside a Pallas Triton kernel in one of SILU_FORMS (see SILU for each form's error).
+    """silu(x) of an fp32 tile inside a Pallas Triton kernel in one of SILU_FORMS (see above for each form's error).
     In interpret mode (no PTX) each form is its exact formula."""
     from jax.experimental.pallas import triton as plgpu
 
-    if form == "exact":
-        return x * jax.nn.sigmoid(x)
     if form == "tanh":
         half = 0.5 * x
         return half + half * (jnp.tanh(half) if interpret else plgpu.approx_tanh(half))
@@ -108,16 +94,15 @@ def _silu(x, form: str, interpret: bool):
                                                 result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, v.dtype)])[0]
 
         return x * asm("rcp.approx.ftz.f32", 1.0 + asm("ex2.approx.ftz.f32", x * -_LOG2E))
-    raise ValueError(f"conv SiLU form {form!r} is none of {SILU_FORMS}")  # (callers pass silu_form()'s)
+    raise ValueError(f"conv SiLU form {form!r} is none of {SILU_FORMS}")  # (callers check the form)
 
 
-def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offset: int, silu: str = "exact",
+def conv_silu_rows(x_ref, w_ref, start, rows: int, *, t: int, kernel: int, offset: int, silu: str,
                    interpret: bool = False):
     """Inside a Pallas Triton kernel: silu(causal conv) of rows [start, start + rows) of x_ref [T(+padding), BC]
     with taps w_ref [K, BC], in fp32, and those rows' indices ([rows, BC], to mask what is stored). Rows before 0
     and past T are masked loads: no memory is read there. `offset` > 0 only in interpret mode, where x is
-    left-padded (the interpreter clamps out-of-range slices instead of masking them). Shared by this kernel and the
-    GDN prep kernel that computes the conv itself (`gdn_pallas.prepare_conv`)."""
+    left-padded (the interpreter clamps out-of-range slices instead of masking them)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -156,7 +141,7 @@ def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array 
     (no slice of x is copied). `out` (tests): a buffer of the output's shape the kernel writes into (a poisoned one
     shows unwritten rows). `block_t`, `num_warps`, `rows_per_program`, `silu`: the tile's rows, the warps per
     program, the row tiles one program computes in turn and the SiLU's form (default: the module's BLOCK_T,
-    NUM_WARPS, ROWS_PER_PROGRAM, and `silu_form()`)."""
+    NUM_WARPS, ROWS_PER_PROGRAM, and the process's `KernelChoices.conv_silu`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -165,7 +150,7 @@ def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array 
     block_t = BLOCK_T if block_t is None else block_t
     num_warps = NUM_WARPS if num_warps is None else num_warps
     reps = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
-    silu = silu_form(silu)
+    silu = check(silu or resolve(None).conv_silu, SILU_FORMS, "causal_conv_silu_pallas: silu")
     if min(block_t, num_warps, reps) < 1:
         raise ValueError(f"causal_conv_silu_pallas: block_t {block_t}, num_warps {num_warps}, rows_per_program "
                          f"{reps}: each must be >= 1")
@@ -201,13 +186,16 @@ def causal_conv_silu_pallas(x: jax.Array, weight: jax.Array, history: jax.Array 
 
 
 def causal_conv_silu(x: jax.Array, weight: jax.Array, history: jax.Array | None = None, *,
-                     implementation: str | None = None, splits: tuple[int, ...] = ()):
+                     implementation: str | None = None, splits: tuple[int, ...] = (),
+                     kernels: KernelChoices | None = None):
     """silu(causal depthwise conv) of x [B, T, C] with weight [C, 1, K], zeros or `history` [B, K-1, C] before
     t = 0; fp32 math, x's dtype out. `splits` (channel indices, as jnp.split's): returns the pieces of the output
     instead, which the kernel writes as separate arrays (no copy of a slice; Gated DeltaNet's q, k, v).
     The kernel where the computation is lowered for a CUDA GPU (16-bit inputs, supported shapes) from
-    PALLAS_MIN_TOKENS tokens (B x T) on, XLA below and elsewhere; "xla" / "pallas" (argument or $JAX_DWDP_CONV)
-    choose for every size."""
+    PALLAS_MIN_TOKENS tokens (B x T) on, XLA below and elsewhere; "xla" / "pallas" (`implementation`, else
+    `kernels.conv`; default the process's `KernelChoices`) choose for every size, the kernel still only where
+    lowered for CUDA. Its SiLU: `kernels.conv_silu`."""
+    kernels = resolve(kernels)
     c, kernel = x.shape[-1], weight.shape[-1]
     bounds = list(zip((0, *splits), (*splits, c)))
 
@@ -216,10 +204,13 @@ def causal_conv_silu(x: jax.Array, weight: jax.Array, history: jax.Array | None 
         return tuple(jnp.split(out, list(splits), axis=-1)) if splits else out
 
     def pallas(x, weight, history):
-        pieces = tuple(causal_conv_silu_pallas(x, weight, history, channels=r) for r in bounds)
+        pieces = tuple(causal_conv_silu_pallas(x, weight, history, channels=r, silu=kernels.conv_silu)
+                       for r in bounds)
         return pieces if splits else pieces[0]
 
-    impl = choose(implementation, ENV_IMPLEMENTATION, what="causal_conv_silu")
+    if implementation is not None:
+        check(implementation, IMPLEMENTATIONS, "causal_conv_silu: implementation")
+    impl = implementation or kernels.conv
     if impl is None:  # the kernel from PALLAS_MIN_TOKENS tokens on (measured faster there, see the module doc)
         impl = "pallas" if x.shape[0] * x.shape[1] >= PALLAS_MIN_TOKENS else "xla"
     fits = all(_range_supported(a, b, c, kernel) for a, b in bounds)

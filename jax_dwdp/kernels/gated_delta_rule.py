@@ -5,7 +5,8 @@ Per value head, with state S [dk, dv] (zero, or the state a previous prefill lef
 q and k are l2-normalised over the head dim and q is scaled by dk^-0.5 here (as the reference does). Key heads
 are shared by groups of value heads (value head h reads key head h // (HV / HK)).
 
-Two implementations of the prefill form, chosen by `default_implementation` (or $JAX_DWDP_GDN=xla|pallas):
+Two implementations of the prefill form, chosen by `KernelChoices.gdn` (`default_implementation`) or
+`implementation=`:
 - "xla" (`chunk_gated_delta_rule_xla`, below): the fp32 reference and the CPU path. T is split into chunks of
   C = 64 (padded with zeros to a multiple of C; padded steps have g = beta = 0, so they leave the state unchanged).
   Inside a chunk the C delta updates collapse into a unit lower-triangular solve (the UT/WY transform); only the
@@ -17,33 +18,25 @@ Two implementations of the prefill form, chosen by `default_implementation` (or 
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
-from jax_dwdp.kernels._backend import by_platform, on_gpu
+from jax_dwdp.kernels._backend import IMPLEMENTATIONS, by_platform, check
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 
 _HI = jax.lax.Precision.HIGHEST  # fp32 state math: never let the GPU drop these matmuls to TF32.
-ENV_IMPLEMENTATION = "JAX_DWDP_GDN"
-IMPLEMENTATIONS = ("xla", "pallas")
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def default_implementation(dtype, dk: int, dv: int) -> str:
-    """"xla" on the CPU and for fp32 inputs (the reference precision); on the GPU "pallas" for bf16/fp16 inputs with
-    power-of-two head dims >= 16. $JAX_DWDP_GDN chooses either (an unsupported shape still raises); "pallas", from
-    the default or $JAX_DWDP_GDN, means the kernel where the program is lowered for a CUDA GPU and XLA elsewhere
-    (`chunk_gated_delta_rule(..., implementation="pallas")` runs the kernel wherever it is lowered)."""
-    env = os.environ.get(ENV_IMPLEMENTATION)
-    if env:
-        if env not in IMPLEMENTATIONS:
-            raise ValueError(f"{ENV_IMPLEMENTATION}={env!r} is none of {IMPLEMENTATIONS}")
-        return env
-    if not on_gpu() or dtype not in (jnp.bfloat16, jnp.float16):
+def default_implementation(dtype, dk: int, dv: int, kernels: KernelChoices | None = None) -> str:
+    """The form without `implementation=`: `kernels.gdn` (default the process's `KernelChoices`: "pallas" on a GPU
+    host, "xla" elsewhere) for bf16/fp16 inputs with power-of-two head dims >= 16, else "xla" (fp32 inputs are the
+    reference precision). "pallas" here means the kernel where the program is lowered for a CUDA GPU and XLA
+    elsewhere (`chunk_gated_delta_rule(..., implementation="pallas")` runs the kernel wherever it is lowered)."""
+    if resolve(kernels).gdn == "xla" or dtype not in (jnp.bfloat16, jnp.float16):
         return "xla"
     from jax_dwdp.kernels import gdn_pallas
 
@@ -60,10 +53,11 @@ def chunk_gated_delta_rule(
     lengths: jax.Array | None = None,
     initial_state: jax.Array | None = None,
     implementation: str | None = None,
+    kernels: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """q, k: [B, T, HK, dk]; v: [B, T, HV, dv] with HV a multiple of HK; g (log decay, <= 0), beta: [B, T, HV];
     lengths [B] (right-padded batch; default T): steps at or past a sequence's length leave its state unchanged;
-    initial_state [B, HV, dk, dv] (default zero).
+    initial_state [B, HV, dk, dv] (default zero). The form: `implementation`, else `default_implementation`.
 
     Returns (o [B, T, HV, dv] in v's dtype, final state [B, HV, dk, dv] fp32). o past a sequence's length is
     unspecified (finite).
@@ -79,9 +73,8 @@ def chunk_gated_delta_rule(
         raise ValueError(f"chunk_gated_delta_rule: initial_state {initial_state.shape}, expected {(b, hv, dk, dv)}")
     if lengths is None:
         lengths = jnp.full((b,), t, jnp.int32)
-    impl = implementation or default_implementation(v.dtype, dk, dv)
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown gated delta rule implementation {impl!r}; one of {IMPLEMENTATIONS}")
+    impl = implementation or default_implementation(v.dtype, dk, dv, kernels)
+    check(impl, IMPLEMENTATIONS, "chunk_gated_delta_rule: implementation")
 
     def xla(q, k, v, g, beta, lengths, initial_state):
         valid = jnp.arange(t)[None, :, None] < lengths[:, None, None]
@@ -98,60 +91,10 @@ def chunk_gated_delta_rule(
 
     if not gdn_pallas.supported(dk, dv):
         raise ValueError(f"chunk_gated_delta_rule: the pallas kernel needs power-of-two dk, dv >= 16, got {dk}, {dv}")
-    # asked for by name (tests, benchmarks): the kernel wherever it is lowered; from the default or $JAX_DWDP_GDN: the
-    # kernel where lowered for a CUDA GPU, XLA elsewhere (a bf16 model placed on the CPU of a GPU host)
+    # asked for by name (tests, benchmarks): the kernel wherever it is lowered; from the choices: the kernel where
+    # lowered for a CUDA GPU, XLA elsewhere (a bf16 model placed on the CPU of a GPU host)
     return by_platform(xla, gdn_pallas.chunk_gated_delta_rule_pallas, *args, implementation=implementation,
-                       env=ENV_IMPLEMENTATION, default=impl, what="chunk_gated_delta_rule")
-
-
-ENV_CONV = "JAX_DWDP_GDN_CONV"
-CONV_MODES = ("fused", "separate")
-
-
-def conv_fused(dtype, conv_dim: int, kernel: int, heads: tuple[int, int], head_dims: tuple[int, int]) -> bool:
-    """Whether Gated DeltaNet's causal conv + SiLU runs inside the gated delta rule's Pallas prep kernel
-    (`conv_chunk_gated_delta_rule`) instead of as its own kernel (`conv.causal_conv_silu`, the default):
-    on request ($JAX_DWDP_GDN_CONV=fused), where the Pallas implementation is chosen and the shapes fit. Measured
-    slower on an H200 (2026-12-01; benchmarks/RESULTS.md, "Variants measured slower": conv + core 1.87 vs 1.23 ms at 16K tokens, the
-    prep kernel's registers). Prefill from a cache (the conv reads cached inputs before t = 0) always takes the
-    separate conv. Unlike the default path this choice is made when tracing, not at lowering: with the opt-in on,
-    a half-type model placed on the CPU of a GPU host would lower the fused kernel for the CPU and fail."""
-    env = os.environ.get(ENV_CONV) or "separate"
-    if env not in CONV_MODES:
-        raise ValueError(f"{ENV_CONV}={env!r} is none of {CONV_MODES}")
-    if env == "separate" or default_implementation(dtype, *head_dims) != "pallas":
-        return False
-    from jax_dwdp.kernels import gdn_pallas
-
-    return dtype in (jnp.bfloat16, jnp.float16) and gdn_pallas.conv_supported(conv_dim, kernel, *heads, *head_dims)
-
-
-def conv_chunk_gated_delta_rule(
-    mixed: jax.Array,
-    conv_weight: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    heads: tuple[int, int],
-    head_dims: tuple[int, int],
-    lengths: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """The causal conv + SiLU of Gated DeltaNet's input projection mixed [B, T, C] (q's, k's, v's channels; conv
-    weight [C, 1, K]; zeros before t = 0) and the chunked gated delta rule on its q, k, v, in the Pallas kernels
-    with the conv inside the prep kernel (opt-in, see `conv_fused`). Returns what `chunk_gated_delta_rule`
-    returns."""
-    from jax_dwdp.kernels import gdn_pallas
-
-    b, t, c = mixed.shape
-    hv = heads[1]
-    if conv_weight.shape != (c, 1, conv_weight.shape[-1]) or g.shape != (b, t, hv) or beta.shape != g.shape:
-        raise ValueError(f"conv_chunk_gated_delta_rule: mixed {mixed.shape}, conv_weight {conv_weight.shape}, g "
-                         f"{g.shape}, beta {beta.shape} do not fit mixed [B, T, C], conv_weight [C, 1, K], g, beta "
-                         f"[B, T, {hv}]")
-    if lengths is None:
-        lengths = jnp.full((b,), t, jnp.int32)
-    return gdn_pallas.chunk_gated_delta_rule_conv_pallas(mixed, conv_weight, g, beta, lengths, heads=tuple(heads),
-                                                         head_dims=tuple(head_dims))
+                       choice=impl, what="chunk_gated_delta_rule")
 
 
 @jax.jit  # one program per shape when the chunk runs eagerly (tests, notebooks): 7.6 s vs 16.0 s op by op, CPU

@@ -32,11 +32,6 @@ prefill from an earlier one's cache.
 
 Tensor-core dot products take bf16 operands with fp32 accumulation (the state is rounded to bf16 only where it
 enters a dot; it is accumulated in fp32), as flash-linear-attention does.
-
-`chunk_gated_delta_rule_conv_pallas` (opt-in) reads q, k, v through Gated DeltaNet's causal conv from the input
-projection inside the prep kernel (`_conv_prep_kernel`); bit-equal to the separate conv kernel with the exact SiLU
-(`silu="exact"`; the separate kernel's default is the ex2 form, within a bf16 step of it), measured slower (see
-`prepare_conv`).
 """
 
 from __future__ import annotations
@@ -49,8 +44,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from jax_dwdp.kernels.conv import conv_silu_rows
 
 CHUNK = 64
 SUB = 16  # sub-block of the triangular solve
@@ -165,40 +158,6 @@ def _scores(q, k, cum, scale: float):
     scores = plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :]
     scores = jnp.where(causal, scores * jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
     return scores, rq * jnp.exp(cum)
-
-
-def _conv_tile(x_ref, w_ref, n, *, t: int, kernel: int, offset: int):
-    """silu(causal depthwise conv) of chunk n's rows of x_ref [T, d] (channels of the input projection) with w_ref
-    [K, d]: the arithmetic of `conv.causal_conv_silu_pallas` with silu="exact" (the same code), rounded to x's dtype,
-    zeros before t = 0 and at and past t. `offset`: the left padding of x in interpret mode (see conv.py)."""
-    out, row = conv_silu_rows(x_ref, w_ref, n * CHUNK, CHUNK, t=t, kernel=kernel, offset=offset)
-    return jnp.where(row < t, out, 0.0).astype(x_ref.dtype)
-
-
-def _conv_prep_kernel(len_ref, xk_ref, xv_ref, g_ref, beta_ref, xq_ref, wk_ref, wv_ref, wq_ref, w_ref, u_ref, kg_ref,
-                      cum_ref, a_ref, qs_ref, qc_ref, *, merge_precision: str, scale: float, t: int, rep: int,
-                      kernel: int, offset: int):
-    """The prep kernel (wide inverse, fused output) reading q, k, v through their causal conv: xq, xk, xv are the
-    head's channels of the input projection (whole sequence), the conv is computed on the chunk's rows here (K-1
-    rows of overlap with the previous chunk, L1/L2 hits), so the conv's output never goes through memory. The conv'd
-    q, which the recurrence reads again, is written to qc by the first value head of each key head."""
-    b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
-    @pl.when(n * CHUNK < len_ref[b])
-    def _():
-        # In order of use, each stored as soon as it is final (fewer tiles live at once: registers).
-        tile = functools.partial(_conv_tile, n=n, t=t, kernel=kernel, offset=offset)
-        q, k = tile(xq_ref, wq_ref), tile(xk_ref, wk_ref)
-
-        @pl.when(h % rep == 0)
-        def _():
-            _store(qc_ref, q, n, t)
-
-        scores, q_scale = _scores(q, k, jnp.cumsum(g_ref[...]), scale)
-        a_ref[...] = scores.astype(a_ref.dtype)
-        qs_ref[...] = q_scale
-        _prep_wide(k, tile(xv_ref, wv_ref), g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref,
-                   _MERGE_PRECISION[merge_precision])
 
 
 def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, merge_precision: str,
@@ -389,7 +348,6 @@ class Tuning:
 
     block_v: int | None = None
     num_warps: tuple[int, int, int] = (4, 4, 4)
-    conv_prep_warps: int = 8  # the prep kernel with the conv inside (`prepare_conv`): 4 spill (3x slower)
     num_stages: tuple[int, int, int] = (2, 3, 2)
     inverse: str = "wide"
     merge_precision: str = "bf16"
@@ -587,84 +545,6 @@ def pad_inputs(q, k, v, g, beta, lengths):
     dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     return q, k, v, *_pad_gates(g, beta, lengths)
-
-
-def conv_supported(conv_dim: int, kernel: int, hk: int, hv: int, dk: int, dv: int) -> bool:
-    """`chunk_gated_delta_rule_conv_pallas` takes these shapes: the kernels' head dims, a power-of-two conv width
-    of at least 2 (Triton tiles of the taps), the input projection laid out [q | k | v] (HK*dk, HK*dk, HV*dv
-    channels) with v starting at a whole head."""
-    key_dim = hk * dk
-    return (supported(dk, dv) and kernel >= 2 and kernel & (kernel - 1) == 0 and hv % hk == 0
-            and conv_dim == 2 * key_dim + hv * dv and (2 * key_dim) % dv == 0)
-
-
-def prepare_conv(lengths, mixed, conv_weight, g, beta, *, heads: tuple[int, int], head_dims: tuple[int, int],
-                 tuning: Tuning = Tuning(), interpret: bool = False):
-    """Kernel 1 reading q, k, v through their causal conv from the input projection `mixed` [B, T, C] (C = q's,
-    k's and v's channels in that order; conv weight [C, 1, K]; zeros before t = 0). Returns what `prepare(...,
-    q)` returns, then the conv'd q [B, T, HK, dk] for `fused_recurrence` (rows of chunks past a length
-    unwritten).
-
-    Measured on an H200 (2026-12-01, 35b-a3b heads, 16K tokens): 1.35 ms with 8 warps (3.95 with 4: the
-    conv tiles beside the prep's 64x64 fp32 tiles spill registers) against 0.455 ms for the plain prep kernel plus
-    0.258 ms for the separate split conv kernel, so it is opt-in (`gated_delta_rule.conv_fused`). What it saves,
-    the conv output's round trip through memory (~0.2 ms at 16K), would need the conv tiles staged in shared
-    memory, which Pallas's Triton lowering does not expose."""
-    if tuning.inverse != "wide" or not tuning.fused_output:
-        raise ValueError("prepare_conv: the conv is fused into the wide prep with the fused output only "
-                         f"(got inverse={tuning.inverse!r}, fused_output={tuning.fused_output})")
-    b, t, c = mixed.shape
-    (hk, hv), (dk, dv) = heads, head_dims
-    kernel = conv_weight.shape[-1]
-    if not conv_supported(c, kernel, hk, hv, dk, dv):
-        raise ValueError(f"prepare_conv: {c} channels, conv width {kernel}, heads {hk}/{hv} of {dk}/{dv} do not fit "
-                         "the kernel (see conv_supported)")
-    rep, tp = hv // hk, g.shape[-1]
-    offset = kernel - 1 if interpret else 0  # the interpreter clamps slices: pad x instead of masking (conv.py)
-    x = jnp.pad(mixed, ((0, 0), (offset, CHUNK), (0, 0))) if interpret else mixed
-    w = jnp.swapaxes(conv_weight[:, 0, :], 0, 1).astype(mixed.dtype)  # [K, C]
-    rows, v_first = x.shape[1], 2 * hk * dk // dv
-
-    def channels(d, first):  # the head's channels, whole sequence, and their conv taps
-        return (pl.BlockSpec((None, rows, d), lambda i, h, n: (i, 0, first(h))),
-                pl.BlockSpec((kernel, d), lambda i, h, n: (0, first(h))))
-
-    (xq, wq), (xk, wk), (xv, wv) = (channels(dk, lambda h: h // rep), channels(dk, lambda h: hk + h // rep),
-                                    channels(dv, lambda h: v_first + h))
-    out_specs, out_shape = _prep_outputs(b, hv, tp, dk, dv, mixed.dtype, fused=True)
-    out_specs.append(_key_chunk(dk, rep))  # the conv'd q
-    out_shape.append(jax.ShapeDtypeStruct((b, t, hk, dk), mixed.dtype))
-    return pl.pallas_call(
-        functools.partial(_conv_prep_kernel, merge_precision=tuning.merge_precision, scale=dk**-0.5, t=t, rep=rep,
-                          kernel=kernel, offset=offset),
-        grid=(b, hv, tp // CHUNK),
-        in_specs=[_whole(lengths), xk, xv, _GATES, _GATES, xq, wk, wv, wq],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.conv_prep_warps, num_stages=tuning.num_stages[0]),
-        interpret=interpret,
-        name="gdn_conv_prep",
-    )(lengths, x, x, g, beta, x, w, w, w)
-
-
-@functools.partial(jax.jit, static_argnames=("heads", "head_dims", "tuning", "interpret"))
-def chunk_gated_delta_rule_conv_pallas(mixed: jax.Array, conv_weight: jax.Array, g: jax.Array, beta: jax.Array,
-                                       lengths: jax.Array, out: jax.Array | None = None, *,
-                                       heads: tuple[int, int], head_dims: tuple[int, int],
-                                       tuning: Tuning = Tuning(), interpret: bool = False):
-    """Gated DeltaNet's causal conv + SiLU and gated delta rule from the input projection: mixed [B, T, C] (16-bit;
-    q's, k's, v's channels), conv_weight [C, 1, K], g, beta [B, T, HV], lengths [B]. Equals
-    `chunk_gated_delta_rule_pallas` on the split, conv'd q, k, v (zeros before t = 0: no cached history), without
-    the conv's output going through memory (only q, which the recurrence reads again). `out`: an optional
-    [B, T, HV, dv] buffer o is written into (tests poison it). Returns (o [B, T, HV, dv] zero past each length,
-    final state [B, HV, dk, dv] fp32)."""
-    if mixed.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"chunk_gated_delta_rule_conv_pallas: mixed must be bf16 or fp16, got {mixed.dtype}")
-    g, beta, lengths = _pad_gates(g, beta, lengths)
-    w, u, kg, cum, scores, q_scale, q = prepare_conv(lengths, mixed, conv_weight, g, beta, heads=heads,
-                                                     head_dims=head_dims, tuning=tuning, interpret=interpret)
-    return fused_recurrence(lengths, q, q_scale, scores, w, u, kg, cum, None, out, rep=heads[1] // heads[0],
-                            tuning=tuning, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))

@@ -24,18 +24,20 @@ Implementations:
   bf16 only; rows past sum(group_sizes) are zeros. Its library (jax_dwdp/_lib/libjax_dwdp_gmm.so) is loaded on
   first use, never at import.
 
-GPU default: "cutlass" for bf16 when its library is built, else "mosaic"; $JAX_DWDP_GROUPED_MATMUL
-(cutlass|mosaic|xla) overrides the GPU choice for half types. The CPU and fp32 inputs always take "xla".
+The form for half types is `KernelChoices.grouped_matmul` (GPU default: "cutlass" when its library is built, else
+"mosaic"; elsewhere "xla"), where the computation is lowered for a CUDA GPU; the CPU and fp32 inputs always take
+"xla". `implementation=` forces one.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from jax_dwdp.kernels._backend import on_cuda, on_gpu
+from jax_dwdp.kernels._backend import check, on_cuda
+from jax_dwdp.kernels.choices import GROUPED_MATMUL_FORMS, KernelChoices, resolve
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())),
@@ -152,56 +154,51 @@ def _mosaic(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return out[:m] if pad else out
 
 
-def _cutlass(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def _cutlass(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernels: KernelChoices) -> jax.Array:
     from jax_dwdp.kernels import _cutlass as cutlass  # ctypes loading happens on first call, not at import
 
-    return cutlass.grouped_matmul(x, w, group_sizes)
+    return cutlass.grouped_matmul(x, w, group_sizes, preferred=kernels.gmm_config, cmd_buffer=kernels.gmm_cmd_buffer)
 
 
 IMPLEMENTATIONS = {"xla": _xla, "mosaic": _mosaic, "cutlass": _cutlass}
-ENV_IMPLEMENTATION = "JAX_DWDP_GROUPED_MATMUL"
 
 
-def default_implementation(dtype) -> str:
-    """The CPU takes "xla", and so do fp32 inputs (the reference precision; the GPU kernels are half-type kernels:
-    the Mosaic one runs out of shared memory on fp32 tiles). On the GPU, for half types: $JAX_DWDP_GROUPED_MATMUL
-    if set; else "cutlass" for bf16 when its library is built, "mosaic" otherwise."""
-    if not on_gpu() or dtype not in (jnp.bfloat16, jnp.float16):
+def default_implementation(dtype, kernels: KernelChoices | None = None) -> str:
+    """The form without `implementation=`: "xla" for fp32 inputs (the reference precision; the GPU kernels are
+    half-type kernels: the Mosaic one runs out of shared memory on fp32 tiles); for half types
+    `kernels.grouped_matmul` (default: the process's `KernelChoices`), but "mosaic" for fp16 where that is "cutlass"
+    (the CUTLASS kernel takes bf16 only). A GPU form runs where the computation is lowered for a CUDA GPU."""
+    if dtype not in (jnp.bfloat16, jnp.float16):
         return "xla"
-    env = os.environ.get(ENV_IMPLEMENTATION)
-    if env:
-        if env not in IMPLEMENTATIONS:
-            raise ValueError(f"{ENV_IMPLEMENTATION}={env!r} is none of {sorted(IMPLEMENTATIONS)}")
-        return env
-    if dtype == jnp.bfloat16:
-        from jax_dwdp.kernels import _cutlass as cutlass
-
-        if cutlass.available():
-            return "cutlass"
-    return "mosaic"
+    impl = resolve(kernels).grouped_matmul
+    return "mosaic" if impl == "cutlass" and dtype != jnp.bfloat16 else impl
 
 
 def grouped_matmul(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None,
+    kernels: KernelChoices | None = None,
 ) -> jax.Array:
     """x: [M, K] rows sorted by group; w: [G, N, K]; group_sizes: [G] int32 summing to <= M. Returns [M, N].
 
-    Rows past sum(group_sizes) are unspecified (zero for "xla" and "cutlass").
+    Rows past sum(group_sizes) are unspecified (zero for "xla" and "cutlass"). The form: `implementation` (wherever
+    lowered), else `default_implementation(x.dtype, kernels)` (where lowered for a CUDA GPU); `kernels` also holds
+    the CUTLASS kernel's tile and command-buffer choices.
     """
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or group_sizes.shape != (w.shape[0],):
         raise ValueError(
             f"grouped_matmul: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape} do not fit "
             "x [M, K], w [G, N, K], group_sizes [G]"
         )
-    impl = implementation or default_implementation(x.dtype)
-    try:
-        fn = IMPLEMENTATIONS[impl]
-    except KeyError:
-        raise ValueError(f"unknown grouped matmul implementation {impl!r}; one of {sorted(IMPLEMENTATIONS)}") from None
+    kernels = resolve(kernels)
+    impl = check(implementation or default_implementation(x.dtype, kernels), GROUPED_MATMUL_FORMS,
+                 "grouped matmul implementation")
+    fn = IMPLEMENTATIONS[impl]
+    if impl == "cutlass":
+        fn = functools.partial(_cutlass, kernels=kernels)
     with jax.named_scope(f"grouped_matmul_{impl}"):
         if implementation is None and impl != "xla":
-            # a GPU kernel chosen by default or $JAX_DWDP_GROUPED_MATMUL: where lowered for a CUDA GPU (XLA's loop
-            # where a half-type model is placed on the CPU of a GPU host)
+            # a GPU kernel chosen by the choices: where lowered for a CUDA GPU (XLA's loop where a half-type model
+            # is placed on the CPU of a GPU host)
             return on_cuda(fn, _group_loop, x, w.astype(x.dtype), group_sizes)
         return fn(x, w.astype(x.dtype), group_sizes)
 
@@ -251,14 +248,16 @@ def swiglu_of_interleaved(y: jax.Array, dtype) -> jax.Array:
 
 
 def grouped_matmul_swiglu(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None, fused: bool = True
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None, fused: bool = True,
+    kernels: KernelChoices | None = None,
 ) -> jax.Array:
     """silu(x @ gate_g^T) * (x @ up_g^T) per group: x [M, K] rows sorted by group; w [G, 2I, K] gate_up weights
     interleaved by `interleave_gate_up`; group_sizes [G]. Returns [M, I] in x's dtype.
 
     "cutlass" fuses the activation into the GEMM epilogue (from the fp32 accumulators; the [M, 2I] projection is
     never written) unless `fused=False`. Other implementations run `grouped_matmul` and the activation in XLA,
-    rounding gate and up to x's dtype first. Rows past sum(group_sizes) are zeros for "cutlass" and "xla".
+    rounding gate and up to x's dtype first. Rows past sum(group_sizes) are zeros for "cutlass" and "xla". The
+    form: as `grouped_matmul`'s.
     """
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or group_sizes.shape != (w.shape[0],):
         raise ValueError(
@@ -266,16 +265,20 @@ def grouped_matmul_swiglu(
             "x [M, K], w [G, 2I, K], group_sizes [G]"
         )
     _check_gate_up(w, "grouped_matmul_swiglu")
-    impl = implementation or default_implementation(x.dtype)
+    kernels = resolve(kernels)
+    impl = implementation or default_implementation(x.dtype, kernels)
     if impl == "cutlass" and fused:
         from jax_dwdp.kernels import _cutlass as cutlass
 
+        fn = functools.partial(cutlass.grouped_matmul_swiglu, preferred=kernels.gmm_config,
+                               cmd_buffer=kernels.gmm_cmd_buffer)
         with jax.named_scope("grouped_matmul_swiglu_cutlass"):
-            if implementation is None:  # chosen by default: where lowered for a CUDA GPU (as in grouped_matmul)
+            if implementation is None:  # chosen by the choices: where lowered for a CUDA GPU (as in grouped_matmul)
                 unfused = lambda x, w, s: swiglu_of_interleaved(_group_loop(x, w, s), x.dtype)  # noqa: E731
-                return on_cuda(cutlass.grouped_matmul_swiglu, unfused, x, w.astype(x.dtype), group_sizes)
-            return cutlass.grouped_matmul_swiglu(x, w.astype(x.dtype), group_sizes)
-    return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=implementation), x.dtype)
+                return on_cuda(fn, unfused, x, w.astype(x.dtype), group_sizes)
+            return fn(x, w.astype(x.dtype), group_sizes)
+    return swiglu_of_interleaved(grouped_matmul(x, w, group_sizes, implementation=implementation, kernels=kernels),
+                                 x.dtype)
 
 
 # --- The gate_up projection reading the tokens where they are: the gather inside the GEMM's loads on the GPU -------
@@ -290,7 +293,8 @@ def gather_token_rows(x: jax.Array, row_token: jax.Array) -> jax.Array:
 
 
 def grouped_matmul_gather(
-    x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None
+    x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None,
+    kernels: KernelChoices | None = None,
 ) -> jax.Array:
     """grouped_matmul(x[row_token], w, group_sizes) without the gathered copy: x [T, K] the tokens in their own
     order; row_token [M] int32, the token each row (sorted by group) reads; w [G, N, K]; group_sizes [G]. Returns
@@ -299,7 +303,8 @@ def grouped_matmul_gather(
 
     "cutlass" gathers inside the GEMM's loads (ffi/grouped_gemm/gather_gemm.cuh: cp.async from a producer
     warpgroup, CUTLASS's wgmma mainloop): the [M, K] permuted copy is never written. Every other implementation
-    gathers the rows first (`gather_token_rows`) and runs `grouped_matmul`.
+    gathers the rows first (`gather_token_rows`) and runs `grouped_matmul`. The form: as `grouped_matmul`'s; the
+    gather kernel's tile: `kernels.gather_config`.
     """
     if (x.ndim != 2 or row_token.ndim != 1 or w.ndim != 3 or x.shape[1] != w.shape[2]
             or group_sizes.shape != (w.shape[0],)):
@@ -309,28 +314,32 @@ def grouped_matmul_gather(
         )
     if not jnp.issubdtype(row_token.dtype, jnp.integer):
         raise ValueError(f"grouped_matmul_gather: row_token must be integer, got {row_token.dtype}")
-    impl = implementation or default_implementation(x.dtype)
+    kernels = resolve(kernels)
+    impl = implementation or default_implementation(x.dtype, kernels)
     if impl == "cutlass":
         from jax_dwdp.kernels import _cutlass as cutlass
 
         def gathered(x, row_token, w, s):
             return _group_loop(gather_token_rows(x, row_token), w, s)
 
+        fn = functools.partial(cutlass.grouped_matmul_gather, config=kernels.gather_config)
         with jax.named_scope("grouped_matmul_gather_cutlass"):
-            if implementation is None:  # chosen by default: where lowered for a CUDA GPU (as in grouped_matmul)
-                return on_cuda(cutlass.grouped_matmul_gather, gathered, x, row_token.astype(jnp.int32),
-                               w.astype(x.dtype), group_sizes)
-            return cutlass.grouped_matmul_gather(x, row_token, w.astype(x.dtype), group_sizes)
-    return grouped_matmul(gather_token_rows(x, row_token), w, group_sizes, implementation=implementation)
+            if implementation is None:  # chosen by the choices: where lowered for a CUDA GPU (as in grouped_matmul)
+                return on_cuda(fn, gathered, x, row_token.astype(jnp.int32), w.astype(x.dtype), group_sizes)
+            return fn(x, row_token, w.astype(x.dtype), group_sizes)
+    return grouped_matmul(gather_token_rows(x, row_token), w, group_sizes, implementation=implementation,
+                          kernels=kernels)
 
 
 def grouped_matmul_gather_swiglu(
-    x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None
+    x: jax.Array, row_token: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None,
+    kernels: KernelChoices | None = None,
 ) -> jax.Array:
     """silu(gate) * up of `grouped_matmul_gather(x, row_token, w, group_sizes)` for w [G, 2I, K] in the checkpoint's
     layout (gate rows, then up rows). Returns [M, I] in x's dtype, from gate and up rounded to x's dtype (the
     unfused order). "cutlass" computes the activation in the gather kernel's epilogue: the [M, 2I] projection is
-    never written. Rows past sum(group_sizes) are zeros for "cutlass" and "xla"."""
+    never written. Rows past sum(group_sizes) are zeros for "cutlass" and "xla". The form: as `grouped_matmul`'s;
+    the kernel's tile: `kernels.gather_swiglu_config`."""
     if (x.ndim != 2 or row_token.ndim != 1 or w.ndim != 3 or x.shape[1] != w.shape[2]
             or group_sizes.shape != (w.shape[0],)):
         raise ValueError(
@@ -338,19 +347,20 @@ def grouped_matmul_gather_swiglu(
             f"{group_sizes.shape} do not fit x [T, K], row_token [M], w [G, 2I, K], group_sizes [G]"
         )
     i, _ = _check_gate_up(w, "grouped_matmul_gather_swiglu")
+    kernels = resolve(kernels)
 
     def unfused(x, row_token, w, s, implementation=implementation):
-        y = grouped_matmul_gather(x, row_token, w, s, implementation=implementation)
+        y = grouped_matmul_gather(x, row_token, w, s, implementation=implementation, kernels=kernels)
         return swiglu(y[:, :i], y[:, i:], x.dtype)
 
-    impl = implementation or default_implementation(x.dtype)
+    impl = implementation or default_implementation(x.dtype, kernels)
     if impl == "cutlass":
         from jax_dwdp.kernels import _cutlass as cutlass
 
+        fn = functools.partial(cutlass.grouped_matmul_gather_swiglu, config=kernels.gather_swiglu_config)
         with jax.named_scope("grouped_matmul_gather_swiglu_cutlass"):
-            if implementation is None:  # chosen by default: where lowered for a CUDA GPU (as in grouped_matmul)
-                return on_cuda(cutlass.grouped_matmul_gather_swiglu,
-                               lambda *a: unfused(*a, implementation="xla"), x, row_token.astype(jnp.int32),
+            if implementation is None:  # chosen by the choices: where lowered for a CUDA GPU (as in grouped_matmul)
+                return on_cuda(fn, lambda *a: unfused(*a, implementation="xla"), x, row_token.astype(jnp.int32),
                                w.astype(x.dtype), group_sizes)
-            return cutlass.grouped_matmul_gather_swiglu(x, row_token, w.astype(x.dtype), group_sizes)
+            return fn(x, row_token, w.astype(x.dtype), group_sizes)
     return unfused(x, row_token, w, group_sizes)

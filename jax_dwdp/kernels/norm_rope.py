@@ -10,7 +10,8 @@ Why a kernel: XLA makes three passes of it at 16K tokens on the H200 (the q slic
 the rotation's concatenate; 0.35 ms a full-attention layer, 2026-12-01, `benchmarks/probe_layer_kernels.py`),
 where one pass reads q once and writes it once. The kernel splits the head into power-of-two column pieces
 (the two rotary halves, then the rest) and loads each from the block: Triton has no slicing of loaded values.
-`$JAX_DWDP_NORM_ROPE=xla|pallas` chooses; the kernel is the default where a computation is lowered for a CUDA GPU.
+`KernelChoices.norm_rope` = xla|pallas chooses; the kernel is the default where a computation is lowered for a CUDA
+GPU.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_dwdp.kernels._backend import by_platform
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 
-ENV_IMPLEMENTATION = "JAX_DWDP_NORM_ROPE"
 BLOCK_T = 64
 _F32 = jnp.float32
 
@@ -141,13 +142,15 @@ def norm_rope_pallas(x, weight, cos, sin, *, eps: float, head_dim: int, out: jax
     return y[:, :t] if rows != t else y
 
 
-def norm_rope(x, weight, cos, sin, *, eps: float, head_dim: int, implementation: str | None = None) -> jax.Array:
+def norm_rope(x, weight, cos, sin, *, eps: float, head_dim: int, implementation: str | None = None,
+              kernels: KernelChoices | None = None) -> jax.Array:
     """The q (or k) of gated attention: rope(rmsnorm(x[..., :head_dim])) per head, see the module doc. x [B, T, H, W];
-    weight [head_dim]; cos, sin [B, T, rotary_dim]. The kernel where the computation is lowered for a CUDA GPU
-    (shapes it supports, 16-bit x), XLA elsewhere."""
+    weight [head_dim]; cos, sin [B, T, rotary_dim]. By default (`kernels.norm_rope`, default the process's
+    `KernelChoices`) the kernel where the computation is lowered for a CUDA GPU (shapes it supports, 16-bit x), XLA
+    elsewhere; `implementation` forces one."""
     xla = functools.partial(norm_rope_xla, eps=eps, head_dim=head_dim)
     if x.dtype not in (jnp.bfloat16, jnp.float16) or not supported(head_dim, cos.shape[-1]) or x.shape[-1] % head_dim:
         return xla(x, weight, cos, sin)
     pallas = functools.partial(norm_rope_pallas, eps=eps, head_dim=head_dim)
-    return by_platform(xla, pallas, x, weight, cos, sin, implementation=implementation, env=ENV_IMPLEMENTATION,
-                       default="pallas", what="norm_rope")
+    return by_platform(xla, pallas, x, weight, cos, sin, implementation=implementation,
+                       choice=resolve(kernels).norm_rope, what="norm_rope")

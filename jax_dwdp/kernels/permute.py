@@ -2,21 +2,17 @@
 
 `dispatch_rows(x, order, inverse, k, rows)`: [rows, H] with row inverse[t*k + j] = x[t] (rows >= M*k; the rows past
 M*k belong to no expert group). `combine_rows(y, inverse, weights, add=None)`: out[t] = sum_j w[t, j] * y[inverse[t*k
-+ j]] (each product rounded to y's dtype, the sum in fp32, as the XLA reference does), plus `add` when given.
++ j]] (each product rounded to y's dtype, the sum in fp32), plus `add` when given.
 
-Two implementations of each: "xla" (the CPU path and the reference) and "pallas" (Pallas Triton, GPU);
-$JAX_DWDP_DISPATCH / $JAX_DWDP_COMBINE (or `implementation=`) = xla|pallas choose. By default the dispatch takes
-the kernel where the computation is lowered for a CUDA GPU and XLA elsewhere (decided at lowering, as
-`kernels.routing` decides), and the combine takes XLA everywhere: on an H200 the combine kernel measured slower than
-XLA's fused gather-multiply-reduce (0.75-0.82x its speed, 2026-12-01: benchmarks/RESULTS.md, "Variants measured
-slower"), so it is opt-in.
-- dispatch, "xla": a row gather x[order // k] (rows moved as 32-bit words, `gather_rows`); rows past M*k hold
-  copies of x's first row. "pallas": a *scatter*: one program per block of tokens and columns reads its x tile
-  once, coalesced, and writes it to the k rows its pairs go to (x is read once instead of k times; each written
-  row segment is contiguous); rows past M*k are written with zeros. 1.5x XLA's gather at 16K-32K tokens.
-- combine, "xla": a gather of y by `inverse`, the product and the fp32 sum, plus `add` (XLA fuses them).
-  "pallas": each program gathers its tokens' k rows of y, weights and sums them in registers and adds `add` in the
-  same pass.
+- dispatch, two implementations (`KernelChoices.dispatch`, or `implementation=` = xla|pallas): by default the
+  kernel where the computation is lowered for a CUDA GPU and XLA elsewhere (decided at lowering, as
+  `kernels.routing` decides). "xla" (the CPU path and the reference): a row gather x[order // k] (rows moved as
+  32-bit words, `gather_rows`); rows past M*k hold copies of x's first row. "pallas" (Pallas Triton): a *scatter*:
+  one program per block of tokens and columns reads its x tile once, coalesced, and writes it to the k rows its
+  pairs go to (x is read once instead of k times; each written row segment is contiguous); rows past M*k are
+  written with zeros. 1.5x XLA's gather at 16K-32K tokens.
+- combine: XLA everywhere, a gather of y by `inverse`, the product and the fp32 sum, plus `add`, which XLA fuses
+  into one pass (faster than a Pallas kernel doing the same: benchmarks/RESULTS.md, "Variants measured slower").
 Timings (H200, 35b-a3b): benchmarks/RESULTS.md, "MoE block".
 """
 
@@ -29,8 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_dwdp.kernels._backend import IMPLEMENTATIONS, by_platform, pow2  # noqa: F401 (IMPLEMENTATIONS: re-exported)
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 
-ENV_DISPATCH, ENV_COMBINE = "JAX_DWDP_DISPATCH", "JAX_DWDP_COMBINE"
 _F32 = jnp.float32
 
 BLOCK_TOKENS = 16  # tokens per program
@@ -136,10 +132,11 @@ def dispatch_rows_pallas(x, order, inverse, *, k: int, rows: int, block_tokens: 
 
 
 def dispatch_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int, rows: int, *,
-                  implementation: str | None = None) -> jax.Array:
+                  implementation: str | None = None, kernels: KernelChoices | None = None) -> jax.Array:
     """x [M, H]; order, inverse [M*k] (`routing.expert_permutation`'s) -> [rows, H], M*k <= rows < M*k +
     MAX_PADDING: row inverse[t*k + j] holds x[t]; the rows past M*k (a grouped matmul's row multiple) hold zeros
-    (Pallas) or copies of x's first row (XLA)."""
+    (Pallas) or copies of x's first row (XLA). The form: `implementation`, else `kernels.dispatch` (default: the
+    process's `KernelChoices`)."""
     m, _ = x.shape
     if order.shape != (m * k,) or inverse.shape != (m * k,) or not m * k <= rows < m * k + MAX_PADDING:
         raise ValueError(f"dispatch_rows: x {x.shape}, order {order.shape}, inverse {inverse.shape}, k={k}, "
@@ -147,7 +144,7 @@ def dispatch_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int, ro
                          f"{m * k + MAX_PADDING}")
     return by_platform(functools.partial(dispatch_rows_xla, k=k, rows=rows),
                        functools.partial(dispatch_rows_pallas, k=k, rows=rows), x, order, inverse,
-                       implementation=implementation, env=ENV_DISPATCH, default="pallas", what="dispatch_rows")
+                       implementation=implementation, choice=resolve(kernels).dispatch, what="dispatch_rows")
 
 
 # ---- combine: back to token order, the weighted top-k sum -------------------------------------------------------
@@ -160,53 +157,7 @@ def combine_rows_xla(y, inverse, weights, add=None):
     return out if add is None else out + add
 
 
-def _combine_kernel(y_ref, inv_ref, w_ref, *refs, k: int, tokens: int, bt: int, bw: int):
-    from jax.experimental.pallas import triton as plgpu
-
-    add_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
-    live, col, mask, here, cols = _tile(bt, bw, tokens, o_ref.shape[1])
-    dtype = o_ref.dtype
-    acc = jnp.zeros((bt, bw), _F32)
-    for j in range(k):
-        src = plgpu.load(inv_ref.at[jnp.int32(j), here], mask=live, other=0)
-        w = plgpu.load(w_ref.at[jnp.int32(j), here], mask=live, other=0).astype(dtype).astype(_F32)
-        rows = plgpu.load(y_ref.at[src[:, None], col[None, :]], mask=mask, other=jnp.zeros((), dtype)).astype(_F32)
-        acc = acc + (rows * w[:, None]).astype(dtype).astype(_F32)  # the product rounded as the reference rounds it
-    out = acc.astype(dtype)
-    if add_ref is not None:
-        add = plgpu.load(add_ref.at[here, cols], mask=mask, other=jnp.zeros((), dtype))
-        out = (out.astype(_F32) + add.astype(_F32)).astype(dtype)
-    plgpu.store(o_ref.at[here, cols], out, mask=mask)
-
-
-def combine_rows_pallas(y, inverse, weights, add=None, *, block_tokens: int = BLOCK_TOKENS,
-                        block_columns: int | None = None, num_warps: int = NUM_WARPS, interpret: bool = False):
-    from jax.experimental import pallas as pl
-
-    m, k = weights.shape
-    h = y.shape[1]
-    if m == 0:
-        return jnp.zeros((0, h), y.dtype)
-    bw, col_blocks = _blocks(h, block_columns, block_tokens)
-    bt = block_tokens
-    inv = inverse.reshape(m, k).T.astype(jnp.int32)
-    w = weights.T  # [k, M]
-    operands = [y, inv, w] + ([add] if add is not None else [])
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, c: (0, 0))  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_combine_kernel, k=k, tokens=m, bt=bt, bw=bw),
-        grid=(-(-m // bt), col_blocks),
-        in_specs=[whole(a) for a in operands],
-        out_specs=pl.BlockSpec((m, h), lambda i, c: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((m, h), y.dtype),
-        compiler_params=None if interpret else _compiler_params(num_warps),
-        interpret=interpret,
-        name="moe_combine_rows",
-    )(*operands)
-
-
-def combine_rows(y: jax.Array, inverse: jax.Array, weights: jax.Array, add: jax.Array | None = None, *,
-                 implementation: str | None = None) -> jax.Array:
+def combine_rows(y: jax.Array, inverse: jax.Array, weights: jax.Array, add: jax.Array | None = None) -> jax.Array:
     """y [R, H] rows in expert order (R >= M*k); inverse [M*k]; weights [M, k] (used in y's dtype) -> [M, H] in y's
     dtype: sum_j weights[t, j] * y[inverse[t*k + j]] (+ add [M, H] of y's dtype)."""
     m, k = weights.shape
@@ -215,6 +166,4 @@ def combine_rows(y: jax.Array, inverse: jax.Array, weights: jax.Array, add: jax.
         raise ValueError(f"combine_rows: y {y.shape}, inverse {inverse.shape}, weights {weights.shape}, add "
                          f"{None if add is None else (add.shape, str(add.dtype))}: want y with >= {m * k} rows, "
                          f"inverse ({m * k},), add ({m}, {y.shape[1] if y.ndim == 2 else '?'}) of y's dtype {y.dtype}")
-    args = (y, inverse, weights) if add is None else (y, inverse, weights, add)
-    return by_platform(combine_rows_xla, combine_rows_pallas, *args, implementation=implementation, env=ENV_COMBINE,
-                       default="xla", what="combine_rows")
+    return combine_rows_xla(y, inverse, weights, add)

@@ -1,7 +1,7 @@
 """MoE routing: softmax top-k of the router logits, and the permutation that groups (token, slot) pairs by expert.
 
-Two implementations: Pallas where the computation is lowered for a CUDA GPU, XLA elsewhere; $JAX_DWDP_ROUTING (or
-`implementation=`) = xla|pallas forces one:
+Two implementations: Pallas where the computation is lowered for a CUDA GPU, XLA elsewhere (`KernelChoices.routing`;
+`implementation=` forces one):
 - "xla": `lax.top_k` of the fp32 softmax, renormalised; a stable argsort of the flattened expert ids and a scatter
   of iota for its inverse. The CPU path and the reference.
 - "pallas" (GPU, Pallas Triton), two small kernels, each one pass over its input:
@@ -26,14 +26,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_dwdp.kernels._backend import IMPLEMENTATIONS, by_platform, pow2  # noqa: F401 (IMPLEMENTATIONS: re-exported)
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 
-ENV_IMPLEMENTATION = "JAX_DWDP_ROUTING"
 _F32 = jnp.float32
 
 
-def _by_platform(xla_fn, pallas_fn, *args, implementation):
-    return by_platform(xla_fn, pallas_fn, *args, implementation=implementation, env=ENV_IMPLEMENTATION,
-                       default="pallas", what="routing")
+def _by_platform(xla_fn, pallas_fn, *args, implementation, kernels):
+    return by_platform(xla_fn, pallas_fn, *args, implementation=implementation, choice=resolve(kernels).routing,
+                       what="routing")
 
 
 # The kernels' tile: tokens per program from [BM, E] fp32 tiles of about BLOCK_ELEMENTS elements, and warps per
@@ -121,11 +121,13 @@ def topk_softmax_pallas(logits: jax.Array, k: int, *, interpret: bool = False, b
     return ids[:m, :k], weights[:m, :k]
 
 
-def topk_softmax(logits: jax.Array, k: int, *, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+def topk_softmax(logits: jax.Array, k: int, *, implementation: str | None = None,
+                 kernels: KernelChoices | None = None) -> tuple[jax.Array, jax.Array]:
     """logits [M, E] -> (expert ids [M, k] int32, weights [M, k] fp32): the top k of softmax(logits) in fp32, the
-    weights renormalised to sum to 1; ids in decreasing probability, ties to the lower id."""
+    weights renormalised to sum to 1; ids in decreasing probability, ties to the lower id. The form: `implementation`,
+    else `kernels.routing` (default: the process's `KernelChoices`)."""
     return _by_platform(functools.partial(topk_softmax_xla, k=k), functools.partial(topk_softmax_pallas, k=k),
-                        logits, implementation=implementation)
+                        logits, implementation=implementation, kernels=kernels)
 
 
 # ---- grouping by expert ---------------------------------------------------------------------------------------
@@ -207,12 +209,12 @@ def expert_permutation_pallas(expert_ids: jax.Array, num_experts: int, *, interp
     return order, inverse, group_sizes.astype(jnp.int32)
 
 
-def expert_permutation(expert_ids: jax.Array, num_experts: int, *,
-                       implementation: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def expert_permutation(expert_ids: jax.Array, num_experts: int, *, implementation: str | None = None,
+                       kernels: KernelChoices | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """expert_ids [M, k], every id in [0, E) (ids >= E: `moe.sort_by_expert`) -> (order [M*k], inverse [M*k],
     group_sizes [E]) int32: `order` lists the flattened (token, slot) pairs grouped by expert, in their original
     order within a group (a stable sort); `inverse` is its inverse (pair i sits at row inverse[i] of the grouped
-    rows)."""
+    rows). The form: as `topk_softmax`'s."""
     return _by_platform(functools.partial(expert_permutation_xla, num_experts=num_experts),
                         functools.partial(expert_permutation_pallas, num_experts=num_experts), expert_ids,
-                        implementation=implementation)
+                        implementation=implementation, kernels=kernels)

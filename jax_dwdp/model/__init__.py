@@ -1,6 +1,6 @@
 """The Qwen3.5-MoE text model in Flax NNX."""
 
-from jax_dwdp.model.build import abstract_model, init_model
+from jax_dwdp.model.build import abstract_model, init_model, with_kernels
 from jax_dwdp.model.moe import fused_swiglu_enabled, set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import Cache, DecoderLayer, Qwen35MoeForCausalLM
 
@@ -10,6 +10,7 @@ __all__ = [
     "Qwen35MoeForCausalLM",
     "abstract_model",
     "init_model",
+    "with_kernels",
     "fused_swiglu_enabled",
     "set_fused_swiglu",
 ]

@@ -7,30 +7,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.kernels._backend import env_flag
+from jax_dwdp.kernels import cached_attention, causal_attention, decode_attention
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.kernels.norm_rope import norm_rope
 from jax_dwdp.model.layers import Linear, RMSNorm, rope_cos_sin
 
 
-# XLA's dot merger would make the q, k and v projections one GEMM (they share x), concatenating the three weights on
-# every call and copying q out of the merged output for the norm + RoPE kernel (on an H200 at 16K tokens 0.16 ms of
-# copy and 0.02 ms of concatenate a full-attention layer; kept apart, the layer takes 7.457 vs 7.562 ms, 2026-12-03:
-# benchmarks/RESULTS.md, "Attention"): k and v read x through an
-# optimization barrier, a value the merger does not take for the same operand (no copy: the barrier is removed after
-# scheduling). $JAX_DWDP_MERGE_QKV=1 (read when traced) lets XLA merge them again.
-MERGE_QKV_ENV = "JAX_DWDP_MERGE_QKV"
-
-
-def merge_qkv() -> bool:
-    """Whether XLA may merge the q, k and v projections ($JAX_DWDP_MERGE_QKV: 1 yes, 0 or unset no)."""
-    return bool(env_flag(MERGE_QKV_ENV, on="let XLA merge the q, k, v projections",
-                         off="keep them apart, the default"))
-
-
 class GatedAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, kernels: KernelChoices | None = None):
+        """`kernels`: the kernel choices of this mixer's programs (default: the process's), a static attribute."""
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = Linear(h, nh * hd * 2, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(h, nkv * hd, dtype=dtype, rngs=rngs)
@@ -40,6 +26,7 @@ class GatedAttention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
+        self.kernels = resolve(kernels)
 
     def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """x [B, T, H], positions [B, T] -> q [B,T,nh,hd], gate [B,T,nh*hd], k, v [B,T,nkv,hd] (k roped)."""
@@ -48,12 +35,19 @@ class GatedAttention(nnx.Module):
         # each head's q where it is (one pass on the GPU: kernels.norm_rope).
         qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * self.head_dim)
         gate = qg[..., self.head_dim :].reshape(b, t, -1)
-        xkv = x if merge_qkv() else jax.lax.optimization_barrier(x)
+        # XLA's dot merger would make the q, k and v projections one GEMM (they share x), concatenating the three
+        # weights on every call and copying q out of the merged output for the norm + RoPE kernel (kept apart, the
+        # full-attention layer takes 7.457 vs 7.562 ms at 16K tokens, an H200, 2026-12-03: benchmarks/RESULTS.md,
+        # "Attention"): k and v read x through an optimization barrier, a value the merger does not take for the
+        # same operand (no copy: the barrier is removed after scheduling).
+        xkv = jax.lax.optimization_barrier(x)
         k = self.k_proj(xkv).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(xkv).reshape(b, t, self.num_kv_heads, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta)
-        q = norm_rope(qg, self.q_norm.weight[...], cos, sin, eps=self.q_norm.eps, head_dim=self.head_dim)
-        k = norm_rope(k, self.k_norm.weight[...], cos, sin, eps=self.k_norm.eps, head_dim=self.head_dim)
+        q = norm_rope(qg, self.q_norm.weight[...], cos, sin, eps=self.q_norm.eps, head_dim=self.head_dim,
+                      kernels=self.kernels)
+        k = norm_rope(k, self.k_norm.weight[...], cos, sin, eps=self.k_norm.eps, head_dim=self.head_dim,
+                      kernels=self.kernels)
         return q, gate, k, v
 
     def __call__(
@@ -72,12 +66,12 @@ class GatedAttention(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         q, gate, k, v = self._project(x, positions)
         if cache is None:
-            attn = kernels.causal_attention(q, k, v, scale=self.head_dim**-0.5)
+            attn = causal_attention(q, k, v, scale=self.head_dim**-0.5)
         else:
             rows = jnp.arange(b)[:, None]
             k_cache = cache[0].at[rows, positions].set(k.astype(cache[0].dtype), mode="drop")
             v_cache = cache[1].at[rows, positions].set(v.astype(cache[1].dtype), mode="drop")
-            attn = kernels.cached_attention(q, k_cache, v_cache, positions, scale=self.head_dim**-0.5)
+            attn = cached_attention(q, k_cache, v_cache, positions, scale=self.head_dim**-0.5)
             k, v = k_cache, v_cache
         out = attn.reshape(b, t, -1) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
         return self.o_proj(out), (k, v)
@@ -91,6 +85,6 @@ class GatedAttention(nnx.Module):
         rows = jnp.arange(b)
         k_cache = k_cache.at[rows, position].set(k[:, 0].astype(k_cache.dtype))
         v_cache = v_cache.at[rows, position].set(v[:, 0].astype(v_cache.dtype))
-        attn = kernels.decode_attention(q[:, 0], k_cache, v_cache, position + 1, scale=self.head_dim**-0.5)
+        attn = decode_attention(q[:, 0], k_cache, v_cache, position + 1, scale=self.head_dim**-0.5)
         out = attn.reshape(b, 1, -1) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
         return self.o_proj(out), (k_cache, v_cache)

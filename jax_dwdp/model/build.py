@@ -7,17 +7,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.model.qwen35_moe import Qwen35MoeForCausalLM
 
 
 def abstract_model(
-    cfg: ModelConfig, *, dtype=jnp.bfloat16, start_layer: int = 0, end_layer: int | None = None
+    cfg: ModelConfig, *, dtype=jnp.bfloat16, start_layer: int = 0, end_layer: int | None = None,
+    kernels: KernelChoices | None = None,
 ) -> Qwen35MoeForCausalLM:
-    """The model's structure with ShapeDtypeStruct leaves: allocates nothing (for loaders)."""
+    """The model's structure with ShapeDtypeStruct leaves: allocates nothing (for loaders). `kernels`: its kernel
+    choices (default: the process's, `KernelChoices.from_environment()`)."""
+    kernels = resolve(kernels)  # (resolved outside eval_shape's trace)
     return nnx.eval_shape(
         lambda: Qwen35MoeForCausalLM(
-            cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(0)
+            cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(0), kernels=kernels
         )
     )
 
@@ -31,6 +35,7 @@ def init_model(
     end_layer: int | None = None,
     device: jax.Device | None = None,
     fused_swiglu: bool = False,
+    kernels: KernelChoices | None = None,
 ) -> Qwen35MoeForCausalLM:
     """A model with random weights, generated directly on `device` (default: the first device).
 
@@ -38,10 +43,23 @@ def init_model(
     passes through host memory. (One jit over the whole constructor took minutes to compile for 40 layers.)
     `fused_swiglu` puts the expert gate_up weights in the fused-SwiGLU layout (`set_fused_swiglu`, opt-in). The
     weights are drawn in the checkpoint layout and then permuted, so a seed gives the same model either way.
+    `kernels`: the model's kernel choices (default: the process's, `KernelChoices.from_environment()`).
     """
     device = device or jax.devices()[0]
     with jax.default_device(device):
         model = Qwen35MoeForCausalLM(
-            cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(seed)
+            cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(seed), kernels=kernels
         )
         return set_fused_swiglu(model, True, donate=True) if fused_swiglu else model
+
+
+def with_kernels(model, kernels: KernelChoices):
+    """A model (or any module of one: a layer, a mixer) that shares `model`'s weights and takes the kernel forms
+    of `kernels`: every module's static `kernels` attribute is replaced in a copy of the graph, so `model`, and the
+    programs compiled from it, stay as they were (benchmarks compare forms on one set of weights this way)."""
+    graphdef, state = nnx.split(model)
+    new = nnx.merge(graphdef, state)  # new module objects sharing the weights
+    for _, module in nnx.iter_modules(new):
+        if "kernels" in vars(module):
+            module.kernels = kernels
+    return new

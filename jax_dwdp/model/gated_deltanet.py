@@ -11,14 +11,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.kernels import chunk_gated_delta_rule, recurrent_gated_delta_step
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.kernels.conv import causal_conv_silu, causal_conv_silu_xla
 from jax_dwdp.model.layers import GatedRMSNorm, Linear, normal_init
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, kernels: KernelChoices | None = None):
+        """`kernels`: the kernel choices of this mixer's programs (default: the process's), a static attribute."""
         h = cfg.hidden_size
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -34,6 +36,7 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = nnx.Param((1.0 + normal_init(rngs, (self.num_v_heads,), jnp.float32, 0.1)).astype(dtype))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.out_proj = Linear(self.value_dim, h, dtype=dtype, rngs=rngs)
+        self.kernels = resolve(kernels)
 
     def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
@@ -69,18 +72,11 @@ class GatedDeltaNet(nnx.Module):
         history = None if cache is None else jnp.swapaxes(cache[0], 1, 2)  # [B, K-1, C]
         conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1, history)
         g, beta = self._gates(x)
-        heads, head_dims = (self.num_k_heads, self.num_v_heads), (self.head_k_dim, self.head_v_dim)
-        weight = self.conv1d.weight[...]
-        fused = kernels.conv_fused(mixed.dtype, mixed.shape[-1], self.conv_kernel, heads, head_dims)  # (checks env)
-        if cache is None and fused:
-            # Opt-in: the conv inside the gated delta rule's prep kernel (measured slower, see conv_fused).
-            core, state = kernels.conv_chunk_gated_delta_rule(mixed, weight, g, beta, heads=heads,
-                                                              head_dims=head_dims, lengths=lengths)
-        else:
-            conv_out = causal_conv_silu(mixed, weight, history, splits=(self.key_dim, 2 * self.key_dim))
-            q, k, v = self._split_heads(conv_out)
-            core, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths,
-                                                         initial_state=None if cache is None else cache[1])
+        conv_out = causal_conv_silu(mixed, self.conv1d.weight[...], history, splits=(self.key_dim, 2 * self.key_dim),
+                                    kernels=self.kernels)
+        q, k, v = self._split_heads(conv_out)
+        core, state = chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths,
+                                             initial_state=None if cache is None else cache[1], kernels=self.kernels)
         return self._output(core, x), (conv_state, state)
 
     def decode(
@@ -95,7 +91,7 @@ class GatedDeltaNet(nnx.Module):
         rep = self.num_v_heads // self.num_k_heads
         q, k = jnp.repeat(q, rep, axis=-2), jnp.repeat(k, rep, axis=-2)
         g, beta = self._gates(x[:, 0])
-        core, state = kernels.recurrent_gated_delta_step(q, k, v, g, beta, state)
+        core, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
         return self._output(core[:, None], x), (new_conv_state, state)
 
 

@@ -13,24 +13,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_dwdp import kernels
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.kernels._backend import env_flag
-from jax_dwdp.kernels import routing
+from jax_dwdp.kernels import (
+    GROUPED_MATMUL_ROW_MULTIPLE,
+    combine_rows,
+    deinterleave_gate_up,
+    dispatch_rows,
+    grouped_matmul,
+    grouped_matmul_gather_swiglu,
+    grouped_matmul_swiglu,
+    interleave_gate_up,
+    routing,
+)
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK, default_implementation, swiglu
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
 
 
-def route(x: jax.Array, router_weight: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router_weight: jax.Array, top_k: int,
+          kernels: KernelChoices | None = None) -> tuple[jax.Array, jax.Array]:
     """x [M, H] -> (expert ids [M, k] int32, weights [M, k] in x's dtype), softmax in fp32, renormalised top-k
     (`kernels.routing.topk_softmax`: one Pallas kernel on the GPU)."""
     logits = jnp.einsum("mh,eh->me", x, router_weight, precision=matmul_precision(x.dtype))
-    return route_logits(logits, top_k, x.dtype)
+    return route_logits(logits, top_k, x.dtype, kernels)
 
 
-def route_logits(logits: jax.Array, top_k: int, dtype) -> tuple[jax.Array, jax.Array]:
+def route_logits(logits: jax.Array, top_k: int, dtype,
+                 kernels: KernelChoices | None = None) -> tuple[jax.Array, jax.Array]:
     """Router logits [M, E] -> (expert ids [M, k] int32, renormalised top-k weights [M, k] in `dtype`)."""
-    ids, weights = routing.topk_softmax(logits, top_k)
+    ids, weights = routing.topk_softmax(logits, top_k, kernels=kernels)
     return ids, weights.astype(dtype)
 
 
@@ -43,7 +54,6 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
     return order, group_sizes
 
 
-MERGED_PROJECTION_ENV = "JAX_DWDP_MOE_MERGED_PROJECTION"
 MERGED_PROJECTION_DEFAULT = True  # the router, the shared expert's gate_proj / up_proj and its sigmoid gate as one
 # matmul: XLA's dot merger joins the first three by itself but leaves the gate, a [M, 1] GEMV, apart. On an H200 the
 # merged projection took 0.164 vs 0.194 ms at 16K tokens and 0.092 vs 0.098 ms at 4K (2026-12-04, layer-parts
@@ -56,18 +66,18 @@ MERGED_PROJECTION_MIN_TOKENS = 1024  # ... from this many tokens per call: the f
 # "MoE block"); below, not timed.
 
 
-def merged_projection(tokens: int | None = None) -> bool:
+def merged_projection(tokens: int | None = None, kernels: KernelChoices | None = None) -> bool:
     """Whether `SparseMoe` projects the tokens through its router, shared gate / up and shared-expert gate in one
-    matmul (`SparseMoe._token_projections`): $JAX_DWDP_MOE_MERGED_PROJECTION (1 / 0), else
-    MERGED_PROJECTION_DEFAULT where `tokens` (None: not known) >= MERGED_PROJECTION_MIN_TOKENS. Same products
-    either way; only how they are grouped into GEMMs differs."""
-    env = env_flag(MERGED_PROJECTION_ENV, on="one matmul", off="three: the router, the shared expert, its gate")
-    if env is not None:
-        return env
+    matmul (`SparseMoe._token_projections`): `kernels.moe_merged_projection` (default: the process's
+    `KernelChoices`) when set, else MERGED_PROJECTION_DEFAULT where `tokens` (None: not known) >=
+    MERGED_PROJECTION_MIN_TOKENS. Same products either way; only how they are grouped into GEMMs differs. (The
+    separate projections are also the path below that many tokens, so forcing them stays a choice.)"""
+    chosen = resolve(kernels).moe_merged_projection
+    if chosen is not None:
+        return chosen
     return MERGED_PROJECTION_DEFAULT and (tokens is None or tokens >= MERGED_PROJECTION_MIN_TOKENS)
 
 
-GATHER_ENV = "JAX_DWDP_MOE_GATHER"
 GATHER_DEFAULT = True  # where the gate_up matmul is the CUTLASS kernel, it gathers the tokens itself ...
 # ... on the shapes where that measured faster than the Pallas dispatch (the routed-expert block, one H200,
 # 2026-12-02 and 12-03, benchmarks/RESULTS.md, "MoE block"): hidden 2048 (35b-a3b) at every length,
@@ -79,19 +89,20 @@ GATHER_MAX_WIDE_ROWS = 40960
 
 
 def gather_in_gemm(gather: bool | None = None, implementation: str | None = None, *, hidden: int | None = None,
-                   rows: int | None = None) -> bool:
+                   rows: int | None = None, kernels: KernelChoices | None = None) -> bool:
     """Whether `routed_experts` reads the tokens inside the gate_up grouped matmul (no dispatched copy): the
-    argument, else $JAX_DWDP_MOE_GATHER (1 / 0), else GATHER_DEFAULT where the grouped matmul `implementation`
-    (None: the default for bf16 here) is "cutlass", the one kernel that fuses the gather (elsewhere the gather
-    would be a separate XLA pass, slower than the Pallas dispatch), on the shapes it measured faster: `hidden`
-    (the tokens' width) <= GATHER_MAX_HIDDEN, or `rows` (tokens x top-k) <= GATHER_MAX_WIDE_ROWS (None: not
-    known, taken as fitting)."""
+    argument, else `kernels.moe_gather` (default: the process's `KernelChoices`) when set, else GATHER_DEFAULT where
+    the grouped matmul `implementation` (None: the choices' for bf16) is "cutlass", the one kernel that fuses the
+    gather (elsewhere the gather would be a separate XLA pass, slower than the Pallas dispatch), on the shapes it
+    measured faster: `hidden` (the tokens' width) <= GATHER_MAX_HIDDEN, or `rows` (tokens x top-k) <=
+    GATHER_MAX_WIDE_ROWS (None: not known, taken as fitting). (The dispatch stays a choice: it is the path of the
+    wider shapes and of the interleaved gate_up layout.)"""
     if gather is not None:
         return bool(gather)
-    env = env_flag(GATHER_ENV, on="gather inside the gate_up matmul", off="dispatch first")
-    if env is not None:
-        return env
-    impl = implementation or default_implementation(jnp.bfloat16)
+    kernels = resolve(kernels)
+    if kernels.moe_gather is not None:
+        return kernels.moe_gather
+    impl = implementation or default_implementation(jnp.bfloat16, kernels)
     shape_fits = hidden is None or hidden <= GATHER_MAX_HIDDEN or rows is None or rows <= GATHER_MAX_WIDE_ROWS
     return GATHER_DEFAULT and impl == "cutlass" and shape_fits
 
@@ -108,6 +119,7 @@ def routed_experts(
     valid: jax.Array | None = None,
     add: jax.Array | None = None,
     gather: bool | None = None,
+    kernels: KernelChoices | None = None,
 ) -> jax.Array:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e (+ `add`, e.g. the shared
     expert's output, added in the un-permute's pass: XLA fuses it there). The weights are used in x's dtype.
@@ -117,7 +129,7 @@ def routed_experts(
     into the projection's epilogue); down_proj [E, H, I].
     The (token, slot) pairs are put in expert order (`kernels.dispatch_rows`), pushed through two grouped matmuls,
     and brought back with the weighted top-k sum (`kernels.combine_rows`). With `gather` (`gather_in_gemm`: the
-    argument, else $JAX_DWDP_MOE_GATHER, else on where the grouped matmul is the CUTLASS kernel) the gate_up matmul
+    argument, else `kernels.moe_gather`, else on where the grouped matmul is the CUTLASS kernel) the gate_up matmul
     reads each sorted row's token from x itself and applies SiLU(gate) * up before writing
     (`kernels.grouped_matmul_gather_swiglu`; on the GPU inside the CUTLASS kernel's loads and epilogue), so neither
     the dispatched [M*k, H] copy nor the [M*k, 2I] projection is written (by default on the shapes where that
@@ -125,36 +137,41 @@ def routed_experts(
     `valid` [M, k] (DEP, a rank holding a block of the experts): only these slots count; the others must carry an
     id >= E, which sorts them after every group (no kernel computes them) and their rows, unspecified for some
     kernels, are masked out.
+    `kernels`: the model's `KernelChoices` (default: the process's), handed to every kernel here;
+    `grouped_matmul_impl` forces the grouped matmuls' form.
     """
+    kernels = resolve(kernels)
     m, k = expert_ids.shape
     num_experts, two_i, _ = gate_up_proj.shape
     if valid is None:  # every id in [0, E): the counting sort (one Pallas kernel on the GPU) gives the inverse too
-        order, inverse, group_sizes = routing.expert_permutation(expert_ids, num_experts)
+        order, inverse, group_sizes = routing.expert_permutation(expert_ids, num_experts, kernels=kernels)
     else:
         order, group_sizes = sort_by_expert(expert_ids, num_experts)
         # The inverse permutation is a scatter of iota (no second sort).
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
                                                       unique_indices=True)
     # Row count padded to the kernels' row multiple; the padded rows belong to no group and are never read back.
-    pad = (-m * k) % kernels.GROUPED_MATMUL_ROW_MULTIPLE
+    pad = (-m * k) % GROUPED_MATMUL_ROW_MULTIPLE
+    gemm = functools.partial(grouped_matmul, implementation=grouped_matmul_impl, kernels=kernels)
     if gate_up_interleaved:
-        rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
-        act = kernels.grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
+        rows = dispatch_rows(x, order, inverse, k, m * k + pad, kernels=kernels)  # [M*k + pad, H]
+        act = grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl,
+                                    kernels=kernels)
     else:
-        if gather_in_gemm(gather, grouped_matmul_impl or default_implementation(x.dtype), hidden=x.shape[-1],
-                          rows=m * k):
+        if gather_in_gemm(gather, grouped_matmul_impl or default_implementation(x.dtype, kernels), hidden=x.shape[-1],
+                          rows=m * k, kernels=kernels):
             # sorted row r reads token order[r] // k; the padded rows are in no group
             # (SiLU(gate) * up in the same kernel's epilogue, from bf16-rounded gate and up as below)
             row_token = jnp.pad((order // k).astype(jnp.int32), (0, pad))
-            act = kernels.grouped_matmul_gather_swiglu(x, row_token, gate_up_proj, group_sizes,
-                                                       implementation=grouped_matmul_impl)
+            act = grouped_matmul_gather_swiglu(x, row_token, gate_up_proj, group_sizes,
+                                               implementation=grouped_matmul_impl, kernels=kernels)
         else:
-            rows = kernels.dispatch_rows(x, order, inverse, k, m * k + pad)  # [M*k + pad, H]
-            gate_up = kernels.grouped_matmul(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl)
+            rows = dispatch_rows(x, order, inverse, k, m * k + pad, kernels=kernels)  # [M*k + pad, H]
+            gate_up = gemm(rows, gate_up_proj, group_sizes)
             act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
-    out = kernels.grouped_matmul(act, down_proj, group_sizes, implementation=grouped_matmul_impl)
+    out = gemm(act, down_proj, group_sizes)
     if valid is None:
-        return kernels.combine_rows(out, inverse, expert_weights.astype(x.dtype), add)
+        return combine_rows(out, inverse, expert_weights.astype(x.dtype), add)
     # DEP: rows of slots held elsewhere may be garbage (NaN * 0 is NaN): selected out, not weighted out.
     out = jnp.where(valid.reshape(-1)[:, None], out[inverse] * expert_weights.reshape(-1)[:, None], 0)
     out = jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
@@ -194,12 +211,14 @@ class SharedExpert(nnx.Module):
 
 
 class SparseMoe(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, kernels: KernelChoices | None = None):
+        """`kernels`: the kernel choices of this block's programs (default: the process's), a static attribute."""
         self.gate = Router(cfg, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
         self.shared_expert = SharedExpert(cfg, dtype=dtype, rngs=rngs)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype, rngs=rngs)
         self.top_k = cfg.num_experts_per_tok
+        self.kernels = resolve(kernels)
 
     def __call__(self, x: jax.Array, experts=None) -> jax.Array:
         """x [..., H]. `experts` = (gate_up_proj, down_proj) overrides this module's own expert weights (gate_up in
@@ -211,12 +230,12 @@ class SparseMoe(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         if callable(experts):
             experts = experts(flat)
-        if merged_projection(tokens=flat.shape[0]):
+        if merged_projection(tokens=flat.shape[0], kernels=self.kernels):
             logits, shared_gate, shared_up, shared_gate_logit = self._token_projections(flat)
-            ids, weights = route_logits(logits, self.top_k, x.dtype)
+            ids, weights = route_logits(logits, self.top_k, x.dtype, self.kernels)
             shared_out = self.shared_expert.down(shared_gate, shared_up, x.dtype)
         else:
-            ids, weights = route(flat, self.gate.weight[...], self.top_k)
+            ids, weights = route(flat, self.gate.weight[...], self.top_k, self.kernels)
             shared_gate_logit, shared_out = self.shared_expert_gate(flat), self.shared_expert(flat)
         interleaved = self.experts.gate_up_interleaved
         shared = jax.nn.sigmoid(shared_gate_logit.astype(jnp.float32)).astype(x.dtype) * shared_out
@@ -225,7 +244,8 @@ class SparseMoe(nnx.Module):
         else:
             gate_up, down = experts if experts is not None else (self.experts.gate_up_proj[...],
                                                                  self.experts.down_proj[...])
-            out = routed_experts(flat, ids, weights, gate_up, down, gate_up_interleaved=interleaved, add=shared)
+            out = routed_experts(flat, ids, weights, gate_up, down, gate_up_interleaved=interleaved, add=shared,
+                                 kernels=self.kernels)
         return out.reshape(*lead, -1)
 
     def _token_projections(self, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -259,7 +279,7 @@ def fused_swiglu_enabled(model) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _permuter(interleave: bool, sharding):
-    fn = kernels.interleave_gate_up if interleave else kernels.deinterleave_gate_up
+    fn = interleave_gate_up if interleave else deinterleave_gate_up
     return jax.jit(fn, out_shardings=sharding)
 
 

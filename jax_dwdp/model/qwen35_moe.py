@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.devices import put
+from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.model.attention import GatedAttention
 from jax_dwdp.model.gated_deltanet import GatedDeltaNet
 from jax_dwdp.model.layers import Embedding, Linear, RMSNorm
@@ -133,16 +134,18 @@ class Cache:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, dtype, rngs: nnx.Rngs, kernels: KernelChoices | None = None):
+        """`kernels`: the kernel choices, handed to the mixer and the MoE block (default: the process's)."""
+        kernels = resolve(kernels)
         self.layer_id = layer_id
         self.layer_type = cfg.layer_types[layer_id]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         if self.layer_type == LINEAR_ATTENTION:
-            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         else:
-            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.mlp = SparseMoe(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = SparseMoe(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
 
     def __call__(self, x, positions, lengths, experts=None, cache=None):
         """`positions` [B, T], or None for 0..T-1 in every sequence. `cache`: this layer's entries of an earlier
@@ -168,7 +171,11 @@ class DecoderLayer(nnx.Module):
 
 
 class Qwen35MoeForCausalLM(nnx.Module):
-    """The text model (or one contiguous range of its layers, for a pipeline stage)."""
+    """The text model (or one contiguous range of its layers, for a pipeline stage).
+
+    `kernels`: which form of each kernel its programs take (`KernelChoices`; default: the process's, built once
+    from the environment). A static attribute of the model and of its mixers and MoE blocks: part of the graphdef,
+    so programs compiled for models of different choices are different programs."""
 
     def __init__(
         self,
@@ -178,7 +185,9 @@ class Qwen35MoeForCausalLM(nnx.Module):
         start_layer: int = 0,
         end_layer: int | None = None,
         rngs: nnx.Rngs,
+        kernels: KernelChoices | None = None,
     ):
+        kernels = resolve(kernels)
         end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
         if not 0 <= start_layer < end_layer <= cfg.num_hidden_layers:
             raise ValueError(
@@ -188,6 +197,7 @@ class Qwen35MoeForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.start_layer, self.end_layer = start_layer, end_layer
         self.is_first, self.is_last = start_layer == 0, end_layer == cfg.num_hidden_layers
+        self.kernels = kernels
         # Random weights depend on the global layer, not on the range: a stage draws exactly the whole model's
         # weights of its layers, so every pipeline layout of one seed is the same model.
         root = rngs.params()
@@ -198,7 +208,8 @@ class Qwen35MoeForCausalLM(nnx.Module):
 
         if self.is_first:
             self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=part(n))
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=part(i)) for i in range(start_layer, end_layer)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=part(i), kernels=kernels)
+                                for i in range(start_layer, end_layer)])
         if self.is_last:
             head = part(n + 1)
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=head)
