@@ -228,7 +228,7 @@ def bench_stage(cfg, args) -> list[dict]:
             tokens, lengths = inputs(seq)
 
             def run():
-                out = program(tokens, lengths, logits="last")
+                out = program(tokens, lengths, logits="last", mode="layerwise")
                 if settle is not None:  # the probes: the prefill ends when its copies have (timed)
                     jax.block_until_ready(out)
                     settle()

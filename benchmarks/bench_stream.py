@@ -235,7 +235,7 @@ def dep_wait(pipe, steps) -> dict:
 def memory_rows(args, cfg, scheme, backend, devices) -> dict:
     """Each rank's peak device memory (XLA's peak since this process started, plus an FFI store's bytes, which XLA
     does not see) and plan's estimate of what it must hold besides activations."""
-    from jax_dwdp.cli import plan_layout
+    from jax_dwdp.plan import plan_layout
 
     ranks = plan_layout(cfg, 1, args.ranks, jnp.dtype(args.dtype), dep=scheme == "dep")[0]
     if scheme == "replicated":

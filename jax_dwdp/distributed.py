@@ -4,7 +4,7 @@
 (on a GPU machine each sees every GPU and drives GPU I, $JAX_DWDP_LOCAL_DEVICE; on the CPU each has one host
 device), with a coordinator on a free local port; `--coordinator HOST:PORT --process-id I --num-processes N`
 instead joins a launch made by another tool (a cluster scheduler, mpirun, a notebook), which then also chooses each
-process's device (for `--dwdp-backend ffi`: every GPU visible, $JAX_DWDP_LOCAL_DEVICE naming the process's own).
+process's device (for `--experts ffi`: every GPU visible, $JAX_DWDP_LOCAL_DEVICE naming the process's own).
 
 Every process runs the whole program (multi-controller JAX): the mesh spans all processes' devices, each builds
 the same weights and keeps only its own devices' shards (`jax_dwdp.devices.put`), and the collectives (the
@@ -80,6 +80,34 @@ class NativeLogFilter:
             if self.passes(line):
                 out.write(line)
                 out.flush()
+
+
+def check_options(num_processes: int, coordinator: str | None, process_id: int | None, timeout_s: float) -> None:
+    """A launch's options on their own (the CLI's --num-processes, --coordinator, --process-id, --process-timeout):
+    a consistent set; a ValueError naming the option otherwise."""
+    joined = coordinator is not None or process_id is not None
+    if num_processes < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {num_processes}")
+    if not timeout_s > 0:
+        raise ValueError(f"--process-timeout must be > 0 seconds, got {timeout_s}")
+    if coordinator is not None:
+        check_address(coordinator)
+    if joined and (coordinator is None or process_id is None or num_processes < 2):
+        raise ValueError("joining a launch needs --coordinator HOST:PORT, --process-id I and --num-processes N "
+                         "(N >= 2)")
+    if joined and not 0 <= process_id < num_processes:
+        raise ValueError(f"--process-id must lie in [0, {num_processes}), got {process_id}")
+
+
+def check_address(address: str) -> None:
+    """--coordinator HOST:PORT (an IPv6 host in brackets), checked before jax.distributed sees it."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or host in ("[]",):
+        raise ValueError(f"--coordinator {address!r}: expected HOST:PORT, e.g. 10.0.0.1:1234 or [::1]:1234")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--coordinator {address!r}: the port {port!r} is not a number in [1, 65535]")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"--coordinator {address!r}: write an IPv6 host in brackets, e.g. [::1]:{port}")
 
 
 def _answers(coordinator: str) -> bool:

@@ -16,7 +16,7 @@ from flax import nnx
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.programs import precision_scope
-from jax_dwdp.runner import StageRunner
+from jax_dwdp.runner import StageRunner, execution_mode
 
 
 class InputError(ValueError):
@@ -69,6 +69,7 @@ def jit_prefill(
     logits: LogitsMode = "all",
     cache_len: int | None = None,
     layerwise: bool = False,
+    mode: str | None = None,
 ) -> Callable[..., tuple[jax.Array | None, Cache]]:
     """Returns prefill(tokens [B, T], lengths [B] | None, cache=None) -> (logits, cache), compiled once per shape.
 
@@ -79,9 +80,14 @@ def jit_prefill(
     of one prefill of the whole prompt.
 
     `prefill.compile(tokens, lengths)` compiles ahead of time; `prefill.lower(tokens, lengths)` gives the whole
-    model's lowered program. layerwise=True compiles one program per layer type instead of one for the whole model
-    (the same numbers, a compile time independent of depth; see jax_dwdp.runner).
+    model's lowered program. mode="layerwise" (or layerwise=True) compiles one program per layer type instead of one
+    for the whole model (the same numbers, a compile time independent of depth; see jax_dwdp.runner); a scanned
+    model is `jax_dwdp.scan.jit_prefill_scanned`'s.
     """
+    mode = execution_mode(mode, layerwise=layerwise)
+    if mode == "scanned":
+        raise ValueError("jit_prefill runs whole or layer-wise programs; for a scanned model use "
+                         "jax_dwdp.scan.jit_prefill_scanned(ScannedModel.from_model(model))")
     if not (model.is_first and model.is_last):
         raise ValueError("jit_prefill needs the whole model; pipeline stages run through jax_dwdp.parallel")
     runner = StageRunner(model)
@@ -90,11 +96,11 @@ def jit_prefill(
     def prefill(tokens, lengths=None, cache: Cache | None = None):
         tokens, lengths = check_tokens(tokens, model.cfg.vocab_size, lengths, min_length=0 if cache else 1)
         if cache is None:
-            return runner(tokens, lengths, layerwise=layerwise, **options)
+            return runner(tokens, lengths, mode=mode, **options)
         check_cache(cache, model, lengths)
-        return runner(tokens, lengths, layerwise=layerwise, logits=logits, cache_len=cache.capacity, cache=cache)
+        return runner(tokens, lengths, mode=mode, logits=logits, cache_len=cache.capacity, cache=cache)
 
-    prefill.compile = lambda tokens, lengths: runner.compile(tokens, lengths, layerwise=layerwise, **options)
+    prefill.compile = lambda tokens, lengths: runner.compile(tokens, lengths, mode=mode, **options)
     prefill.lower = lambda tokens, lengths: runner.lower(tokens, lengths, **options)
     return prefill
 

@@ -5,13 +5,15 @@ experts start to move right before layer l is enqueued, so that they move while 
 a thin user: `jit_prefill` (one device, `LocalSource`), `Pipeline` (a stage per mesh row: `LocalSource`, `XlaGatherSource` or `FfiStoreSource`
 over the row's DWDP ranks), `IndependentRanks` (a runner per device: `XlaPeerCopySource` or `FfiStoreSource`).
 
-Two ways to compile the same loop:
-- layer-wise (default): one program per layer type (the layers of a type share it, their weights passed as
+Two ways to compile the same loop (the execution modes a runner runs; `execution_mode` is the one check of a
+mode, "scanned" being `jax_dwdp.scan`'s):
+- layer-wise: one program per layer type (the layers of a type share it, their weights passed as
   arguments), the loop driven from Python. The compile time does not grow with depth (XLA needs about 10 s per
   layer on the GPU for whole-model programs); the programs depend on neither the logits mode nor the cache
   length, so one set serves every call.
-- whole: the loop traced into one program per (logits mode, cache length), for sources that can (`LocalSource`,
-  `XlaGatherSource`); others always run layer-wise.
+- whole (the default, DEFAULT_MODE): the loop traced into one program per (logits mode, cache length), for sources
+  that can (`LocalSource`, `XlaGatherSource`, `DepDispatchSource`); sources that act between layers run
+  layer-wise whatever the mode.
 
 Placement: `mesh` (a 1-D 'dwdp' mesh; the model already placed on it, see dwdp.place_model) runs the programs
 over the ranks with shard_map, the batch split evenly over them (a batch that the ranks do not divide gets rows of
@@ -45,8 +47,26 @@ from jax_dwdp.programs import (StaticGraph, canonical_graphs, embed_body, head_b
                                run_embed, run_head, run_layer, shell_of)
 
 
+MODES = ("whole", "layerwise", "scanned")
+DEFAULT_MODE = "whole"  # one program: XLA schedules across layers; "layerwise" for deep models' compile time
+
+
+def execution_mode(mode: str | None = None, *, layerwise: bool = False, scan: bool = False) -> str:
+    """The one check of an execution mode: `mode`, a word of MODES, or the booleans of the API's older keywords
+    (layerwise=True: "layerwise", scan=True: "scanned"), which must not disagree with it; DEFAULT_MODE when
+    nothing asks."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    if layerwise and scan:
+        raise ValueError("layerwise=True and scan=True: one execution mode at a time")
+    implied = "layerwise" if layerwise else "scanned" if scan else None
+    if mode is not None and implied is not None and mode != implied:
+        raise ValueError(f"mode {mode!r} with {'layerwise' if layerwise else 'scan'}=True: give one of them")
+    return mode or implied or DEFAULT_MODE
+
+
 class StageRunner:
-    """runner(x, lengths, *, logits, cache_len, layerwise) -> (logits or hidden states, the stage's Cache)."""
+    """runner(x, lengths, *, logits, cache_len, mode) -> (logits or hidden states, the stage's Cache)."""
 
     def __init__(self, model: Qwen35MoeForCausalLM, source: ExpertSource | None = None, *, mesh: Mesh | None = None,
                  device: jax.Device | None = None):
@@ -108,7 +128,7 @@ class StageRunner:
         return place(arrays, self.device)
 
     def __call__(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None,
-                 layerwise: bool = True, abort_on_error: bool = True, cache: Cache | None = None):
+                 mode: str = DEFAULT_MODE, abort_on_error: bool = True, cache: Cache | None = None):
         """x: tokens [B, T] (first stage) or hidden states [B, T, H]; lengths [B]. `abort_on_error=False` leaves
         the source's abort to the caller (independent ranks abort once, after every rank has stopped). `cache`
         (one device only): the stage's cache from an earlier prefill of the same sequences, which x continues.
@@ -120,7 +140,7 @@ class StageRunner:
         x, lengths = self.place(x, lengths)
         if cache is not None:
             cache = jax.device_put(cache, self.device) if self.device is not None else cache
-        if not layerwise and self.source.whole_program:
+        if not self._layerwise(mode):
             args = (self.state, self.source.operands(), x, lengths) + (() if cache is None else (cache,))
             out = self._whole(logits, cache_len)(*args)
         else:
@@ -155,12 +175,19 @@ class StageRunner:
         return self._whole(logits, cache_len).lower(self.state, self.source.operands(), *self.place(x, lengths))
 
     def compile(self, x, lengths, *, logits: LogitsMode = "all", cache_len: int | None = None,
-                layerwise: bool = True) -> None:
+                mode: str = DEFAULT_MODE) -> None:
         """Compiles ahead of time for these shapes (layer-wise: by one run, which compiles each program once)."""
-        if not layerwise and self.source.whole_program:
+        if not self._layerwise(mode):
             self.lower(x, lengths, logits=logits, cache_len=cache_len).compile()
         else:
-            jax.block_until_ready(self(x, lengths, logits=logits, cache_len=cache_len))
+            jax.block_until_ready(self(x, lengths, logits=logits, cache_len=cache_len, mode="layerwise"))
+
+    def _layerwise(self, mode: str) -> bool:
+        """Whether a call in `mode` runs layer by layer: "layerwise", or "whole" with a source that acts between
+        layers (it cannot run inside one program)."""
+        if execution_mode(mode) == "scanned":
+            raise ValueError("a StageRunner runs whole or layer-wise programs; a scanned stage is a ScannedModel")
+        return mode == "layerwise" or not self.source.whole_program
 
     # ---- programs ----------------------------------------------------------------------------------------------
     def _whole(self, logits, cache_len):

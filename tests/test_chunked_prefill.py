@@ -144,13 +144,13 @@ def test_cli_prefill_chunk_writes_the_same_logits(tmp_path, capsys):
 def test_chunked_last_logits_come_from_each_sequences_last_piece(rng):
     """logits="last" in pieces: each sequence's last position, from the piece that holds it (a right-padded batch
     whose sequences end in different pieces)."""
-    from jax_dwdp.cli import chunked_prefill
+    from jax_dwdp.driver import chunked_prefill
     from jax_dwdp.prefill import jit_prefill
 
     lengths = np.array([100, 30, 64], np.int32)
     model, tokens = _model_and_prompt(rng, lengths, 100)
     want, _ = jit_prefill(model, logits="last")(tokens, lengths)
-    got, [cache] = chunked_prefill(model, "last", 32, False)(tokens, lengths)
+    got, [cache] = chunked_prefill(model, "last", 32)(tokens, lengths)
     err = rel_err(got, want)
     print(f"last logits in pieces of 32: {err:.2e}")
     assert err <= 1e-5

@@ -148,8 +148,8 @@ def test_plan_and_pipeline_refuse_bad_layouts(capsys):
         (["plan", "--preset", "tiny", "--pipeline", "2", "--stage-boundaries", "4"], "empty stage"),
         (["plan", "--preset", "tiny", "--pipeline", "2", "--stage-boundaries", "x"], "expected comma-separated"),
         (["prefill", "--preset", "tiny", "--batch", "3", "--microbatches", "0"], "--microbatches must be >= 1"),
-        (["prefill", "--preset", "tiny", "--dwdp", "2", "--dwdp-backend", "ffi"], "--dwdp-backend ffi: the DWDP FFI path needs CUDA GPUs"),
-        (["prefill", "--preset", "tiny", "--dwdp", "2", "--dwdp-backend", "nccl"], "choose xla or ffi"),
+        (["prefill", "--preset", "tiny", "--dwdp", "2", "--dwdp-backend", "ffi"], "--experts ffi: the DWDP FFI path needs CUDA GPUs"),
+        (["prefill", "--preset", "tiny", "--dwdp", "2", "--dwdp-backend", "nccl"], "choose one of local, xla, ffi, dep"),
         (["plan", "--preset", "tiny", "--dwdp", "9"], "9 DWDP ranks for 8 experts"),
     ]:
         code, out, err = run_cli(capsys, *argv)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import jax_dwdp.driver
 import jax_dwdp.model
 from jax_dwdp.cli import main
 from jax_dwdp.config import ModelConfig
@@ -98,8 +99,8 @@ def test_paths_of_the_wrong_kind_are_named_as_such(tmp_path, capsys):
     (["--seed", "99999999999999999999999"], "--seed must lie in [0, 4294967295]"),
     (["--batch", "1000000000"], "needs at least"),
     (["--seq-len", "100000000000"], "needs at least"),
-    (["--dwdp-backend", "local"], "--dwdp-backend local needs --dwdp N with N >= 2"),
-    (["--dwdp-backend", "xla"], "--dwdp-backend xla needs --dwdp N"),
+    (["--dwdp-backend", "local"], "--experts local needs --dwdp N with N >= 2"),
+    (["--dwdp-backend", "xla"], "--experts xla needs --dwdp N"),
     (["--stall-timeout", "0"], "--stall-timeout must be > 0"),
     (["--num-processes", "0"], "--num-processes must be >= 1, got 0"),
     (["--num-processes", "-2"], "--num-processes must be >= 1, got -2"),
@@ -125,7 +126,7 @@ def test_tokens_file_with_batch_or_seq_len_is_refused(tmp_path, capsys):
 
 
 def test_non_finite_logits_are_reported_with_the_first_layer_whose_cache_holds_them(capsys, monkeypatch):
-    init = jax_dwdp.model.init_model
+    init = jax_dwdp.driver.init_model
 
     def poisoned(cfg, **kw):
         model = init(cfg, **kw)
@@ -133,7 +134,7 @@ def test_non_finite_logits_are_reported_with_the_first_layer_whose_cache_holds_t
         norm[...] = norm[...].at[0].set(np.nan)
         return model
 
-    monkeypatch.setattr(jax_dwdp.model, "init_model", poisoned)
+    monkeypatch.setattr(jax_dwdp.driver, "init_model", poisoned)
     assert main([*TINY, "--dtype", "float32"]) == 0
     err = capsys.readouterr().err
     warning = [line for line in err.splitlines() if line.startswith("warning:")]

@@ -137,10 +137,10 @@ def test_rows_of_length_zero_are_finite_and_change_nothing(setup):
     runner = StageRunner(model)
     with_empty = np.array([lengths[0], 0, lengths[2]], np.int32)
     for mode in ("all", "last"):
-        logits, cache = runner(tokens[:3], with_empty, logits=mode, cache_len=T)
+        logits, cache = runner(tokens[:3], with_empty, logits=mode, cache_len=T, mode="layerwise")
         assert np.isfinite(np.asarray(logits)).all(), mode
         assert all(np.isfinite(np.asarray(getattr(cache, f))).all() for f in FIELDS), mode
-        want_logits, want_cache = runner(tokens[[0, 2]], lengths[[0, 2]], logits=mode, cache_len=T)
+        want_logits, want_cache = runner(tokens[[0, 2]], lengths[[0, 2]], logits=mode, cache_len=T, mode="layerwise")
         _compare(f"rows 0, 2 beside a row of length 0 (logits {mode}) vs alone",
                  (logits[np.array([0, 2])], _rows(cache, [0, 2])), (want_logits, want_cache))
 
@@ -189,7 +189,7 @@ def test_profile_splits_each_layer_and_keeps_the_numbers(setup):
     assert all(t > 0 for t in profile["layer_ms"])
     # the profiled loop's cache (mixer + MoE programs) equals the layer programs' cache
     ops_cache = runner._run(_profiled(runner), *runner.place(tokens, lengths), "none", T, True)[1]
-    _, want = runner(tokens, lengths, logits="none", cache_len=T)
+    _, want = runner(tokens, lengths, logits="none", cache_len=T, mode="layerwise")
     for f in FIELDS:
         err = rel_err(getattr(ops_cache, f), getattr(want, f))
         print(f"profiled split layers vs layer programs, {f}: {err:.1e}")
@@ -224,7 +224,7 @@ def test_ranks_hold_their_share_and_are_built_one_layer_at_a_time(monkeypatch):
     device holds a whole stage's experts on the way), and afterwards each device holds no more than `plan`'s
     resident bytes: its expert block and the non-expert weights (the placed copies only: nothing of the unsplit
     model is left alive)."""
-    from jax_dwdp.cli import plan_layout
+    from jax_dwdp.plan import plan_layout
     from jax_dwdp.parallel import pipeline as pipeline_module
 
     cfg = CFG.replace(hidden_size=128, moe_intermediate_size=256, num_experts=8)  # experts dominate the bytes
@@ -274,7 +274,7 @@ def test_cli_dep(tmp_path, capsys):
     print(f"CLI --dep 2 vs one device: logits {err:.1e}")
     assert err <= BOUND
     for argv, message in [(["--dwdp", "2", "--dep", "2"], "--dwdp 2 and --dep 2: choose one way"),
-                          (["--dep", "2", "--dwdp-backend", "ffi"], "--dwdp-backend ffi is for --dwdp")]:
+                          (["--dep", "2", "--dwdp-backend", "ffi"], "--experts ffi is for --dwdp")]:
         assert main([*common, *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
@@ -284,7 +284,7 @@ def test_cli_dep(tmp_path, capsys):
 def test_checkpoints_load_one_layer_at_a_time_onto_ranks(tmp_path, setup):
     """Pipeline.from_checkpoint over ranks (HF: pipeline 2 x DEP 2; Orbax: DWDP 2 over XLA) loads each layer, places
     it, then loads the next; the logits equal one device and each stage's report counts its own tensors once."""
-    from jax_dwdp.weights.orbax_store import convert_hf_to_orbax
+    from jax_dwdp.weights import convert_hf_to_orbax
     from tests.checkpoint_helpers import write_hf
 
     model, tokens, lengths = setup

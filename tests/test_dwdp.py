@@ -258,12 +258,12 @@ def test_stage_runner_shares_its_programs_across_logits_modes_and_cache_lengths(
     mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
     placed = place_model(model, mesh)
     runner = StageRunner(placed, XlaGatherSource(expert_blocks(placed), mesh), mesh=mesh)
-    runner(tokens, lengths, logits="all", cache_len=70)
+    runner(tokens, lengths, logits="all", cache_len=70, mode="layerwise")
     layer_programs = {k: v for k, v in runner._programs.items() if k[0] == "layer"}
     compiled = {k: v._cache_size() for k, v in layer_programs.items()}
     assert set(compiled) == {("layer", "linear_attention"), ("layer", "full_attention")}
     for logits, cache_len in [("last", None), ("none", 90), ("all", 70)]:
-        out, cache = runner(tokens, lengths, logits=logits, cache_len=cache_len)
+        out, cache = runner(tokens, lengths, logits=logits, cache_len=cache_len, mode="layerwise")
         assert cache.capacity == (cache_len or tokens.shape[1])
         if logits == "all":
             err = rel_err(out, ref_logits)

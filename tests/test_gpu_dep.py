@@ -65,7 +65,7 @@ def _prefill(*argv) -> dict:
 
 
 def test_peak_memory_per_rank_within_plan():
-    from jax_dwdp.cli import plan_layout
+    from jax_dwdp.plan import plan_layout
 
     cfg = ModelConfig.preset("35b-a3b").replace(num_hidden_layers=8)
     gib = 2**30

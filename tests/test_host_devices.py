@@ -96,14 +96,15 @@ def test_watchdog_calls_on_stall_for_a_step_that_overruns_and_not_for_one_that_f
 
 _STALL = textwrap.dedent("""
     import time
-    from jax_dwdp import cli
-    build = cli._build_runner
+    from jax_dwdp import cli, driver
+    build = driver.build_driver
 
-    def never_compiles(*args):  # a step that never returns, as a deadlocked device program
-        run, compile_fn, description = build(*args)
-        return run, lambda *a: time.sleep(3600), description
+    def never_compiles(*args, **kwargs):  # a step that never returns, as a deadlocked device program
+        built = build(*args, **kwargs)
+        built.compile = lambda *a: time.sleep(3600)
+        return built
 
-    cli._build_runner = never_compiles
+    driver.build_driver = never_compiles
     cli.main(["prefill", "--preset", "tiny", "--seq-len", "8", "--iters", "1", "--stall-timeout", "3"])
 """)
 

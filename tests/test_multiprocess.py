@@ -178,7 +178,7 @@ def test_processes_die_with_their_launcher(tmp_path):
     # prefill options and the layout: once by the launcher, not once per process after jax.distributed started
     (["--dwdp", "2", "--num-processes", "2", "--iters", "0"], "--iters must be >= 1"),
     (["--pipeline", "2", "--num-processes", "2", "--microbatches", "0"], "--microbatches must be >= 1"),
-    (["--dwdp", "2", "--num-processes", "2", "--dwdp-backend", "foo"], "--dwdp-backend 'foo'"),
+    (["--dwdp", "2", "--num-processes", "2", "--dwdp-backend", "foo"], "--experts 'foo'"),
     (["--dep", "2", "--num-processes", "2", "--dwdp-backend", "local"], "--dep has one way to move tokens"),
     (["--dwdp", "2", "--num-processes", "2", "--dwdp-backend", "ffi"], "needs a CUDA GPU per process"),
 ])

@@ -124,9 +124,10 @@ class FfiBackend(ExpertBackend):
 
     def check(self, devices, ranks):
         super().check(devices, ranks)
-        from jax_dwdp.parallel.dwdp_ffi import require_gpus  # CUDA-only: loaded when this backend is chosen
+        from jax_dwdp.parallel.dwdp_ffi import load_library, require_gpus  # CUDA-only: loaded when chosen
 
         require_gpus(devices)
+        load_library()
 
     def placement(self, row, cfg, num_layers, dtype, *, owned, stage=0):
         self.stores[stage] = self._open(row, cfg, num_layers, dtype, name=f"stage{stage}")

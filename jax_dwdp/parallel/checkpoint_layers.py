@@ -11,9 +11,8 @@ from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import Qwen35MoeForCausalLM
 from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.sources import AXIS, is_expert_weight
-from jax_dwdp.weights import load_checkpoint
+from jax_dwdp.weights import is_orbax_checkpoint, load_checkpoint
 from jax_dwdp.weights.hf_loader import LoadReport, _name_index, load_hf_checkpoint
-from jax_dwdp.weights.orbax_store import is_orbax_checkpoint
 from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
 
 

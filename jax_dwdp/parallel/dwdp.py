@@ -136,7 +136,8 @@ class IndependentRanks:
 
     def _prefill(self, rank, tokens, lengths, logits, cache_len, *, sync_on_error):
         """prefill on inputs `_check` has already validated."""
-        return self.runners[rank](tokens, lengths, logits=logits, cache_len=cache_len, abort_on_error=sync_on_error)
+        return self.runners[rank](tokens, lengths, logits=logits, cache_len=cache_len, mode="layerwise",
+                                  abort_on_error=sync_on_error)
 
     def prefill_all(self, work, *, logits: LogitsMode = "all", cache_len: int | None = None,
                     threads: bool | None = None) -> dict:

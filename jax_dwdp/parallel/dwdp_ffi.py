@@ -104,7 +104,7 @@ def require_gpus(devices) -> None:
     platforms = {d.platform for d in devices}
     if platforms != {"gpu"}:
         raise FfiUnavailable(f"the DWDP FFI path needs CUDA GPUs; these devices are {sorted(platforms)} "
-                             "(use the XLA path: --dwdp-backend xla)")
+                             "(use the XLA path: --experts xla)")
 
 
 class ExpertStore:

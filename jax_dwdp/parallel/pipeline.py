@@ -38,7 +38,7 @@ from jax_dwdp.parallel.backends import ExpertBackend, expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
 from jax_dwdp.parallel.placement import build_placed, model_range
 from jax_dwdp.prefill import InputError, check_tokens
-from jax_dwdp.runner import StageRunner, pad_batch, padded_rows, take_rows
+from jax_dwdp.runner import StageRunner, execution_mode, pad_batch, padded_rows, take_rows
 from jax_dwdp.scan import ScannedModel
 from jax_dwdp.sources import AXIS
 from jax_dwdp.weights import load_checkpoint
@@ -287,7 +287,7 @@ class Pipeline:
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, tokens, lengths=None, *, microbatches: int = 1, logits: LogitsMode = "all",
-                cache_len: int | None = None, layerwise: bool = False,
+                cache_len: int | None = None, layerwise: bool = False, mode: str | None = None,
                 stage_threads: bool = True) -> tuple[jax.Array | None, list[Cache]]:
         """Returns (logits on the last stage's device, one Cache per stage on that stage's device). With one process
         per device, every process calls it with the same arguments; it returns the logits in the process that holds
@@ -295,22 +295,26 @@ class Pipeline:
 
         Any batch: microbatches of ceil(B / microbatches) sequences rounded up to a multiple of the ranks, padded
         with rows of length 0 that the results leave out (`microbatch_rows`).
-        layerwise=True compiles one program per layer type instead of one per stage (FFI experts: always); a scanned
-        pipeline (`scan=True`) has one program per stage and refuses it.
+        mode="layerwise" (or layerwise=True) compiles one program per layer type instead of one per stage (FFI
+        experts: always); a scanned pipeline (built with `scan=True`) runs its one program per stage and refuses
+        another mode.
         stage_threads (one process, several stages): each stage is enqueued from its own host thread, which takes
         the microbatches in order as the previous stage hands them on. From one thread, an enqueue that waits for a
         full launch queue on one GPU (a long stage is thousands of kernels) holds back the next stage's work on the
         other GPU; per-stage threads let each device's queue fill independently. False: one thread, stage by stage within each microbatch. (JAX's thread-local settings, e.g. a
         `jax.default_device` or `transfer_guard` context around this call, do not reach the stage threads; the
         stages place their inputs explicitly.)"""
-        if layerwise and self.scan:
+        mode = execution_mode(mode, layerwise=layerwise)
+        if self.scan and mode == "layerwise":
             raise ValueError("layerwise=True: this pipeline's stages are scanned programs (built with scan=True)")
+        if mode == "scanned" and not self.scan:
+            raise ValueError("mode 'scanned': build the pipeline with scan=True (its stages restacked)")
         tokens, lengths = check_tokens(tokens, self.cfg.vocab_size, lengths)
         batch = tokens.shape[0]
         size, used = microbatch_rows(batch, microbatches, self.ranks)
         tokens, lengths = pad_batch(tokens, lengths, size * used)
         hidden = (size, tokens.shape[1], self.cfg.hidden_size)
-        options = {} if self.scan else {"layerwise": layerwise}
+        options = {} if self.scan else {"mode": mode}
 
         def step(s: int, m: int, x):
             """Stage s on microbatch m, whose input x is its tokens (stage 0) or stage s-1's output: (stage s's

@@ -1,0 +1,299 @@
+"""A prefill driver built from a spec: what `jax-dwdp prefill` runs, for notebooks and scripts too.
+
+    spec = PrefillSpec(preset="tiny", pipeline=2, ranks=2, experts="xla")
+    with build_driver(spec) as driver:
+        logits, caches = driver.run(tokens, lengths)
+        result = measure(driver, tokens, lengths, iters=3)
+
+`build_driver` picks the one driver that runs the spec: a `Pipeline` (stages, microbatches or ranks), a scanned
+model on one device, a chunked prefill (pieces that continue a cache), or `jit_prefill`. Its `run(tokens,
+lengths)` returns (logits, [one cache per stage]). The spec's fields are the CLI's options (docs/cli.md); the CLI
+checks them against each other with messages that name its flags, the library checks what it builds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.model import init_model
+from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.parallel.backends import expert_backend
+from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
+from jax_dwdp.parallel.pipeline import Pipeline, cache_bytes_per_sequence, cache_bytes_per_token, microbatch_rows
+from jax_dwdp.parallel.pipeline import plan_stages
+from jax_dwdp.prefill import jit_prefill
+from jax_dwdp.runner import DEFAULT_MODE, execution_mode
+from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
+from jax_dwdp.watchdog import Watchdog
+from jax_dwdp.weights import load_checkpoint
+from jax_dwdp.weights.hf_loader import load_config
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSpec:
+    """What to prefill and how: the model (an HF / Orbax `checkpoint` folder or a `preset`'s random weights), its
+    precision, the layout (pipeline stages x ranks per stage, the expert backend), the execution mode, and the
+    logits to return ("all" positions or each sequence's "last")."""
+
+    checkpoint: str | Path | None = None
+    preset: str | None = None
+    num_layers: int | None = None  # keep only the first layers (of a checkpoint: load only those)
+    dtype: str = "bfloat16"
+    seed: int = 0  # of random weights
+    pipeline: int = 1
+    ranks: int = 1  # per stage
+    experts: str | None = None  # a word of parallel.backends.BACKENDS; default "xla" over ranks, else "local"
+    microbatches: int = 1
+    stage_boundaries: tuple[int, ...] | None = None
+    mode: str = DEFAULT_MODE  # whole | layerwise | scanned (runner.MODES)
+    prefill_chunk: int | None = None  # tokens per piece of a chunked prefill (one device)
+    fused_swiglu: bool = False
+    logits: LogitsMode = "last"
+
+    def __post_init__(self):
+        if (self.checkpoint is None) == (self.preset is None):
+            raise ValueError("a PrefillSpec names a checkpoint or a preset (one of them)")
+        execution_mode(self.mode)
+
+    @property
+    def experts_word(self) -> str:
+        return self.experts or ("xla" if self.ranks > 1 else "local")
+
+    @property
+    def spread(self) -> bool:
+        """Whether the spec runs through a Pipeline (several stages, microbatches or ranks)."""
+        return self.pipeline > 1 or self.microbatches > 1 or self.ranks > 1
+
+    def config(self) -> ModelConfig:
+        """The model's config (a checkpoint's config.json or the preset), cut to `num_layers`."""
+        cfg = load_config(self.checkpoint) if self.checkpoint is not None else ModelConfig.preset(self.preset)
+        if self.num_layers is not None:
+            if not 1 <= self.num_layers <= cfg.num_hidden_layers:
+                raise ValueError(f"num_layers must lie in [1, {cfg.num_hidden_layers}], got {self.num_layers}")
+            cfg = cfg.first_layers(self.num_layers)
+        return cfg
+
+
+class Driver:
+    """A built prefill: run(tokens, lengths) -> (logits, [cache per stage]); compile(tokens, lengths) compiles
+    ahead of time; `description` says what runs; `reports` whether this process reports results (one process per
+    device: the last stage's); `close()` (or leaving a `with` block) releases what the driver opened."""
+
+    def __init__(self, spec: PrefillSpec, cfg: ModelConfig, run, compile_fn, description: str, *, close=None,
+                 reports: bool = True):
+        self.spec, self.cfg, self.run, self.compile = spec, cfg, run, compile_fn
+        self.description, self.reports, self._close = description, reports, close
+
+    def close(self, exc: BaseException | None = None) -> None:
+        if self._close is not None:
+            close, self._close = self._close, None
+            close(exc)
+
+    def __enter__(self) -> "Driver":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exc)
+
+
+def preflight(spec: PrefillSpec) -> None:
+    """What `spec` needs of this machine, checked before any weights are made: the expert backend's devices and
+    libraries (FFI: CUDA GPUs and the store's library, else `FfiUnavailable`)."""
+    expert_backend(spec.experts_word).check(jax.devices()[:spec.pipeline * spec.ranks], spec.ranks)
+
+
+def build_driver(spec: PrefillSpec, cfg: ModelConfig | None = None, *, batch: int | None = None) -> Driver:
+    """The driver of `spec` (`cfg`: its config when already read). `batch` (spread specs): the batch the driver will
+    run, for its description of the microbatches."""
+    cfg = cfg or spec.config()
+    dtype = jnp.dtype(spec.dtype)
+    mode = execution_mode(spec.mode)
+    if spec.spread:
+        return _pipeline_driver(spec, cfg, dtype, mode, batch)
+    if spec.prefill_chunk is not None and mode == "scanned":
+        raise ValueError("a chunked prefill continues a cache layer by layer: mode 'scanned' does not apply")
+    if mode == "scanned":
+        scanned, source = _scanned_model(spec, cfg, dtype)
+        prefill = jit_prefill_scanned(scanned, logits=spec.logits)
+        return Driver(spec, cfg, _one_device(prefill), prefill.compile, f"{source}, {scanned.describe()}")
+    if spec.checkpoint is not None:
+        model, report = load_checkpoint(spec.checkpoint, cfg=cfg, dtype=dtype, fused_swiglu=spec.fused_swiglu)
+        source = report.line()
+    else:
+        model = init_model(cfg, dtype=dtype, seed=spec.seed, fused_swiglu=spec.fused_swiglu)
+        source = "random weights"
+    if spec.prefill_chunk is not None:
+        run = chunked_prefill(model, spec.logits, spec.prefill_chunk, mode=mode)
+        return Driver(spec, cfg, run, run, f"{source}, prefill in pieces of {spec.prefill_chunk} tokens")
+    prefill = jit_prefill(model, logits=spec.logits, mode=mode)
+    return Driver(spec, cfg, _one_device(prefill), prefill.compile, source)
+
+
+def _pipeline_driver(spec, cfg, dtype, mode, batch) -> Driver:
+    backend = expert_backend(spec.experts_word)
+    options = dict(dwdp=spec.ranks, dtype=dtype, boundaries=spec.stage_boundaries, fused_swiglu=spec.fused_swiglu,
+                   experts=backend, scan=mode == "scanned")
+    if spec.checkpoint is not None:
+        pipe = Pipeline.from_checkpoint(spec.checkpoint, spec.pipeline, cfg=cfg, **options)
+    else:
+        pipe = Pipeline.random(cfg, spec.pipeline, seed=spec.seed, **options)
+
+    def run(tokens, lengths):
+        return pipe.prefill(tokens, lengths, microbatches=spec.microbatches, logits=spec.logits,
+                            mode=mode)
+
+    stages = ", ".join(f"[{s.start_layer},{s.end_layer})" for s in pipe.stages)
+    scheme = "dep" if backend.name == "dep" else f"dwdp ({backend.name})" if spec.ranks > 1 else "dwdp"
+    text = f"pipeline {spec.pipeline} stages {stages}, {scheme} {spec.ranks} ranks per stage"
+    if batch is not None:
+        size, used = microbatch_rows(batch, spec.microbatches, spec.ranks)
+        pad = size * used - batch
+        padding = f" ({pad} padding row{'s' if pad > 1 else ''} of length 0)" if pad else ""
+        text += f", {used} microbatches of {size} sequences{padding}"
+    text += ", each stage scanned" if mode == "scanned" else ""
+    return Driver(spec, cfg, run, run, text, close=pipe.close, reports=pipe.reports)
+
+
+def _one_device(prefill):
+    """A one-device prefill(tokens, lengths) -> (logits, cache) as a driver's run: (logits, [cache])."""
+    def run(tokens, lengths):
+        logits, cache = prefill(tokens, lengths)
+        return logits, [cache]
+    return run
+
+
+def _scanned_model(spec, cfg, dtype):
+    """(the whole model built one layer at a time straight into the scanned layout, where its weights came from):
+    `ScannedModel.from_layers`, so the peak is the model plus one layer."""
+    if spec.checkpoint is not None:
+        loader = CheckpointLayers(spec.checkpoint, cfg, dtype, jax.devices()[0], fused_swiglu=spec.fused_swiglu)
+        try:
+            scanned = ScannedModel.from_layers(cfg, loader)
+        finally:
+            loader.close()
+        return scanned, loader.report(0, cfg.num_hidden_layers).line()
+    return ScannedModel.random(cfg, dtype=dtype, seed=spec.seed, fused_swiglu=spec.fused_swiglu), "random weights"
+
+
+def chunked_prefill(model, logits: LogitsMode, chunk: int, *, mode: str = DEFAULT_MODE):
+    """prefill(tokens, lengths) -> (logits, [cache]) that runs the prompt in pieces of `chunk` tokens, each
+    continuing the previous piece's cache: the logits ("all": every position's, the pieces' side by side; "last":
+    each sequence's last position, from the piece that holds it) and the cache of one prefill of the whole prompt."""
+    programs = {}  # prompt length -> jit_prefill (built once, not on every timed run)
+
+    def run(tokens, lengths):
+        t = tokens.shape[1]
+        if t not in programs:
+            programs[t] = jit_prefill(model, logits=logits, cache_len=t, mode=mode)
+        prefill = programs[t]
+        cache, parts, last = None, [], None
+        for start in range(0, t, chunk):
+            n = np.clip(lengths - start, 0, chunk).astype(np.int32)
+            out, cache = prefill(tokens[:, start : start + chunk], n, cache=cache)
+            if logits == "all":
+                parts.append(out)
+            elif logits == "last":  # a sequence's last token lies in the last piece that has any of its tokens
+                last = out if last is None else jnp.where(jnp.asarray(n > 0)[:, None], out, last)
+        return (jnp.concatenate(parts, axis=1) if logits == "all" else last), [cache]
+
+    return run
+
+
+def measure(driver: Driver, tokens, lengths, *, iters: int = 3, watchdog: Watchdog | None = None,
+            status=None) -> dict:
+    """Compiles, runs one warm-up and `iters` timed prefills (the median reported), each step under `watchdog`
+    (which ends a step that stalls), `status(text)` told of each phase. Returns the numbers `jax-dwdp prefill`
+    reports, with the warm-up's "logits" and "caches" (this process's)."""
+    step = watchdog.step if watchdog is not None else (lambda what: contextlib.nullcontext())
+    say = status or (lambda text: None)
+    say("compiling")
+    t0 = time.perf_counter()
+    with step("compiling"):
+        driver.compile(tokens, lengths)
+    compile_s = time.perf_counter() - t0
+    say(f"running 1 warm-up and {iters} timed prefills")
+    with step("running the warm-up prefill"):
+        logits, caches = driver.run(tokens, lengths)
+        jax.block_until_ready((logits, caches))
+    times = []
+    for i in range(iters):
+        with step(f"running timed prefill {i + 1} of {iters}"):
+            t0 = time.perf_counter()
+            jax.block_until_ready(driver.run(tokens, lengths))
+            times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    devices = jax.devices()[:driver.spec.pipeline * driver.spec.ranks]
+    if jax.process_count() > 1:
+        if logits is not None and not logits.is_fully_addressable:  # split over the ranks' processes: all gather
+            from jax.experimental import multihost_utils
+
+            logits = multihost_utils.process_allgather(logits, tiled=True)
+        devices = [d for d in devices if d.process_index == jax.process_index()]
+        caches = [c for c in caches if c is not None]
+    cfg, n_tokens = driver.cfg, int(np.size(tokens))
+    positions = n_tokens if driver.spec.logits == "all" else tokens.shape[0]
+    flops = cfg.prefill_flops(tokens.shape[0], tokens.shape[1], positions)
+    return {
+        "model": f"{cfg.summary()}; {driver.description}",
+        "platform": jax.devices()[0].platform,
+        "device": jax.devices()[0].device_kind,
+        "dtype": driver.spec.dtype,
+        "batch": int(tokens.shape[0]),
+        "seq_len": int(tokens.shape[1]),
+        "compile_s": round(compile_s, 3),
+        "prefill_s": round(seconds, 5),
+        "tokens_per_s": round(n_tokens / seconds, 1),
+        "tflops_per_s": round(flops / seconds / 1e12, 2),
+        "peak_device_memory_bytes": peak_memory_bytes()[0],
+        "peak_device_memory_bytes_per_device": peak_memory_bytes(devices),
+        "cache_bytes": int(sum(c.nbytes() for c in caches)),
+        "logits": logits,
+        "caches": caches,
+    }
+
+
+def peak_memory_bytes(devices=None) -> list[int | None]:
+    """XLA's peak bytes in use on each device (default: the first), since the process started; None where the
+    platform does not say (CPU). Memory outside XLA's allocator (an FFI expert store) is not in it."""
+    return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.local_devices()[:1])]
+
+
+def prefill_bytes_lower_bound(cfg: ModelConfig, dtype, batch: int, seq_len: int, *, all_logits: bool) -> dict:
+    """What a prefill's tokens, caches, logits and hidden states alone take (a lower bound of what it holds), by
+    part: {"caches", "logits", "hidden", "total"} in bytes."""
+    whole = plan_stages(cfg, 1)[0]
+    dtype = jnp.dtype(dtype)
+    cache = batch * (cache_bytes_per_sequence(cfg, whole, dtype) + seq_len * cache_bytes_per_token(cfg, whole, dtype))
+    logits = (batch * seq_len if all_logits else batch) * cfg.vocab_size * 4
+    hidden = batch * seq_len * cfg.hidden_size * dtype.itemsize
+    return {"caches": cache, "logits": logits, "hidden": hidden, "total": batch * seq_len * 4 + cache + logits + hidden}
+
+
+def host_memory_bytes() -> int:
+    """The host's physical memory (CPU devices share it; a GPU's own memory is smaller, and XLA reports that)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def first_non_finite_layer(caches) -> int | None:
+    """The first layer whose cache holds NaN or Inf (each layer's cache is computed from its input, so values went
+    bad in that layer or, through its input, before it); None when every cache is finite."""
+    first = None
+    for cache in caches:
+        if cache is None:
+            continue
+        for ids, arrays in ((cache.full_layer_ids, (cache.key, cache.value)),
+                            (cache.linear_layer_ids, (cache.conv, cache.recurrent))):
+            for slot, layer in enumerate(ids):
+                if not all(np.isfinite(np.asarray(a[slot])).all() for a in arrays):
+                    first = layer if first is None else min(first, layer)
+    return first

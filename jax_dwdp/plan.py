@@ -1,0 +1,44 @@
+"""A layout's plan from shapes alone (nothing is allocated): per stage its layers, weight and cache bytes, and per
+rank its experts, resident bytes and buffers. What `jax-dwdp plan` prints."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_dwdp.config import ModelConfig
+from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
+from jax_dwdp.parallel.pipeline import (cache_bytes_per_sequence, cache_bytes_per_token, plan_stages,
+                                        stage_weight_bytes)
+
+
+def plan_layout(cfg: ModelConfig, pipeline: int, ranks: int, dtype, *, boundaries=None,
+                dep: bool = False) -> list[dict]:
+    """Per stage: layers, weight and cache bytes, and per rank its experts, resident bytes (non-expert weights + its
+    expert block) and buffers (dep=True: none, the experts never move)."""
+    stages = plan_stages(cfg, pipeline, boundaries)
+    layout = ExpertLayout(cfg.num_experts, ranks)
+    itemsize = jnp.dtype(dtype).itemsize
+    out = []
+    for st in stages:
+        moe_layers = st.end_layer - st.start_layer  # every layer is MoE
+        weights = stage_weight_bytes(cfg, st, dtype)
+        non_expert = weights - moe_layers * cfg.num_experts * expert_bytes_per_layer(cfg, itemsize)
+        # One rank holds every expert: nothing is fetched, so there are no prefetch or gather buffers.
+        rank_rows = [dict(rank_memory(cfg, layout, r, moe_layers, itemsize, prefetch=not dep and ranks > 1,
+                                      non_expert_bytes=non_expert), device=st.stage * ranks + r)
+                     for r in range(ranks)]
+        out.append({
+            "stage": st.stage,
+            "start_layer": st.start_layer,
+            "end_layer": st.end_layer,
+            "linear_attention_layers": list(st.linear_attention_layers),
+            "full_attention_layers": list(st.full_attention_layers),
+            "weight_bytes": weights,
+            "non_expert_weight_bytes": non_expert,
+            "cache_bytes_per_token": cache_bytes_per_token(cfg, st, dtype),
+            "cache_bytes_per_sequence": cache_bytes_per_sequence(cfg, st, dtype),
+            # Positions in jax.devices() order: row `stage` of the (pipeline, dwdp) mesh.
+            "devices": list(range(st.stage * ranks, (st.stage + 1) * ranks)),
+            "dwdp_ranks": rank_rows,
+        })
+    return out
