@@ -13,10 +13,9 @@ For each token count (batch 1, random bf16 weights of one linear-attention and o
   Pallas Triton `ops.gpu.attention.mha` (an implementation that fails prints why). Pallas Mosaic GPU's
   `attention_mgpu` takes only fp16 and jax's default implementation picks XLA's for head_dim 256 (out of memory at
   32K): both left out (benchmarks/RESULTS.md, "Attention");
-- the routing kernels and the permutation kernels (dispatch, combine) against the XLA passes they replaced, the
-  conv inside the GDN prep kernel (opt-in) against the separate conv (its kernel and XLA's, each forced),
-  the norm + RoPE kernel against XLA's passes,
-  as whole layers and as parts;
+- the routing kernels and the dispatch kernel against the XLA passes they replaced, the conv kernel and XLA's conv
+  (each forced), the norm + RoPE kernel against XLA's passes, as whole layers and as parts: each variant is the
+  same weights with one `KernelChoices` change (`--variants`);
 - candidate fusions beside what they would replace (`--fusions`): the four GDN input projections as one matmul,
   the router, shared-expert gate and shared gate/up projections as one matmul.
 Times: 10 back-to-back calls / 10, median of 5 (bench_gdn.wall_ms), so launch overheads count as in a model.
@@ -27,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -47,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-variants", action="store_true",
                     help="today's defaults only: no one-change variants")
     ap.add_argument("--variants", help="comma-separated one-change variants to time (default: all of "
-                    "routing, no_gather, dispatch, combine, gdn_conv, conv, xla_conv, norm_rope, merge_qkv)")
+                    "routing, no_gather, dispatch, conv, xla_conv, norm_rope, separate_projection)")
     ap.add_argument("--permute-configs", action="store_true",
                     help="also time the permutation kernels' block shapes")
     ap.add_argument("--routing-configs", action="store_true",
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     from jax_dwdp import kernels
     from jax_dwdp.config import ModelConfig
     from jax_dwdp.kernels.grouped_matmul import default_implementation, swiglu
-    from jax_dwdp.model import init_model
+    from jax_dwdp.model import init_model, with_kernels
     from jax_dwdp.kernels import conv as conv_mod
     from jax_dwdp.kernels import permute, routing
     from jax_dwdp.model.moe import route
@@ -75,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = init_model(cfg, dtype=jnp.bfloat16, seed=0)
     linear = next(layer for layer in model.layers if layer.layer_type == "linear_attention")
     full = next(layer for layer in model.layers if layer.layer_type == "full_attention")
+    base = model.kernels  # the process's choices (the environment's, read once)
     sync = jax.block_until_ready
     rows = []
     print(f"{cfg.summary()}; {jax.devices()[0].device_kind}; grouped matmul "
@@ -107,32 +106,32 @@ def main(argv: list[str] | None = None) -> dict:
         positions = jnp.arange(t, dtype=jnp.int32)[None]
         flat = x.reshape(t, -1)
 
-        # Layers and mixers with today's defaults; then each chosen variant, one choice changed through its
-        # environment variable (read when a function is traced: at its first call).
+        # Layers and mixers with today's defaults; then each chosen variant: the same weights with one kernel
+        # choice changed (`with_kernels`).
         moe_ms = None
         wanted = set(VARIANTS) if args.variants is None else set(args.variants.split(","))
         if wanted - set(VARIANTS):
             ap.error(f"--variants: {', '.join(sorted(wanted - set(VARIANTS)))} not among {', '.join(VARIANTS)}")
         chosen = [("", {})] + ([] if args.no_variants else [v for k, v in VARIANTS.items() if k in wanted])
-        for suffix, env in chosen:
+        for suffix, changes in chosen:
             parts = VARIANT_PARTS.get(suffix, DEFAULT_PARTS)  # the layers and blocks the variant can change
-            with _environment(env):
-                if "linear" in parts:
-                    lin_layer = jit_method(linear, lambda m, x, p, n: m(x, p, n))
-                    record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
-                if "gdn" in parts:
-                    gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
-                    record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
-                if "full" in parts:
-                    full_layer = jit_method(full, lambda m, x, p, n: m(x, p, n))
-                    record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
-                if "attention" in parts:
-                    attn = jit_method(full, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
-                    record(t, "attention mixer (with input norm)" + suffix, lambda: attn(x, positions), "layer")
-                if "moe" in parts:
-                    moe = jit_method(linear, lambda m, x: m.mlp(x))
-                    ms = record(t, "MoE block" + suffix, lambda: moe(x), "layer")
-                    moe_ms = moe_ms if suffix else ms
+            lin_v, full_v = (with_kernels(layer, base.replace(**changes)) for layer in (linear, full))
+            if "linear" in parts:
+                lin_layer = jit_method(lin_v, lambda m, x, p, n: m(x, p, n))
+                record(t, "linear-attention layer" + suffix, lambda: lin_layer(x, positions, lengths), "layer")
+            if "gdn" in parts:
+                gdn = jit_method(lin_v, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
+                record(t, "GDN mixer (with input norm)" + suffix, lambda: gdn(x, lengths), "layer")
+            if "full" in parts:
+                full_layer = jit_method(full_v, lambda m, x, p, n: m(x, p, n))
+                record(t, "full-attention layer" + suffix, lambda: full_layer(x, positions, lengths), "layer")
+            if "attention" in parts:
+                attn = jit_method(full_v, lambda m, x, p: m.self_attn(m.input_layernorm(x), p))
+                record(t, "attention mixer (with input norm)" + suffix, lambda: attn(x, positions), "layer")
+            if "moe" in parts:
+                moe = jit_method(lin_v, lambda m, x: m.mlp(x))
+                ms = record(t, "MoE block" + suffix, lambda: moe(x), "layer")
+                moe_ms = moe_ms if suffix else ms
 
         # The MoE block's passes.
         mlp = linear.mlp
@@ -171,34 +170,30 @@ def main(argv: list[str] | None = None) -> dict:
         down_ms = record(t, "down grouped GEMM", lambda: gemm(act, down_w, sizes), "moe")
         w_bf16 = weights.astype(flat.dtype)
         shared_out = shared(flat)
-        for impl in permute.IMPLEMENTATIONS:
-            combine = jax.jit(lambda y, i, w, impl=impl: kernels.combine_rows(y, i, w, implementation=impl))
-            record(t, f"un-permute and weighted sum, {impl}", lambda: combine(down, inverse, w_bf16), "moe")
-            combine_add = jax.jit(lambda y, i, w, a, impl=impl: kernels.combine_rows(y, i, w, a,
-                                                                                     implementation=impl))
-            record(t, f"un-permute, weighted sum + shared add, {impl}",
-                   lambda: combine_add(down, inverse, w_bf16, shared_out), "moe")
+        combine = jax.jit(lambda y, i, w: kernels.combine_rows(y, i, w))  # (XLA's fusion on every platform)
+        record(t, "un-permute and weighted sum, xla", lambda: combine(down, inverse, w_bf16), "moe")
+        combine_add = jax.jit(lambda y, i, w, a: kernels.combine_rows(y, i, w, a))
+        record(t, "un-permute, weighted sum + shared add, xla",
+               lambda: combine_add(down, inverse, w_bf16, shared_out), "moe")
         if args.conv_configs:  # the Pallas conv's tile rows and warps, inside the GDN mixer
             conv_in = jit_method(linear, lambda m, x: m.linear_attn.in_proj_qkv(m.input_layernorm(x)))(x)
+            pallas_conv = with_kernels(linear, base.replace(conv="pallas"))
             # (rows, warps, widest channel block); the conv alone (its three split calls) and inside the mixer
             for bt, nw, bc in CONV_CONFIGS:
-                with _environment({conv_mod.ENV_IMPLEMENTATION: "pallas"}), _patched(conv_mod, BLOCK_T=bt,
-                                                                                      NUM_WARPS=nw, MAX_BLOCK_C=bc):
+                with _patched(conv_mod, BLOCK_T=bt, NUM_WARPS=nw, MAX_BLOCK_C=bc):
                     key_dim = linear.linear_attn.key_dim
-                    conv_alone = jit_method(linear, lambda m, y: conv_mod.causal_conv_silu(
-                        y, m.linear_attn.conv1d.weight[...], splits=(key_dim, 2 * key_dim)))
+                    conv_alone = jit_method(pallas_conv, lambda m, y: conv_mod.causal_conv_silu(
+                        y, m.linear_attn.conv1d.weight[...], splits=(key_dim, 2 * key_dim),
+                        kernels=m.linear_attn.kernels))
                     record(t, f"Pallas conv (3 splits) {bt} rows w{nw} c{bc}", lambda: conv_alone(conv_in), "conv")
-                    gdn = jit_method(linear, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
+                    gdn = jit_method(pallas_conv, lambda m, x, n: m.linear_attn(m.input_layernorm(x), n))
                     record(t, f"GDN mixer, Pallas conv {bt} rows w{nw} c{bc}", lambda: gdn(x, lengths), "conv")
-        if args.permute_configs:  # the kernels' block shapes (tokens x columns per program, warps)
+        if args.permute_configs:  # the dispatch kernel's block shapes (tokens x columns per program, warps)
             for bt, bw, nw in ((16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 512, 8), (8, 512, 4), (32, 512, 8)):
                 cfg_kw = dict(block_tokens=bt, block_columns=bw, num_warps=nw)
                 d = jax.jit(lambda f, o, i, kw=cfg_kw: permute.dispatch_rows_pallas(f, o, i, k=k, rows=rows_out,
                                                                                     **kw))
                 record(t, f"dispatch pallas {bt}x{bw} w{nw}", lambda: d(flat, order, inverse), "permute")
-                c = jax.jit(lambda y, i, w, a, kw=cfg_kw: permute.combine_rows_pallas(y, i, w, a, **kw))
-                record(t, f"combine+add pallas {bt}x{bw} w{nw}",
-                       lambda: c(down, inverse, w_bf16, shared_out), "permute")
         if args.routing_configs:  # the routing kernels' tokens per program and warps; each checked against default
             logits = jax.jit(lambda f: jnp.einsum("mh,eh->me", f, mlp.gate.weight[...]))(flat)
             want_topk = jax.jit(lambda g: routing.topk_softmax_pallas(g, k))(logits)
@@ -273,13 +268,6 @@ def main(argv: list[str] | None = None) -> dict:
         core = jax.jit(lambda q, k, v, g, b, n: kernels.chunk_gated_delta_rule(q, k, v, g, b, lengths=n))
         o, _ = core(qg, kg, vg, g, beta, lengths)
         record(t, "GDN: core (gated delta rule)", lambda: core(qg, kg, vg, g, beta, lengths), "gdn")
-        heads, dims = (ga.num_k_heads, ga.num_v_heads), (ga.head_k_dim, ga.head_v_dim)
-        with _environment(VARIANTS["gdn_conv"][1]):
-            fusable = kernels.conv_fused(mixed.dtype, mixed.shape[-1], ga.conv_kernel, heads, dims)
-        if fusable:
-            conv_core = jit_method(linear, lambda m, y, g, b, n: kernels.conv_chunk_gated_delta_rule(
-                y, m.linear_attn.conv1d.weight[...], g, b, heads=heads, head_dims=dims, lengths=n))
-            record(t, "GDN: conv + core, conv in the prep kernel", lambda: conv_core(mixed, g, beta, lengths), "gdn")
         output = jit_method(linear, lambda m, o, x: m.linear_attn._output(o, x))
         record(t, "GDN: z proj, gated norm, out_proj", lambda: output(o, x), "gdn")
 
@@ -304,35 +292,28 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, PALLAS_COMBINE, XLA_NORM_ROPE = (
-    " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (Pallas combine)", " (XLA norm+RoPE)")
+XLA_ROUTING, PALLAS_CONV, XLA_CONV, XLA_DISPATCH, XLA_NORM_ROPE = (
+    " (XLA routing)", " (Pallas conv)", " (XLA conv)", " (XLA dispatch)", " (XLA norm+RoPE)")
 # --conv-configs: (rows, warps, widest channel block) of the Pallas conv's tile; the first is the default
 CONV_CONFIGS = ((32, 4, 128), (32, 4, 256), (32, 4, 512), (64, 4, 256), (32, 8, 256), (64, 8, 512), (16, 4, 256))
 NO_GATHER = " (dispatch, then GEMM)"
-FUSED_CONV = " (conv in GDN prep)"
-MERGED_QKV = " (q, k, v one GEMM)"
 SEPARATE_PROJECTION = " (router, shared expert, its gate apart)"
 DEFAULT_PARTS = ("linear", "gdn", "full", "attention", "moe")
 # What each variant's change can reach (the rest would time the defaults again): the routing every MoE layer, the
-# dispatch and combine the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the
-# attention mixer.
+# dispatch the MoE (timed in the linear-attention layer), the conv the GDN mixer, the norm + RoPE the attention
+# mixer.
 VARIANT_PARTS = {XLA_ROUTING: ("linear", "gdn", "full", "moe"), XLA_DISPATCH: ("linear", "moe"),
-                 NO_GATHER: ("linear", "moe"),
-                 PALLAS_COMBINE: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
-                 FUSED_CONV: ("linear", "gdn"), XLA_NORM_ROPE: ("full", "attention"),
-                 MERGED_QKV: ("full", "attention"), SEPARATE_PROJECTION: ("linear", "moe")}
-# name -> (row suffix, environment): each changes one choice of the defaults
-VARIANTS = {"routing": (XLA_ROUTING, {"JAX_DWDP_ROUTING": "xla"}),
-            "no_gather": (NO_GATHER, {"JAX_DWDP_MOE_GATHER": "0"}),  # the Pallas dispatch, then the TMA GEMM
-            "dispatch": (XLA_DISPATCH, {"JAX_DWDP_DISPATCH": "xla", "JAX_DWDP_MOE_GATHER": "0"}),
-            "combine": (PALLAS_COMBINE, {"JAX_DWDP_COMBINE": "pallas"}),
-            "gdn_conv": (FUSED_CONV, {"JAX_DWDP_GDN_CONV": "fused"}),  # the conv inside the GDN prep kernel
-            "conv": (PALLAS_CONV, {"JAX_DWDP_CONV": "pallas"}),  # (the default from 8,192 tokens: a no-op there)
-            "xla_conv": (XLA_CONV, {"JAX_DWDP_CONV": "xla"}),  # (the default below 8,192 tokens)
-            "norm_rope": (XLA_NORM_ROPE, {"JAX_DWDP_NORM_ROPE": "xla"}),
-            "merge_qkv": (MERGED_QKV, {"JAX_DWDP_MERGE_QKV": "1"}),  # XLA's dot merger on q, k, v (the old path)
+                 NO_GATHER: ("linear", "moe"), PALLAS_CONV: ("linear", "gdn"), XLA_CONV: ("linear", "gdn"),
+                 XLA_NORM_ROPE: ("full", "attention"), SEPARATE_PROJECTION: ("linear", "moe")}
+# name -> (row suffix, KernelChoices changes): each changes one choice of the defaults
+VARIANTS = {"routing": (XLA_ROUTING, {"routing": "xla"}),
+            "no_gather": (NO_GATHER, {"moe_gather": False}),  # the Pallas dispatch, then the TMA GEMM
+            "dispatch": (XLA_DISPATCH, {"dispatch": "xla", "moe_gather": False}),
+            "conv": (PALLAS_CONV, {"conv": "pallas"}),  # (the default from 8,192 tokens: a no-op there)
+            "xla_conv": (XLA_CONV, {"conv": "xla"}),  # (the default below 8,192 tokens)
+            "norm_rope": (XLA_NORM_ROPE, {"norm_rope": "xla"}),
             # the MoE block's token projections as XLA merges them (router + shared gate / up; the gate a GEMV)
-            "separate_projection": (SEPARATE_PROJECTION, {"JAX_DWDP_MOE_MERGED_PROJECTION": "0"})}
+            "separate_projection": (SEPARATE_PROJECTION, {"moe_merged_projection": False})}
 
 
 @contextlib.contextmanager
@@ -345,20 +326,6 @@ def _patched(module, **values):
     finally:
         for k, v in old.items():
             setattr(module, k, v)
-
-
-@contextlib.contextmanager
-def _environment(values: dict):
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _attention_alternatives(scale: float) -> dict:

@@ -23,9 +23,9 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gdn import wall_ms  # noqa: E402
-from bench_layer_parts import _environment, _patched  # noqa: E402
+from bench_layer_parts import _patched  # noqa: E402
 from jax_dwdp.config import ModelConfig  # noqa: E402
-from jax_dwdp.model import init_model  # noqa: E402
+from jax_dwdp.model import init_model, with_kernels  # noqa: E402
 from jax_dwdp.model import moe as moe_mod  # noqa: E402
 
 
@@ -40,20 +40,19 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = cfg.replace(num_hidden_layers=cfg.full_attention_interval)
     model = init_model(cfg, dtype=jnp.bfloat16, seed=0)
     layer = next(lay for lay in model.layers if lay.layer_type == "linear_attention")
-    graph, state = nnx.split(layer.mlp)
-    kr = moe_mod.kernels
-    comb = kr.combine_rows
-    barrier_combine = lambda y, i, w, add=None, **k: comb(*lax.optimization_barrier((y, i, w, add)), **k)  # noqa: E731
+    comb = moe_mod.combine_rows
+    barrier_combine = lambda y, i, w, add=None: comb(*lax.optimization_barrier((y, i, w, add)))  # noqa: E731
+    # name -> (KernelChoices changes, a context around the trace)
     variants = {
-        "default": contextlib.nullcontext,
-        "barrier before combine": lambda: _patched(kr, combine_rows=barrier_combine),
-        "XLA dispatch": lambda: _environment({"JAX_DWDP_DISPATCH": "xla"}),
-        "Pallas combine": lambda: _environment({"JAX_DWDP_COMBINE": "pallas"}),
+        "default": ({}, contextlib.nullcontext),
+        "barrier before combine": ({}, lambda: _patched(moe_mod, combine_rows=barrier_combine)),
+        "XLA dispatch": ({"dispatch": "xla"}, contextlib.nullcontext),
     }
     rng = np.random.default_rng(0)
     print(f"{'variant':<26}" + "".join(f"{t:>10}" for t in args.tokens), flush=True)
     results = {}
-    for name, ctx in variants.items():
+    for name, (changes, ctx) in variants.items():
+        graph, state = nnx.split(with_kernels(layer.mlp, model.kernels.replace(**changes)))
         row = []
         for t in args.tokens:
             x = jnp.asarray(rng.standard_normal((1, t, cfg.hidden_size)) * 0.5, jnp.bfloat16)
