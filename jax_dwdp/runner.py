@@ -313,22 +313,15 @@ class _Profiled(_Programs):
 
 
 def mixer_body(graph: StaticGraph, state, h, positions, lengths, layer_cache=None):
-    """A decoder layer's first half (DecoderLayer.__call__ up to the MoE): h + attention or GDN of norm(h)."""
+    """A decoder layer's first half (DecoderLayer.mix)."""
     with precision_scope(h.dtype):
-        layer = nnx.merge(graph.value, state)
-        normed = layer.input_layernorm(h)
-        if hasattr(layer, "linear_attn"):
-            mixed, cache = layer.linear_attn(normed, lengths, layer_cache)
-        else:
-            mixed, cache = layer.self_attn(normed, positions, layer_cache)
-        return h + mixed, cache
+        return nnx.merge(graph.value, state).mix(h, positions, lengths, layer_cache)
 
 
 def moe_body(graph: StaticGraph, source, state, x, pending):
-    """A decoder layer's second half: x + MoE(norm(x)) with the experts from `source`."""
+    """A decoder layer's second half (DecoderLayer.moe) with the experts from `source`."""
     with precision_scope(x.dtype):
-        layer = nnx.merge(graph.value, state)
-        return x + layer.mlp(layer.post_attention_layernorm(x), source.experts(pending))
+        return nnx.merge(graph.value, state).moe(x, source.experts(pending))
 
 
 run_mixer = jax.jit(mixer_body, static_argnums=(0,))

@@ -45,7 +45,7 @@ from flax import nnx
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
 from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
-from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length
+from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length, kv_entry
 from jax_dwdp.devices import place
 from jax_dwdp.prefill import check_tokens
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
@@ -239,10 +239,7 @@ class ScannedModel:
 def _layer(kind: str, graph: StaticGraph, state, h, positions, lengths, cache_len: int):
     """One layer; its K/V padded to cache_len (the Cache layout), its conv / recurrent state as it is."""
     h, out = nnx.merge(graph.value, state)(h, positions, lengths)
-    if kind == FULL_ATTENTION and cache_len != h.shape[1]:  # K, V [B, T, nkv, hd]
-        pad = ((0, 0), (0, cache_len - h.shape[1]), (0, 0), (0, 0))
-        out = (jnp.pad(out[0], pad), jnp.pad(out[1], pad))
-    return h, out
+    return h, (kv_entry(out, cache_len) if kind == FULL_ATTENTION else out)
 
 
 @functools.partial(jax.jit, static_argnums=tuple(range(8)))

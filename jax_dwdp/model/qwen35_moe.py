@@ -57,6 +57,16 @@ def _positions(h, b: int, t: int):
     return positions
 
 
+def kv_entry(kv: tuple[jax.Array, jax.Array], cache_len: int) -> tuple[jax.Array, jax.Array]:
+    """A full-attention layer's K, V [B, T, nkv, hd] as its Cache entry: padded to cache_len positions. The one
+    place the layer-wise loop (forward_layers) and the scanned program (jax_dwdp.scan) make it."""
+    t = kv[0].shape[1]
+    if cache_len == t:  # (an eager pad by nothing would still enqueue a copy of K and V)
+        return kv
+    pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
+    return jnp.pad(kv[0], pad), jnp.pad(kv[1], pad)
+
+
 def cache_length(tokens: int, cache_len: int | None) -> int:
     """The K/V cache's length for a prompt of `tokens`: cache_len (room for later tokens) or the prompt's own."""
     length = tokens if cache_len is None else cache_len
@@ -149,16 +159,24 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, lengths, experts=None, cache=None):
         """`positions` [B, T], or None for 0..T-1 in every sequence. `cache`: this layer's entries of an earlier
-        prefill of the same sequences ((K, V) or (conv, recurrent)), which the tokens continue; returned updated."""
+        prefill of the same sequences ((K, V) or (conv, recurrent)), which the tokens continue; returned updated.
+        `experts`: what the layer's MoE computes with instead of its own expert weights (an expert source's)."""
         with jax.named_scope(f"layer{self.layer_id}_{self.layer_type}"):
-            h = self.input_layernorm(x)
-            if self.layer_type == LINEAR_ATTENTION:
-                mixed, cache = self.linear_attn(h, lengths, cache)
-            else:
-                mixed, cache = self.self_attn(h, positions, cache)
-            x = x + mixed
-            x = x + self.mlp(self.post_attention_layernorm(x), experts)
-        return x, cache
+            x, cache = self.mix(x, positions, lengths, cache)
+            return self.moe(x, experts), cache
+
+    def mix(self, x, positions, lengths, cache=None):
+        """The layer's first half: x + attention or Gated DeltaNet of norm(x); (x, the layer's cache)."""
+        h = self.input_layernorm(x)
+        if self.layer_type == LINEAR_ATTENTION:
+            mixed, cache = self.linear_attn(h, lengths, cache)
+        else:
+            mixed, cache = self.self_attn(h, positions, cache)
+        return x + mixed, cache
+
+    def moe(self, x, experts=None):
+        """The layer's second half: x + MoE(norm(x)), with `experts` in place of its own when given."""
+        return x + self.mlp(self.post_attention_layernorm(x), experts)
 
     def decode(self, x, position, cache):
         h = self.input_layernorm(x)
@@ -273,16 +291,10 @@ class Qwen35MoeForCausalLM(nnx.Module):
             if layer.layer_type == LINEAR_ATTENTION:
                 convs.append(out[0])
                 states.append(out[1])
-            elif cache is not None:  # already the whole cache, the new positions written in
-                keys.append(out[0])
-                values.append(out[1])
-            elif cache_len == t:  # (an eager pad by nothing would still enqueue a copy of K and V)
-                keys.append(out[0])
-                values.append(out[1])
-            else:
-                pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
-                keys.append(jnp.pad(out[0], pad))
-                values.append(jnp.pad(out[1], pad))
+            else:  # (continuing a cache: already the whole cache, the new positions written in)
+                key, value = out if cache is not None else kv_entry(out, cache_len)
+                keys.append(key)
+                values.append(value)
         held = lengths if cache is None else cache.lengths + lengths
         return h, self._stack_cache(keys, values, convs, states, held, b, cache_len)
 
