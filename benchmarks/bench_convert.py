@@ -1,15 +1,14 @@
 """HF -> Orbax conversion speed and memory on a checkpoint of >= 1 GB that this script writes itself.
 
-    python benchmarks/bench_convert.py --workdir /tmp/convert_bench [--layers 8] [--reps 3] [--variants default,no_page_reuse]
+    python benchmarks/bench_convert.py --workdir /tmp/convert_bench [--layers 8] [--reps 3]
 
 Writes a random bf16 Qwen3.5-MoE checkpoint (two safetensors shards with an index), reads it twice with
 `cat FILES > /dev/null` (raw read rate; the second read is the page-cache rate the converter also sees), writes the
 same number of bytes twice with `dd ... conv=fsync` (raw durable write rate: a conversion writes as much as it
 reads; the first write lands in memory the VM has to back afresh, the second reuses the first's pages), then runs
-`jax-dwdp convert` in a subprocess --reps times per variant (default: the converter as shipped, the same writing
-OCDBT, and the converter as it was before page reuse and plain zarr; see --variants), interleaved with the order reversed every other round, each after a
---pause (freed pages go back to the VM's host) and followed by `sync` (counted) and by deleting its output, and
-reports the median GB/s of each with every run, the ratios to the raw rates, and peak RSS.
+`jax-dwdp convert` in a subprocess --reps times, each after a --pause (freed pages go back to the VM's host) and
+followed by `sync` (counted) and by deleting its output, and reports the median GB/s with every run, the ratios to
+the raw rates, and peak RSS.
 """
 
 from __future__ import annotations
@@ -79,11 +78,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/jax_dwdp_convert_bench"))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--variants", default="default,ocdbt,previous",
-                    help="comma list of: default, no_page_reuse (JAX_DWDP_CONVERT_PAGE_REUSE=0), ocdbt "
-                         "(JAX_DWDP_CONVERT_OCDBT=1), previous (both: the converter before page reuse and plain "
-                         "zarr)")
-    ap.add_argument("--reps", type=int, default=3, help="conversions per variant")
+    ap.add_argument("--reps", type=int, default=3, help="conversions")
     ap.add_argument("--pause", type=float, default=4.0, help="seconds to wait before each conversion")
     args = ap.parse_args()
     cfg = ModelConfig(vocab_size=32000, hidden_size=1024, num_hidden_layers=args.layers, num_attention_heads=8,
@@ -109,42 +104,34 @@ def main() -> None:
                         "conv=fsync"], check=True, capture_output=True)
         writes.append(nbytes / 1e9 / (time.perf_counter() - t0))
         scratch.unlink()
-    variants = {"default": {}, "no_page_reuse": {"JAX_DWDP_CONVERT_PAGE_REUSE": "0"},
-                "ocdbt": {"JAX_DWDP_CONVERT_OCDBT": "1"},
-                "previous": {"JAX_DWDP_CONVERT_OCDBT": "1", "JAX_DWDP_CONVERT_PAGE_REUSE": "0"}}
-    chosen = args.variants.split(",")
-    converts = {v: [] for v in chosen}
-    for rep in range(args.reps):  # interleaved, order reversed every other round: load changes between runs
-        for name in (chosen if rep % 2 == 0 else chosen[::-1]):
-            out = args.workdir / "orbax"
-            time.sleep(args.pause)  # freed pages go back to the host, as before a conversion on a quiet machine
-            env = dict(os.environ, **variants[name])
-            proc = subprocess.run([sys.executable, "-m", "jax_dwdp.cli", "convert", str(hf), str(out), "--json"],
-                                  capture_output=True, text=True, check=True, env=env)
-            summary = json.loads(proc.stdout.strip().splitlines()[-1])
-            t0 = time.perf_counter()
-            os.sync()  # count what the converter left unflushed
-            summary["gb_per_s_synced"] = summary["bytes"] / 1e9 / (summary["seconds"] + time.perf_counter() - t0)
-            converts[name].append(summary)
-            print(f"{name}: {summary['gb_per_s_synced']:.3f} GB/s, peak RSS "
-                  f"{summary['peak_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-            shutil.rmtree(out)
-    med = {k: statistics.median(s["gb_per_s_synced"] for s in v) for k, v in converts.items()}
-    first = chosen[0]
+    runs = []
+    for _ in range(args.reps):
+        out = args.workdir / "orbax"
+        time.sleep(args.pause)  # freed pages go back to the host, as before a conversion on a quiet machine
+        proc = subprocess.run([sys.executable, "-m", "jax_dwdp.cli", "convert", str(hf), str(out), "--json"],
+                              capture_output=True, text=True, check=True)
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        t0 = time.perf_counter()
+        os.sync()  # count what the converter left unflushed
+        summary["gb_per_s_synced"] = summary["bytes"] / 1e9 / (summary["seconds"] + time.perf_counter() - t0)
+        runs.append(summary)
+        print(f"convert: {summary['gb_per_s_synced']:.3f} GB/s, peak RSS "
+              f"{summary['peak_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+        shutil.rmtree(out)
+    med = statistics.median(s["gb_per_s_synced"] for s in runs)
     result = {"checkpoint_gb": round(nbytes / 1e9, 3), "raw_read_gb_per_s_first": round(reads[0], 3),
               "raw_read_gb_per_s_second": round(reads[1], 3),
               "raw_write_fsync_gb_per_s_first": round(writes[0], 3),
               "raw_write_fsync_gb_per_s_second": round(writes[1], 3),
               "pause_s": args.pause,
-              "convert": {k: {"gb_per_s_median": round(med[k], 3),
-                              "gb_per_s_runs": [round(s["gb_per_s_synced"], 3) for s in v],
-                              "seconds_runs": [s["seconds"] for s in v],
-                              "peak_rss_mib_runs": [round(s["peak_rss_bytes"] / 2**20) for s in v]}
-                          for k, v in converts.items()},
-              "convert_gb_per_s": round(med[first], 3),
-              "convert_vs_raw_read_second": round(med[first] / reads[1], 3),
-              "convert_vs_raw_write_second": round(med[first] / writes[1], 3),
-              "peak_rss_mib": max(round(s["peak_rss_bytes"] / 2**20) for s in converts[first]),
+              "convert": {"gb_per_s_median": round(med, 3),
+                          "gb_per_s_runs": [round(s["gb_per_s_synced"], 3) for s in runs],
+                          "seconds_runs": [s["seconds"] for s in runs],
+                          "peak_rss_mib_runs": [round(s["peak_rss_bytes"] / 2**20) for s in runs]},
+              "convert_gb_per_s": round(med, 3),
+              "convert_vs_raw_read_second": round(med / reads[1], 3),
+              "convert_vs_raw_write_second": round(med / writes[1], 3),
+              "peak_rss_mib": max(round(s["peak_rss_bytes"] / 2**20) for s in runs),
               "largest_tensor_mib": round(max(math.prod(s) * 2 for s in [(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size), (cfg.vocab_size, cfg.hidden_size)]) / 2**20)}
     print(json.dumps(result))
     if args.out:

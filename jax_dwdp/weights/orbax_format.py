@@ -86,7 +86,7 @@ def describe(relpath: str) -> str:
 
 
 def checkpointer(use_ocdbt: bool = True):
-    """use_ocdbt only matters for saving (restore detects the format). Conversion saves without OCDBT by default:
+    """use_ocdbt only matters for saving (restore detects the format). Conversion saves without OCDBT:
     each array is a zarr folder with one file per chunk (an expert per file for expert tensors), which keeps the
     partial restore layout and wrote faster on the CPU machine (benchmarks/RESULTS.md)."""
     import orbax.checkpoint as ocp  # imported here: orbax pulls in a lot at import time

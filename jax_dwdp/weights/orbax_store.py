@@ -8,15 +8,13 @@ layer at a time, writes each layer as one Orbax item into the partial folder, ch
 (page reuse, below), then writes the marker and publishes; `load_orbax_checkpoint` restores any layer range with
 the caller's placement, checking the checksums of the files it reads and noticing a folder replaced meanwhile.
 
-Two switches, read once per conversion (`_switches`), keep the converter's earlier variants measurable
-(benchmarks/bench_convert.py): JAX_DWDP_CONVERT_OCDBT=1 writes items in Orbax's OCDBT format (restore reads either)
-and JAX_DWDP_CONVERT_PAGE_REUSE=0 turns page reuse off. Both default to the variant measured fastest.
+Items are written as plain zarr with page reuse, the fastest the CPU machine measured (benchmarks/RESULTS.md);
+restore also reads items in Orbax's OCDBT format, that of older jax_dwdp checkpoints.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import errno
 import json
 import logging
@@ -25,7 +23,6 @@ import re
 import resource
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -40,36 +37,6 @@ from jax_dwdp.weights.orbax_format import (FORMAT, FORMAT_VERSION, MARKER, check
                                            read_marker, restore_error, silence_orbax_leftover_reads,
                                            silence_orbax_leftover_writes, to_tree)
 from jax_dwdp.weights.safetensors_reader import DTYPES, CheckpointError, SafetensorsCheckpoint
-
-# Not used here: jax_dwdp/cli.py and jax_dwdp/parallel/ import these from this module. Their home is the package
-# (jax_dwdp.weights) and the modules named here.
-from jax_dwdp.weights.integrity import checksums_checked, verify_checkpoint  # noqa: F401
-from jax_dwdp.weights.orbax_format import is_orbax_checkpoint  # noqa: F401
-
-_OCDBT = "JAX_DWDP_CONVERT_OCDBT"
-_PAGE_REUSE = "JAX_DWDP_CONVERT_PAGE_REUSE"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Switches:
-    """ocdbt: write items in Orbax's OCDBT format (Orbax's default, the format of older jax_dwdp checkpoints)
-    instead of plain zarr, one file per chunk, which the CPU machine wrote 19-44% faster. page_reuse: see
-    _drop_written_pages and _KeepFreedMemory."""
-
-    ocdbt: bool = False
-    page_reuse: bool = True
-
-
-def _switches(environ: Mapping[str, str] = os.environ) -> _Switches:
-    """The converter's switches from the environment, or CheckpointError naming a variable whose value is not 0
-    or 1 (unset or empty: the default)."""
-    def flag(name: str, default: bool) -> bool:
-        value = environ.get(name, "")
-        if value not in ("", "0", "1"):
-            raise CheckpointError(f"{name}={value!r}: expected 0 or 1 (unset: {int(default)})")
-        return default if value == "" else value == "1"
-
-    return _Switches(ocdbt=flag(_OCDBT, False), page_reuse=flag(_PAGE_REUSE, True))
 
 
 def _after_layer_saved(layer_id: int) -> None:
@@ -188,16 +155,15 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, 
     conversion that fails, is interrupted or is killed leaves no folder there. A write that fails (a full disk, a
     read-only location) is one CheckpointError naming what was being written.
     """
-    switches = _switches()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     publish.refuse_overlap(hf_dir, out_dir)
     cfg = load_config(hf_dir)
     with _QuietAbsl(), publish.DeferInterrupt() as interrupt, publish.destination(out_dir, overwrite) as dest:
-        return _convert_into(hf_dir, dest, cfg, None if dtype is None else jnp.dtype(dtype), switches,
+        return _convert_into(hf_dir, dest, cfg, None if dtype is None else jnp.dtype(dtype),
                              sys.stderr if progress == "stderr" else progress, interrupt)
 
 
-def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dtype, switches: _Switches, progress,
+def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dtype, progress,
                   interrupt: publish.DeferInterrupt) -> dict:
     """Writes the checkpoint into dest.partial and publishes it; dest removes the partial folder when this fails."""
     bar_open = False  # a progress line without its newline yet
@@ -209,7 +175,7 @@ def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dty
     files: dict[str, list[int]] = {}  # every file's [size, crc32], for the marker
     crc_seconds = 0.0
     source = ckpt = None
-    keep = _KeepFreedMemory() if switches.page_reuse else None
+    keep = _KeepFreedMemory()
 
     writing = tmp.name  # what a failed write was writing, for its message
 
@@ -220,17 +186,15 @@ def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dty
         t = time.perf_counter()
         files.update(integrity.checksum_item(tmp, item))  # its pages are still cached: no disk read
         crc_seconds += time.perf_counter() - t
-        if switches.page_reuse:
-            _drop_written_pages(item)
+        _drop_written_pages(item)
         interrupt.check()
 
     silence_orbax_leftover_writes()
     try:
         tmp.mkdir()
-        if keep is not None:
-            keep.__enter__()
+        keep.__enter__()
         source = SafetensorsCheckpoint(hf_dir)  # every shard header parsed once, kept across the layers
-        ckpt = checkpointer(use_ocdbt=switches.ocdbt)
+        ckpt = checkpointer(use_ocdbt=False)
         placement = _host_cpu_placement()
         n = cfg.num_hidden_layers
         for layer_id in range(n):
@@ -290,8 +254,7 @@ def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dty
             ckpt.close()
         if source is not None:
             source.close()
-        if keep is not None:
-            keep.__exit__(None, None, None)
+        keep.__exit__(None, None, None)
     if summary["non_finite"]:
         print(f"warning: {hf_dir}: {integrity.nonfinite_line(summary['non_finite'])}; converted as they are (a "
               "prefill with them gives NaN logits)", file=sys.stderr, flush=True)
