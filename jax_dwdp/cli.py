@@ -32,7 +32,6 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 DEFAULT_BATCH, DEFAULT_SEQ_LEN = 1, 128
 DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
-NATIVE_LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "GRPC_VERBOSITY": "ERROR"}  # XLA / gRPC: errors only (3 hides fatal ones too)
 BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError")
 
 
@@ -330,7 +329,7 @@ def cmd_prefill(args) -> dict:
     logits, caches = result.pop("logits"), result.pop("caches")
     finite = bool(np.isfinite(np.asarray(logits)).all())
     if not finite:
-        _warn_not_finite(logits, caches)
+        print(f"warning: {driver.not_finite(logits, caches)}", file=sys.stderr)
     if args.logits_out is not None:
         from jax_dwdp.outputs import save_npy_atomically
 
@@ -343,19 +342,6 @@ def _build_status() -> str:
     from jax_dwdp.native import build_status
 
     return build_status()
-
-
-def _warn_not_finite(logits, caches) -> None:
-    """One stderr line for logits that hold NaN or Inf: how many, and the first layer whose cache does."""
-    from jax_dwdp.driver import first_non_finite_layer
-
-    values = np.asarray(logits)
-    bad = int(values.size - np.isfinite(values).sum())
-    first = first_non_finite_layer(caches)
-    where = (f"; the first layer whose cache holds such values is layer {first}" if first is not None else
-             "; every layer's cache is finite, so they arose in the final norm or the head")
-    print(f"warning: the logits are not finite ({bad} of {values.size} values NaN or Inf){where}; are the weights "
-          "finite? (`jax-dwdp verify` checks a converted checkpoint)", file=sys.stderr)
 
 
 def cmd_plan(args) -> dict:
@@ -395,15 +381,6 @@ def cmd_verify(args) -> dict:
 COMMANDS = {"prefill": cmd_prefill, "plan": cmd_plan, "convert": cmd_convert, "verify": cmd_verify}
 
 
-def _ensure_cpu_devices(args) -> None:
-    """A CPU-only run of P stages x N ranks needs P x N host devices, which XLA creates only if told before jax
-    starts; the flag is ignored by GPU backends."""
-    need = getattr(args, "pipeline", 1) * max(getattr(args, "dwdp", 1), getattr(args, "dep", 1))
-    flags = os.environ.get("XLA_FLAGS", "")
-    if need > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
-
-
 def _check_processes(args) -> None:
     """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
     n = args.num_processes
@@ -433,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.die_with_parent()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    quiet_native_logs(args.verbose)
+    distributed.quiet_native_logs(args.verbose)
     if args.command == "prefill":
         launcher = args.num_processes > 1 and args.process_id is None
         try:
@@ -461,14 +438,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def quiet_native_logs(verbose: bool) -> None:
-    """Keeps XLA's and gRPC's own log lines (below fatal) off stderr unless --verbose, where the user has not chosen
-    a level; must run before jax starts (the entry script calls it before importing jax)."""
-    if not verbose:
-        for name, value in NATIVE_LOG_ENV.items():
-            os.environ.setdefault(name, value)
-
-
 def _main(args) -> int:
     if getattr(args, "process_id", None) is not None:  # (the process options were checked by main)
         # Native libraries print to file descriptor 1 (gloo: "Rank i is connected ..."): point it at stderr and keep
@@ -480,7 +449,8 @@ def _main(args) -> int:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.process_timeout)
         args.quiet = args.process_id != 0  # process 0 reports progress
     else:
-        _ensure_cpu_devices(args)
+        distributed.ensure_host_devices(getattr(args, "pipeline", 1) * max(getattr(args, "dwdp", 1),
+                                                                           getattr(args, "dep", 1)))
     try:
         result = COMMANDS[args.command](args)
     except Exception as e:

@@ -82,6 +82,25 @@ class NativeLogFilter:
                 out.flush()
 
 
+NATIVE_LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "GRPC_VERBOSITY": "ERROR"}  # errors only (3 hides fatal ones too)
+
+
+def quiet_native_logs(verbose: bool) -> None:
+    """Keeps XLA's and gRPC's own log lines (below fatal) off stderr unless `verbose`, where the user has not chosen
+    a level; must run before jax starts (the entry script calls it before importing jax)."""
+    if not verbose:
+        for name, value in NATIVE_LOG_ENV.items():
+            os.environ.setdefault(name, value)
+
+
+def ensure_host_devices(need: int) -> None:
+    """A CPU-only run over `need` devices needs that many host devices, which XLA creates only if told before its
+    backend starts; the flag is ignored by GPU backends."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if need > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
+
+
 def check_options(num_processes: int, coordinator: str | None, process_id: int | None, timeout_s: float) -> None:
     """A launch's options on their own (the CLI's --num-processes, --coordinator, --process-id, --process-timeout):
     a consistent set; a ValueError naming the option otherwise."""

@@ -284,6 +284,17 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def not_finite(logits, caches) -> str:
+    """What to tell of logits that hold NaN or Inf: how many, and the first layer whose cache does."""
+    values = np.asarray(logits)
+    bad = int(values.size - np.isfinite(values).sum())
+    first = first_non_finite_layer(caches)
+    where = (f"; the first layer whose cache holds such values is layer {first}" if first is not None else
+             "; every layer's cache is finite, so they arose in the final norm or the head")
+    return (f"the logits are not finite ({bad} of {values.size} values NaN or Inf){where}; are the weights finite? "
+            "(`jax-dwdp verify` checks a converted checkpoint)")
+
+
 def first_non_finite_layer(caches) -> int | None:
     """The first layer whose cache holds NaN or Inf (each layer's cache is computed from its input, so values went
     bad in that layer or, through its input, before it); None when every cache is finite."""

@@ -23,12 +23,12 @@ def main() -> int:
     previous = signal.getsignal(signal.SIGINT)
     if previous is not signal.SIG_IGN:  # an ignored SIGINT (a background job) stays ignored
         signal.signal(signal.SIGINT, _interrupted_while_starting)
-    from jax_dwdp import cli
+    from jax_dwdp import cli, distributed
 
     args = cli.build_parser().parse_args()
     if args.debug:
         signal.signal(signal.SIGINT, previous)  # --debug: a traceback, as the CLI gives
-    cli.quiet_native_logs(args.verbose)
+    distributed.quiet_native_logs(args.verbose)
     import jax  # noqa: F401  (the slow import, under the handler above)
 
     signal.signal(signal.SIGINT, previous)
