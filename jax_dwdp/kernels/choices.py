@@ -59,8 +59,9 @@ def env_var(field: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoices:
-    """One choice per kernel (see the module's docstring for the values and defaults). Build it with
-    `from_environment()` (what a model gets by default), `defaults(platform)`, or `replace(...)` of either."""
+    """One choice per kernel (values and defaults: `_VALUES`, `defaults`; the table: docs/kernels.md, "Kernel
+    choices"). Build it with `from_environment()` (what a model gets by default), `defaults(platform)`, or
+    `replace(...)` of either."""
 
     grouped_matmul: str  # the MoE grouped matmuls of half-type inputs (the CUTLASS kernel takes bf16 only: fp16
     # gets Mosaic when "cutlass" is chosen)
@@ -100,9 +101,10 @@ class KernelChoices:
     @classmethod
     def defaults(cls, platform: str | None = None) -> KernelChoices:
         """The defaults where the default backend is `platform` ('gpu', 'cpu', ...; default: this process's).
-        Only two differ by platform, because their GPU forms cannot be traced without a GPU (the CUTLASS library,
-        Mosaic GPU) or are not wanted on the CPU (the Pallas gated delta rule in its interpreter): the grouped
-        matmul and the gated delta rule."""
+        Two differ by platform: the grouped matmul (the CUTLASS call needs its library and a GPU backend to be
+        traced) and the gated delta rule (its Pallas kernels are left untraced where no GPU runs them, so a CPU
+        machine's programs hold the XLA form only). The others name their GPU kernel everywhere: it is chosen when
+        a program is lowered for CUDA, and a CPU lowering takes XLA's form."""
         gpu = (platform or default_platform()) == "gpu"
         if gpu:
             from jax_dwdp.kernels import _cutlass  # (a file check: nothing is loaded)
