@@ -85,6 +85,6 @@ class CMakeFfiBuild(build_ext):
 
 setup(
     # One placeholder extension: CMake builds every library of ffi/ into jax_dwdp/_lib/ next to it.
-    ext_modules=[Extension("jax_dwdp._lib._placeholder", sources=["ffi/dwdp_store/c_api.cc"])],
+    ext_modules=[Extension("jax_dwdp._lib._placeholder", sources=["ffi/dwdp_store/handlers.cc"])],
     cmdclass={"build_ext": CMakeFfiBuild},
 )

@@ -7,6 +7,8 @@
   read of the experts that does not wait for the copy would see NaN); the output stays finite and equal;
 - leak: 20 store set-up/tear-down cycles leave no CUDA object alive and return device free memory;
 - an injected CUDA error surfaces as a Python exception naming the call and the code, and the store still works.
+Poison, delay and injected errors come from tests/store_testing.py (the test-only handler library), not from the
+production store.
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ def _compare(cfg, dtype, rng, bound, *, poison=False):
         from jax.sharding import Mesh
 
         from jax_dwdp.parallel.placement import expert_blocks, place_model
-        from jax_dwdp.parallel.dwdp_ffi import ExpertStore
         from jax_dwdp.sources import FfiStoreSource
         from jax_dwdp.runner import StageRunner
+        from tests.store_testing import FaultyExpertStore
 
         mesh = Mesh(np.array(jax.devices()[:2]), ("dwdp",))
         placed = place_model(model, mesh)
-        with ExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, poison=True,
-                                      delay_copies=True) as store:
+        with FaultyExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, poison=True,
+                                            delay_ms=20) as store:
             runner = StageRunner(placed, FfiStoreSource(store, mesh), mesh=mesh)
             for _ in range(2):  # the second call reuses the store, its events and the compiled programs
                 ffi, ffi_cache = runner(tokens, lengths, cache_len=96)
@@ -100,7 +102,7 @@ def test_store_blocks_are_the_ranks_experts(rng):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_dwdp.parallel.dwdp_ffi import ExpertStore
+    from tests.store_testing import FaultyExpertStore
 
     devices = jax.devices()[:2]
     mesh = Mesh(np.array(devices), ("dwdp",))
@@ -108,7 +110,7 @@ def test_store_blocks_are_the_ranks_experts(rng):
     full = [[rng.standard_normal((e, *s)).astype(np.float32) for s in shapes] for _ in range(3)]
     padded = [[np.concatenate([w, np.zeros((1, *w.shape[1:]), w.dtype)]) for w in layer] for layer in full]
     sharded = [tuple(jax.device_put(w, NamedSharding(mesh, P("dwdp"))) for w in layer) for layer in padded]
-    with ExpertStore.from_sharded(sharded, e, poison=True) as store:
+    with FaultyExpertStore.from_sharded(sharded, e, poison=True) as store:
         for layer in range(3):
             run = jax.jit(jax.shard_map(lambda h, layer=layer: store.wait(store.prefetch(h, layer), h), mesh=mesh,
                                         in_specs=P("dwdp"), out_specs=(P("dwdp"), P("dwdp")), check_vma=False))
@@ -137,7 +139,8 @@ def test_twenty_setup_teardown_cycles_release_everything(rng):
     def cycle():
         sharded = [tuple(jax.device_put(jnp.asarray(w, jnp.bfloat16), spec) for w in layer) for layer in layers]
         with ExpertStore.from_sharded(sharded, 4) as store:
-            assert live_objects()["stores"] == 1 and live_objects()["allocations"] == 2 * 4 * 2
+            live = live_objects()
+            assert live["stores"] == 1 and live["allocations"] == 2 * 4 * 2 and live["contexts"] == 2, live
             for i in range(len(layers)):
                 run = jax.jit(jax.shard_map(lambda h, i=i: store.wait(store.prefetch(h, i), h), mesh=mesh,
                                             in_specs=P("dwdp"), out_specs=(P("dwdp"), P("dwdp")), check_vma=False))
@@ -158,9 +161,11 @@ def test_twenty_setup_teardown_cycles_release_everything(rng):
 
 
 def test_injected_cuda_error_raises_and_store_recovers(rng):
+    from tests.store_testing import FaultyFfiBackend
+
     model = init_model(SMALL, dtype=jnp.float32, seed=5)
     tokens, lengths = _tokens(rng, SMALL, 2, 32)
-    with Pipeline.from_model(model, 1, dwdp=2, experts="ffi") as pipe:
+    with Pipeline.from_model(model, 1, dwdp=2, experts=FaultyFfiBackend()) as pipe:
         good, _ = pipe.prefill(tokens, lengths)
         good = np.asarray(good)
         pipe.stores[0].inject_error(2)  # CUDA_ERROR_OUT_OF_MEMORY

@@ -8,6 +8,7 @@ NVLinked GPUs) and skips without a GPU (JAX_DWDP_TEST_GPU=1 on a GPU machine).
 - each process ends with no live CUDA object of the store (allocations, mappings, ranges, streams, events, stores);
 - importing the same peer twice is a clear error; ranks of different configurations fail on both sides, naming
   the difference.
+The NaN-poisoned destinations come from tests/store_testing.py (the test-only handler library).
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ def _worker(job: str, rank: int, world: int, layers: int, queue, gone=None, shap
     try:
         import jax.numpy as jnp
 
-        from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore, StoreError, live_objects
+        from jax_dwdp.parallel.dwdp_ffi import StoreError, live_objects
         from jax_dwdp.parallel.fd_exchange import FdExchange
+        from tests.store_testing import FaultyProcessExpertStore
 
         dev = jax.devices()[0]
         report = {}
         with FdExchange(job, rank, world, timeout_s=120) as fx:
-            store = ProcessExpertStore(dev, rank, world, layers, EXPERTS, shapes, jnp.float32, poison=True)
+            store = FaultyProcessExpertStore(dev, rank, world, layers, EXPERTS, shapes, jnp.float32, poison=True)
             slots = store.layout.slots_per_rank
             for layer in range(layers):
                 for w in range(2):
@@ -156,23 +158,24 @@ def test_process_store_bad_arguments():
             ProcessExpertStore.from_sharded([], 4)
         from jax_dwdp.parallel.dwdp_ffi import ExpertStore
 
-        with pytest.raises(Exception, match="rank 1's blocks are not mapped here yet"):  # the library's own check
+        with pytest.raises(Exception, match="rank 1's blocks are not mapped here yet"):  # the base class's own check
             jax.block_until_ready(jax.jit(lambda d: ExpertStore.prefetch(store, d, 0))(jnp.ones(2)))
     finally:
         store.close()
 
 
 def test_single_process_store_on_one_gpu():
-    """The one-process store (Build, the handlers) on one device: a rank's blocks come back exactly, poisoned
+    """The one-process store (VmmStore.build, the handlers) on one device: a rank's blocks come back exactly, poisoned
     destinations and all; nothing is left alive after close."""
     import jax.numpy as jnp
 
-    from jax_dwdp.parallel.dwdp_ffi import ExpertStore, live_objects
+    from jax_dwdp.parallel.dwdp_ffi import live_objects
+    from tests.store_testing import FaultyExpertStore
 
     dev = jax.devices()[0]
     blocks = [[[jax.device_put(_block(0, layer, w, EXPERTS), dev)] for w in range(2)] for layer in range(2)]
     want = [[np.asarray(blocks[layer][w][0]) for w in range(2)] for layer in range(2)]
-    with ExpertStore.from_blocks([dev], blocks, EXPERTS, poison=True) as store:
+    with FaultyExpertStore.from_blocks([dev], blocks, EXPERTS, poison=True) as store:
         for layer in range(2):
             got = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(jnp.ones(3))
             for w in range(2):
@@ -191,8 +194,9 @@ def _cycles_worker(job: str, rank: int, world: int, cycles: int, queue) -> None:
     try:
         import jax.numpy as jnp
 
-        from jax_dwdp.parallel.dwdp_ffi import ProcessExpertStore, device_memory, live_objects
+        from jax_dwdp.parallel.dwdp_ffi import device_memory, live_objects
         from jax_dwdp.parallel.fd_exchange import FdExchange
+        from tests.store_testing import FaultyProcessExpertStore
 
         dev = jax.devices()[0]
         layers = 3
@@ -206,8 +210,8 @@ def _cycles_worker(job: str, rank: int, world: int, cycles: int, queue) -> None:
 
         def cycle(n: int) -> None:
             with FdExchange(f"{job}-{n}", rank, world, timeout_s=120) as fx:
-                store = ProcessExpertStore(dev, rank, world, layers, 2 * world, CYCLE_SHAPES, jnp.bfloat16,
-                                           poison=True)
+                store = FaultyProcessExpertStore(dev, rank, world, layers, 2 * world, CYCLE_SHAPES, jnp.bfloat16,
+                                                 poison=True)
                 try:
                     for layer in range(layers):
                         for w in range(2):

@@ -26,7 +26,8 @@ LAYERS = [
 
 # Imported inside functions on purpose: CUDA-only code, loaded when a GPU path is chosen (importing jax_dwdp must
 # work without CUDA).
-LAZY = {"jax_dwdp.kernels.gdn_pallas", "jax_dwdp.kernels._cutlass", "jax_dwdp.parallel.dwdp_ffi"}
+LAZY = {"jax_dwdp.kernels.gdn_pallas", "jax_dwdp.kernels._cutlass", "jax_dwdp.parallel.dwdp_ffi",
+        "jax_dwdp.parallel.cuda_vmm"}
 # The command line answers --help and bad input before jax (a second to import) is loaded: its imports of the
 # library are deferred to the command that needs them.
 DEFERRING = {"jax_dwdp.cli", "jax_dwdp.entry"}

@@ -1,23 +1,26 @@
 """The CUDA side of DWDP: an expert store in CUDA VMM memory and the two XLA FFI custom calls that read it.
 
-Nothing here is imported by `import jax_dwdp`; the library (ffi/dwdp_store/, built into jax_dwdp/_lib/) and the
-NVIDIA driver are loaded only when an `ExpertStore` is made.
+Nothing here is imported by `import jax_dwdp`; cuda.bindings (the store's driver calls, `cuda_vmm`), the handler
+library (ffi/dwdp_store/, built into jax_dwdp/_lib/) and the NVIDIA driver are loaded only when an `ExpertStore` is
+made.
 
 - `ExpertStore(devices, layers, ...)`: rank r's block of every (layer, weight) lives in a cuMemCreate allocation
   on devices[r]; one composite virtual address per (layer, weight) shows all ranks' blocks, contiguous when a
   block is a multiple of the 2 MiB allocation granularity, to every device of the store (peer reads over NVLink).
+  Python makes and releases every CUDA object (`cuda_vmm.VmmStore`).
 - `store.prefetch(dep, layer)` (inside shard_map): returns the layer's full (gate_up [E, 2I, H], down [E, H, I])
   in fresh XLA buffers, filled by a copy stream that starts after everything XLA enqueued before the call.
 - `store.wait(experts, after)`: the same buffers, after XLA's stream has waited for that copy; `after` (the MoE's
   input) keeps XLA from scheduling it early, and an optimization barrier on its token orders every use after it.
-- `close()` (or leaving a `with` block) releases every allocation, mapping, VA range, stream and event; whoever
-  made the store closes it (a Pipeline or IndependentRanks with experts="ffi" makes and closes its own).
+  The two custom calls' whole interface is their attributes (`VmmStore.prefetch_attributes` / `wait_attributes`
+  here, `PrefetchBinding` / `WaitBinding` in ffi/dwdp_store/handlers.h).
+- `close()` (or leaving a `with` block) releases every allocation, mapping, VA range, stream, event and context;
+  whoever made the store closes it (a Pipeline or IndependentRanks with experts="ffi" makes and closes its own).
   `live_objects()` counts them, for tests.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 
 import jax
@@ -25,79 +28,44 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dwdp.native import NativeLibrary
+from jax_dwdp.parallel import cuda_vmm
+from jax_dwdp.parallel.cuda_vmm import FfiUnavailable, StoreError, VmmStore, live_objects
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.fd_exchange import close_all
 
+__all__ = ["ExpertStore", "ProcessExpertStore", "FfiUnavailable", "StoreError", "close_store", "device_memory",
+           "library_path", "live_objects", "load_library", "require_gpus"]
+
 PREFETCH_TARGET = "jax_dwdp_dwdp_prefetch"
 WAIT_TARGET = "jax_dwdp_dwdp_wait"
-_LIVE_FIELDS = ("allocations", "mappings", "va_ranges", "streams", "events", "stores")
+HANDLERS = {PREFETCH_TARGET: "JaxDwdpStorePrefetch", WAIT_TARGET: "JaxDwdpStoreWait"}
 
 
-class FfiUnavailable(RuntimeError):
-    """The FFI path cannot run here (no GPU, no driver, or the library is not built); the message says which."""
-
-
-class StoreError(RuntimeError):
-    """A CUDA call of the expert store failed; the message names the call and the CUresult."""
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    i64, c_int, u64 = ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
-    lib.dwdp_last_error.restype = ctypes.c_char_p
-    lib.dwdp_store_create.argtypes = [c_int, ctypes.POINTER(c_int), c_int, c_int, ctypes.POINTER(u64), c_int, c_int,
-                                      c_int, ctypes.POINTER(i64)]
-    lib.dwdp_store_fill.argtypes = [i64, c_int, c_int, c_int, u64, u64]
-    lib.dwdp_store_close.argtypes = [i64]
-    lib.dwdp_store_copy_ms.argtypes = [i64, c_int, c_int, ctypes.POINTER(ctypes.c_float)]
-    lib.dwdp_store_inject_error.argtypes = [i64, c_int]
-    lib.dwdp_store_info.argtypes = [i64, ctypes.POINTER(c_int), ctypes.POINTER(u64)]
-    lib.dwdp_device_memory.argtypes = [c_int, ctypes.POINTER(u64), ctypes.POINTER(u64)]
-    lib.dwdp_device_memory.restype = c_int
-    lib.dwdp_live_objects.argtypes = [ctypes.POINTER(i64)]
-    lib.dwdp_live_objects.restype = None
-    lib.dwdp_store_sync.argtypes = [i64]
-    lib.dwdp_store_create_local.argtypes = [c_int, c_int, c_int, c_int, c_int, ctypes.POINTER(u64), c_int, c_int,
-                                            c_int, ctypes.POINTER(i64)]
-    lib.dwdp_store_export.argtypes = [i64, ctypes.POINTER(c_int), c_int]
-    lib.dwdp_store_import.argtypes = [i64, c_int, ctypes.POINTER(c_int), c_int]
-    for fn in ("dwdp_store_create", "dwdp_store_fill", "dwdp_store_close", "dwdp_store_copy_ms",
-               "dwdp_store_inject_error", "dwdp_store_info", "dwdp_store_sync", "dwdp_store_create_local",
-               "dwdp_store_export", "dwdp_store_import"):
-        getattr(lib, fn).restype = c_int
+def _has_handlers(lib) -> None:
+    for symbol in HANDLERS.values():
+        getattr(lib, symbol)  # AttributeError: a library built from other sources
 
 
 LIBRARY = NativeLibrary(
-    "DWDP FFI library", "libjax_dwdp_ffi.so", "JAX_DWDP_FFI_LIB", FfiUnavailable, declare=_declare, needs_driver=True,
+    "DWDP FFI library", "libjax_dwdp_ffi.so", "JAX_DWDP_FFI_LIB", FfiUnavailable, declare=_has_handlers,
+    needs_driver=True,
     build_hint="build it on a machine with the CUDA toolkit: `pip install -e .` (JAX_DWDP_BUILD_FFI=1 to make a failed "
                "build an error), or `cmake -S ffi -B build/ffi -DJAX_DWDP_LIB_DIR=$PWD/jax_dwdp/_lib && cmake --build "
                "build/ffi`")
 library_path = LIBRARY.path
 
 
-def load_library() -> ctypes.CDLL:
-    """Loads the driver and the library on first use, and registers the two custom calls."""
-    return LIBRARY.register({PREFETCH_TARGET: "JaxDwdpPrefetch", WAIT_TARGET: "JaxDwdpWait"})
-
-
-def _check(lib, status: int) -> None:
-    if status != 0:
-        raise StoreError(lib.dwdp_last_error().decode(errors="replace"))
-
-
-def live_objects() -> dict[str, int]:
-    """CUDA objects held by all open stores of this process (all zero when every store is closed)."""
-    lib = load_library()
-    out = (ctypes.c_int64 * len(_LIVE_FIELDS))()
-    lib.dwdp_live_objects(out)
-    return dict(zip(_LIVE_FIELDS, (int(v) for v in out)))
+def load_library():
+    """Loads the handler library, the driver and the driver bindings on first use, and registers the two custom
+    calls."""
+    lib = LIBRARY.register(HANDLERS)
+    cuda_vmm.driver()
+    return lib
 
 
 def device_memory(device) -> tuple[int, int]:
     """(free, total) bytes of a GPU as the driver sees them (XLA's pool counts as used)."""
-    lib = load_library()
-    free, total = ctypes.c_uint64(), ctypes.c_uint64()
-    _check(lib, lib.dwdp_device_memory(device.local_hardware_id, ctypes.byref(free), ctypes.byref(total)))
-    return free.value, total.value
+    return cuda_vmm.device_memory(device.local_hardware_id)
 
 
 def require_gpus(devices) -> None:
@@ -110,13 +78,12 @@ def require_gpus(devices) -> None:
 class ExpertStore:
     """Every MoE layer's experts, rank r's block on devices[r], readable by every device. See the module doc."""
 
-    def __init__(self, devices, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool = False,
-                 poison: bool = False, delay_copies: bool = False):
+    prefetch_target = PREFETCH_TARGET  # the custom call prefetch() runs (tests/store_testing.py names its own)
+
+    def __init__(self, devices, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool = False):
         """`shapes` = per-expert shapes of the weights, ((2I, H), (H, I)); blocks are ceil(E/N) experts, the last
         rank's padded with zeros when N does not divide E (its padding is never copied). `timing` records each
-        layer's copy time; `poison` (tests) fills every prefetch destination with NaN before the copy;
-        `delay_copies` (tests) holds the copy stream 20 ms before each prefetch, so that a read of the experts that
-        does not wait for their copy sees the poison."""
+        layer's copy time (`copy_ms`)."""
         self.devices = list(devices)
         self.num_ranks = len(self.devices)
         require_gpus(self.devices)
@@ -124,26 +91,20 @@ class ExpertStore:
             raise ValueError(f"an expert store needs distinct devices, got {self.devices}")
         if any(d.process_index != jax.process_index() for d in self.devices):
             raise ValueError("an expert store's devices must all belong to this process")
-        sizes, flags = self._configure(len(self.devices), num_layers, num_experts, shapes, dtype, timing=timing,
-                                       poison=poison, delay_copies=delay_copies)
-        ordinals = (ctypes.c_int * len(self.devices))(*[d.local_hardware_id for d in self.devices])
-        sid = ctypes.c_int64()
-        _check(self.lib, self.lib.dwdp_store_create(len(self.devices), ordinals, num_layers, len(self.shapes), sizes,
-                                                    self.layout.slots_per_rank, num_experts, flags, ctypes.byref(sid)))
-        self.id = sid.value
+        sizes = self._configure(len(self.devices), num_layers, num_experts, shapes, dtype, timing=timing)
+        self.vmm = VmmStore.build([d.local_hardware_id for d in self.devices], **sizes)
+        self.id = self.vmm.id
         self.closed = False
 
-    def _configure(self, ranks: int, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool,
-                   poison: bool, delay_copies: bool):
-        """The store's layout, shapes and dtype; returns the C API's per-expert byte sizes and flag bits."""
-        self.lib = load_library()
+    def _configure(self, ranks: int, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool) -> dict:
+        """The store's layout, shapes and dtype; returns VmmStore's sizes."""
+        load_library()
         self.layout = ExpertLayout(num_experts, ranks)
         self.num_layers, self.num_experts = num_layers, num_experts
         self.shapes, self.dtype = tuple(tuple(s) for s in shapes), jnp.dtype(dtype)
         self.timing = timing
-        expert_bytes = [int(np.prod(s)) * self.dtype.itemsize for s in self.shapes]
-        sizes = (ctypes.c_uint64 * len(expert_bytes))(*expert_bytes)
-        return sizes, int(timing) | (2 if poison else 0) | (4 if delay_copies else 0)
+        return dict(layers=num_layers, expert_bytes=[int(np.prod(s)) * self.dtype.itemsize for s in self.shapes],
+                    slots=self.layout.slots_per_rank, experts=num_experts, timing=timing)
 
     # ---- filling ---------------------------------------------------------------------------------------------
     def own_ranks(self) -> list[tuple[int, object]]:
@@ -166,15 +127,14 @@ class ExpertStore:
         if len(block.addressable_shards) != 1 or shard.device != own[rank]:
             raise ValueError(f"expert block for rank {rank} must live on {own[rank]} alone")
         data = shard.data.block_until_ready()
-        _check(self.lib, self.lib.dwdp_store_fill(self.id, layer, weight, rank, data.unsafe_buffer_pointer(),
-                                                  data.nbytes))
+        self.vmm.fill(layer, weight, rank, data.unsafe_buffer_pointer(), data.nbytes)
 
     @classmethod
     def from_blocks(cls, devices, blocks, num_experts: int, *, delete: bool = True, **options) -> "ExpertStore":
         """From blocks[layer][weight][rank]: rank r's [ceil(E/N), ...] block, on devices[r] alone.
 
         delete=True deletes each layer's blocks once copied (layer by layer, so the experts are never held twice
-        in full): a rank's experts then live in the store only. `options`: timing, poison, delay_copies.
+        in full): a rank's experts then live in the store only. `options`: the constructor's (timing).
         """
         first = blocks[0]
         store = cls(devices, len(blocks), num_experts, tuple(w[0].shape[1:] for w in first), first[0][0].dtype,
@@ -212,11 +172,16 @@ class ExpertStore:
         return cls.from_blocks(devices, blocks, num_experts, delete=delete, **options)
 
     # ---- the custom calls (inside shard_map: per-device shapes) ----------------------------------------------
-    def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
+    def prefetch_attributes(self, layer: int) -> dict:
+        """Layer `layer`'s dwdp_prefetch attributes (the custom call's whole interface)."""
         self.check_open()
+        return self.vmm.prefetch_attributes(layer)
+
+    def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
         out = tuple(jax.ShapeDtypeStruct((self.num_experts, *s), self.dtype) for s in self.shapes)
-        call = jax.ffi.ffi_call(PREFETCH_TARGET, out, has_side_effect=True)
-        return call(dep, store=np.int64(self.id), layer=np.int64(layer))
+        attributes = self.prefetch_attributes(layer)
+        call = jax.ffi.ffi_call(self.prefetch_target, out, has_side_effect=True)
+        return call(dep, **attributes)
 
     def wait(self, experts: tuple[jax.Array, jax.Array], after: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The experts, usable once XLA's stream has waited for their copy. The custom call returns a token (its
@@ -224,40 +189,27 @@ class ExpertStore:
         optimization barrier makes every use of the experts come after it."""
         self.check_open()
         call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
-        token = call(*experts, after, store=np.int64(self.id))
+        token = call(*experts, after, **self.vmm.wait_attributes())
         gate_up, down, _ = jax.lax.optimization_barrier((*experts, token))
         return gate_up, down
 
-    # ---- facts, tests ----------------------------------------------------------------------------------------
+    # ---- facts -----------------------------------------------------------------------------------------------
     def copy_ms(self) -> np.ndarray:
-        """[ranks, layers] duration of each layer's last prefetch copy in ms (NaN when not timed)."""
+        """[ranks, layers] duration of each layer's last prefetch copy in ms (NaN when not timed); a
+        ProcessExpertStore's is [1, layers], its own rank's."""
         self.check_open()
-        out = np.full((len(self.devices), self.num_layers), np.nan)
-        ms = ctypes.c_float()
-        for r in range(len(self.devices)):
-            for l in range(self.num_layers):
-                _check(self.lib, self.lib.dwdp_store_copy_ms(self.id, r, l, ctypes.byref(ms)))
-                if ms.value >= 0:
-                    out[r, l] = ms.value
-        return out
+        return self.vmm.copy_ms()
 
     def sync(self) -> None:
         """Waits for every copy enqueued so far and forgets prefetches nobody waited for. The drivers call it when
         a prefill fails half-way, so that no copy still writes into an output XLA has freed."""
         if not self.closed:
-            _check(self.lib, self.lib.dwdp_store_sync(self.id))
+            self.vmm.sync()
 
     def info(self) -> dict:
         self.check_open()
-        fabric, gran = ctypes.c_int(), ctypes.c_uint64()
-        _check(self.lib, self.lib.dwdp_store_info(self.id, ctypes.byref(fabric), ctypes.byref(gran)))
-        return {"handle_type": "fabric" if fabric.value else "posix_fd", "granularity": gran.value,
-                "ranks": len(self.devices), "layers": self.num_layers, "slots_per_rank": self.layout.slots_per_rank}
-
-    def inject_error(self, code: int) -> None:
-        """Makes the next prefetch fail as if a CUDA call had returned `code` (for tests)."""
-        self.check_open()
-        _check(self.lib, self.lib.dwdp_store_inject_error(self.id, code))
+        return {**self.vmm.info(), "ranks": self.num_ranks, "layers": self.num_layers,
+                "slots_per_rank": self.layout.slots_per_rank}
 
     def check_open(self) -> None:
         if self.closed:
@@ -269,7 +221,7 @@ class ExpertStore:
         if self.closed:
             return
         self.closed = True
-        _check(self.lib, self.lib.dwdp_store_close(self.id))
+        self.vmm.close()
 
     def __enter__(self) -> "ExpertStore":
         return self
@@ -290,19 +242,15 @@ class ProcessExpertStore(ExpertStore):
     """
 
     def __init__(self, device, rank: int, num_ranks: int, num_layers: int, num_experts: int, shapes, dtype, *,
-                 name: str = "experts", timing: bool = False, poison: bool = False, delay_copies: bool = False):
+                 name: str = "experts", timing: bool = False):
         require_gpus([device])
         if not 0 <= rank < num_ranks:
             raise ValueError(f"ProcessExpertStore: rank {rank} is not in [0, {num_ranks})")
         self.devices, self.rank, self.num_ranks = [device], rank, num_ranks
         self.name = name  # pairs this store with its peers' (the same name in every process; backends.connect_store)
-        sizes, flags = self._configure(num_ranks, num_layers, num_experts, shapes, dtype, timing=timing,
-                                       poison=poison, delay_copies=delay_copies)
-        sid = ctypes.c_int64()
-        _check(self.lib, self.lib.dwdp_store_create_local(num_ranks, rank, device.local_hardware_id, num_layers,
-                                                          len(self.shapes), sizes, self.layout.slots_per_rank,
-                                                          num_experts, flags, ctypes.byref(sid)))
-        self.id = sid.value
+        sizes = self._configure(num_ranks, num_layers, num_experts, shapes, dtype, timing=timing)
+        self.vmm = VmmStore.build_local(device.local_hardware_id, rank, num_ranks, **sizes)
+        self.id = self.vmm.id
         self.closed = False
         self.connected = num_ranks == 1
 
@@ -328,16 +276,12 @@ class ProcessExpertStore(ExpertStore):
     def export(self) -> list[int]:
         """This rank's blocks as new POSIX descriptors, (layer, weight) order; the caller closes them."""
         self.check_open()
-        n = self.num_layers * len(self.shapes)
-        fds = (ctypes.c_int * n)()
-        _check(self.lib, self.lib.dwdp_store_export(self.id, fds, n))
-        return list(fds)
+        return self.vmm.export()
 
     def import_peer(self, peer: int, fds: list[int]) -> None:
         """Maps rank `peer`'s blocks from its exported descriptors (which stay the caller's)."""
         self.check_open()
-        arr = (ctypes.c_int * len(fds))(*fds)
-        _check(self.lib, self.lib.dwdp_store_import(self.id, peer, arr, len(fds)))
+        self.vmm.import_peer(peer, list(fds))
 
     def configuration(self) -> dict:
         """What every rank of one store must agree on before mapping each other's blocks."""
@@ -393,17 +337,6 @@ class ProcessExpertStore(ExpertStore):
     def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
         self.check_connected()
         return super().prefetch(dep, layer)
-
-    def copy_ms(self) -> np.ndarray:
-        """[1, layers]: this rank's last copy time per layer in ms (NaN when not timed)."""
-        self.check_open()
-        out = np.full((1, self.num_layers), np.nan)
-        ms = ctypes.c_float()
-        for l in range(self.num_layers):
-            _check(self.lib, self.lib.dwdp_store_copy_ms(self.id, self.rank, l, ctypes.byref(ms)))
-            if ms.value >= 0:
-                out[0, l] = ms.value
-        return out
 
     def info(self) -> dict:
         return {**super().info(), "ranks": self.num_ranks, "rank": self.rank}

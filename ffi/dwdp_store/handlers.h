@@ -1,0 +1,111 @@
+// The DWDP expert store's two XLA FFI custom calls (handlers.cc), as the test-only library (testing.cc) reuses them.
+//
+// Python (jax_dwdp/parallel/cuda_vmm.py, through cuda.bindings) owns every CUDA object of a store: the VMM
+// allocations and their mappings, the primary contexts, the copy streams and the events. The custom calls get what
+// they use as attributes (PrefetchBinding / WaitBinding: the custom call's whole interface; the Python side is
+// ExpertStore.prefetch / wait in jax_dwdp/parallel/dwdp_ffi.py) plus one small host table, owned by Python, for the
+// state that changes while programs run:
+//
+//   per device row (the store's devices in this process, attribute `ordinals` order), 2 + K int64 words:
+//     word 0        a pthread spinlock: held by a handler while it enqueues, and by Python while it closes the store
+//                   or forgets unwaited prefetches (so neither sees the other half-way)
+//     word 1        1 once Python has begun to close the store: the handlers then refuse (its streams and events
+//                   are about to be destroyed)
+//     word 2 + k    the destination (gate_up) address of the prefetch whose "done" event is done[row * K + k], or 0:
+//                   how dwdp_wait, which one compiled program runs for every layer, finds the event of its buffer
+//
+// The layout is mirrored by cuda_vmm.TABLE_* in Python.
+#pragma once
+
+#include <cuda.h>
+#include <pthread.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace dwdp {
+
+namespace ffi = xla::ffi;
+using Ints = ffi::Span<const int64_t>;
+
+constexpr int64_t kLockWord = 0, kClosedWord = 1, kFirstSlotWord = 2;
+
+// "where: call failed with CUDA_ERROR_NAME (code)": the one form every CUDA failure is reported in.
+std::string Describe(const std::string& where, const char* call, CUresult r);
+
+// One device row of the table, locked for the guard's life, with the row's context current. ok() is false, with
+// error() saying why, when the device is not one of the store's, the store is closing, or the context cannot be
+// made current.
+class RowGuard {
+ public:
+  RowGuard(int64_t table, Ints ordinals, Ints contexts, int64_t slots, int32_t ordinal, const std::string& where);
+  ~RowGuard();
+  RowGuard(const RowGuard&) = delete;
+  RowGuard& operator=(const RowGuard&) = delete;
+
+  bool ok() const { return error_.empty(); }
+  const std::string& error() const { return error_; }
+  int64_t row() const { return row_; }
+  int64_t* slots() const { return words_ + kFirstSlotWord; }  // K pending destination addresses
+
+ private:
+  int64_t* words_ = nullptr;
+  int64_t row_ = -1;
+  bool locked_ = false, pushed_ = false;
+  std::string error_;
+};
+
+ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, int64_t store, int64_t layer,
+                    int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done,
+                    Ints timing, Ints sources, Ints block_bytes, ffi::Result<ffi::AnyBuffer> gate_up,
+                    ffi::Result<ffi::AnyBuffer> down);
+
+// dwdp_prefetch(dep) -> (gate_up [E, 2I, H], down [E, H, I]). Per row (the device's position in `ordinals`):
+// contexts / streams / ready its primary context, copy stream and ready event; done[row * K, (row + 1) * K) its
+// done events; timing[2 * row, 2 * row + 2) this layer's start / stop events (0: not timed). sources[w * N + r]:
+// where rank r's block of weight w of this layer is (N ranks); block_bytes[w] its size. All handles and addresses
+// are the integer values of the CUDA objects.
+inline auto PrefetchBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<CUstream>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()  // dep: orders the copy after the work that produced it
+      .Attr<int64_t>("store")
+      .Attr<int64_t>("layer")
+      .Attr<int64_t>("table")
+      .Attr<Ints>("ordinals")
+      .Attr<Ints>("ranks")
+      .Attr<Ints>("contexts")
+      .Attr<Ints>("streams")
+      .Attr<Ints>("ready")
+      .Attr<Ints>("done")
+      .Attr<Ints>("timing")
+      .Attr<Ints>("sources")
+      .Attr<Ints>("block_bytes")
+      .Ret<ffi::AnyBuffer>()   // gate_up
+      .Ret<ffi::AnyBuffer>();  // down
+}
+
+ffi::Error Wait(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer down, ffi::AnyBuffer after,
+                int64_t store, int64_t table, Ints ordinals, Ints contexts, Ints done,
+                ffi::Result<ffi::AnyBuffer> token);
+
+// dwdp_wait(gate_up, down, after) -> token: XLA's stream waits for the done event of the prefetch that wrote gate_up.
+inline auto WaitBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<CUstream>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()  // gate_up
+      .Arg<ffi::AnyBuffer>()  // down
+      .Arg<ffi::AnyBuffer>()  // after: the consuming MoE's input
+      .Attr<int64_t>("store")
+      .Attr<int64_t>("table")
+      .Attr<Ints>("ordinals")
+      .Attr<Ints>("contexts")
+      .Attr<Ints>("done")
+      .Ret<ffi::AnyBuffer>();  // token (never written)
+}
+
+}  // namespace dwdp
