@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.model import init_model
+from jax_dwdp.kernels.choices import KernelChoices
+from jax_dwdp.model import init_model, with_kernels
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.backends import expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
@@ -59,6 +60,7 @@ class PrefillSpec:
     prefill_chunk: int | None = None  # tokens per piece of a chunked prefill (one device)
     fused_swiglu: bool = False
     logits: LogitsMode = "last"
+    kernels: KernelChoices | None = None  # the kernel choices (default: the process's, from the environment)
 
     def __post_init__(self):
         if (self.checkpoint is None) == (self.preset is None):
@@ -128,9 +130,10 @@ def build_driver(spec: PrefillSpec, cfg: ModelConfig | None = None, *, batch: in
         return Driver(spec, cfg, _one_device(prefill), prefill.compile, f"{source}, {scanned.describe()}")
     if spec.checkpoint is not None:
         model, report = load_checkpoint(spec.checkpoint, cfg=cfg, dtype=dtype, fused_swiglu=spec.fused_swiglu)
+        model = model if spec.kernels is None else with_kernels(model, spec.kernels)
         source = report.line()
     else:
-        model = init_model(cfg, dtype=dtype, seed=spec.seed, fused_swiglu=spec.fused_swiglu)
+        model = init_model(cfg, dtype=dtype, seed=spec.seed, fused_swiglu=spec.fused_swiglu, kernels=spec.kernels)
         source = "random weights"
     if spec.prefill_chunk is not None:
         run = chunked_prefill(model, spec.logits, spec.prefill_chunk, mode=mode)
@@ -142,7 +145,7 @@ def build_driver(spec: PrefillSpec, cfg: ModelConfig | None = None, *, batch: in
 def _pipeline_driver(spec, cfg, dtype, mode, batch) -> Driver:
     backend = expert_backend(spec.experts_word)
     options = dict(dwdp=spec.ranks, dtype=dtype, boundaries=spec.stage_boundaries, fused_swiglu=spec.fused_swiglu,
-                   experts=backend, scan=mode == "scanned")
+                   experts=backend, scan=mode == "scanned", kernels=spec.kernels)
     if spec.checkpoint is not None:
         pipe = Pipeline.from_checkpoint(spec.checkpoint, spec.pipeline, cfg=cfg, **options)
     else:
@@ -176,13 +179,15 @@ def _scanned_model(spec, cfg, dtype):
     """(the whole model built one layer at a time straight into the scanned layout, where its weights came from):
     `ScannedModel.from_layers`, so the peak is the model plus one layer."""
     if spec.checkpoint is not None:
-        loader = CheckpointLayers(spec.checkpoint, cfg, dtype, jax.devices()[0], fused_swiglu=spec.fused_swiglu)
+        loader = CheckpointLayers(spec.checkpoint, cfg, dtype, jax.devices()[0], fused_swiglu=spec.fused_swiglu,
+                                  kernels=spec.kernels)
         try:
             scanned = ScannedModel.from_layers(cfg, loader)
         finally:
             loader.close()
         return scanned, loader.report(0, cfg.num_hidden_layers).line()
-    return ScannedModel.random(cfg, dtype=dtype, seed=spec.seed, fused_swiglu=spec.fused_swiglu), "random weights"
+    return (ScannedModel.random(cfg, dtype=dtype, seed=spec.seed, fused_swiglu=spec.fused_swiglu,
+                                kernels=spec.kernels), "random weights")
 
 
 def chunked_prefill(model, logits: LogitsMode, chunk: int, *, mode: str = DEFAULT_MODE):

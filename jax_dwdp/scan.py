@@ -177,7 +177,8 @@ class ScannedModel:
                 stacks[j][1][k] = _put(stacks[j][1][k], x, b)
                 if consume:
                     x.delete()
-        shell_graph, _ = shell_of(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer))
+        shell_graph, _ = shell_of(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
+                                                 kernels=piece.kernels))
         return cls(model_graph=StaticGraph.of(shell_graph), model_state=nnx.from_flat_state(sorted(shell.items())),
                    period=period, graphs=graphs, blocks=blocks,
                    stacked=tuple(jax.tree.unflatten(treedef, leaves) for treedef, leaves in stacks),
@@ -188,11 +189,13 @@ class ScannedModel:
 
     @classmethod
     def random(cls, cfg, *, dtype, seed: int = 0, start_layer: int = 0, end_layer: int | None = None, device=None,
-               fused_swiglu: bool = False) -> "ScannedModel":
+               fused_swiglu: bool = False, kernels=None) -> "ScannedModel":
         """Random weights (`init_model`'s: they depend on the global layer only, so this is the model init_model
-        draws for the same seed) made one layer at a time into the stacks (`from_layers`) on `device`."""
+        draws for the same seed) made one layer at a time into the stacks (`from_layers`) on `device`; `kernels`:
+        the kernel choices (default: the process's)."""
         return cls.from_layers(cfg, lambda a, b: init_model(cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b,
-                                                            device=device, fused_swiglu=fused_swiglu),
+                                                            device=device, fused_swiglu=fused_swiglu,
+                                                            kernels=kernels),
                                start_layer, end_layer)
 
     def describe(self) -> str:

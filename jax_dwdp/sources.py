@@ -228,7 +228,7 @@ class DispatchedExperts:
     def __init__(self, gate_up: jax.Array, down: jax.Array):
         self.gate_up, self.down = gate_up, down
 
-    def routed(self, x, ids, weights, *, gate_up_interleaved: bool = False):
+    def routed(self, x, ids, weights, *, gate_up_interleaved: bool = False, kernels=None):
         """x [M, H], ids / weights [M, k] of this rank's tokens -> their routed-expert output [M, H]."""
         m = x.shape[0]
         slots = self.gate_up.shape[0]
@@ -239,6 +239,7 @@ class DispatchedExperts:
         # Slots held elsewhere get the id `slots`: sorted after every group of this block, so no kernel computes
         # them, and masked out of the sum.
         partial = routed_experts(all_x, jnp.where(mine, local, slots), jnp.where(mine, all_weights, 0),
-                                 self.gate_up, self.down, gate_up_interleaved=gate_up_interleaved, valid=mine)
+                                 self.gate_up, self.down, gate_up_interleaved=gate_up_interleaved, valid=mine,
+                                 kernels=kernels)
         back = jax.lax.all_to_all(partial.reshape(ranks, m, -1), AXIS, 0, 0, tiled=False)  # [N, M, H]: per source
         return jnp.sum(back.astype(jnp.float32), axis=0).astype(x.dtype)

@@ -240,7 +240,7 @@ class SparseMoe(nnx.Module):
         interleaved = self.experts.gate_up_interleaved
         shared = jax.nn.sigmoid(shared_gate_logit.astype(jnp.float32)).astype(x.dtype) * shared_out
         if hasattr(experts, "routed"):
-            out = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved) + shared
+            out = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved, kernels=self.kernels) + shared
         else:
             gate_up, down = experts if experts is not None else (self.experts.gate_up_proj[...],
                                                                  self.experts.down_proj[...])

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.model import Qwen35MoeForCausalLM
+from jax_dwdp.model import Qwen35MoeForCausalLM, with_kernels
 from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.sources import AXIS, is_expert_weight
 from jax_dwdp.weights import is_orbax_checkpoint, load_checkpoint
@@ -24,8 +24,11 @@ class CheckpointLayers:
     split placement over the row when the ranks divide the experts (no padding slots), so each process reads only
     its own experts' bytes (Orbax: its chunks; HF: its slices of the mapped file, when no cast is needed)."""
 
-    def __init__(self, directory, cfg: ModelConfig, dtype, device, *, fused_swiglu: bool = False, row=None):
+    def __init__(self, directory, cfg: ModelConfig, dtype, device, *, fused_swiglu: bool = False, row=None,
+                 kernels=None):
+        """`kernels`: the kernel choices of the models it makes (default: the process's)."""
         self.directory, self.cfg, self.dtype, self.fused_swiglu = directory, cfg, dtype, fused_swiglu
+        self.kernels = kernels
         self.sharding = jax.sharding.SingleDeviceSharding(device)
         ranks = 1 if row is None else row.shape[AXIS]
         direct = row is not None and jax.process_count() > 1 and cfg.num_experts % ranks == 0 and not fused_swiglu
@@ -45,7 +48,7 @@ class CheckpointLayers:
                                                end_layer=end_layer, placement=placement)
             model = set_fused_swiglu(model, True, donate=True) if self.fused_swiglu else model
         self.reports.append(report)
-        return model
+        return model if self.kernels is None else with_kernels(model, self.kernels)
 
     def report(self, start_layer: int, end_layer: int):
         """One LoadReport for the range [start_layer, end_layer) loaded piece by piece."""

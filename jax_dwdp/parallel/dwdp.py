@@ -58,7 +58,8 @@ class IndependentRanks:
 
     @classmethod
     def random(cls, cfg: ModelConfig, devices, *, experts: str | ExpertBackend = "xla", dtype=jnp.bfloat16,
-               seed: int = 0, fused_swiglu: bool = False, store_options: dict | None = None) -> "IndependentRanks":
+               seed: int = 0, fused_swiglu: bool = False, store_options: dict | None = None,
+               kernels=None) -> "IndependentRanks":
         """Random weights (the same model as init_model(cfg, seed=seed)), made one layer at a time on devices[0].
         `store_options` (experts="ffi"): ExpertStore options, e.g. timing=True to read each layer's copy time."""
         if store_options:
@@ -67,16 +68,18 @@ class IndependentRanks:
             experts = FfiBackend(**store_options)
         ranks = cls.__new__(cls)
         ranks._setup(cfg, devices, experts, lambda a, b: init_model(
-            cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b, device=devices[0], fused_swiglu=fused_swiglu),
+            cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b, device=devices[0], fused_swiglu=fused_swiglu,
+            kernels=kernels),
             dtype, owned=True)
         return ranks
 
     @classmethod
     def from_checkpoint(cls, directory, devices, *, experts: str | ExpertBackend = "xla", dtype=jnp.bfloat16,
-                        cfg: ModelConfig | None = None, fused_swiglu: bool = False) -> "IndependentRanks":
+                        cfg: ModelConfig | None = None, fused_swiglu: bool = False,
+                        kernels=None) -> "IndependentRanks":
         """An HF or Orbax checkpoint, loaded one layer at a time onto devices[0] and placed; `load_report`."""
         cfg = cfg or load_config(directory)
-        layers = CheckpointLayers(directory, cfg, dtype, devices[0], fused_swiglu=fused_swiglu)
+        layers = CheckpointLayers(directory, cfg, dtype, devices[0], fused_swiglu=fused_swiglu, kernels=kernels)
         ranks = cls.__new__(cls)
         try:
             ranks._setup(cfg, devices, experts, layers, dtype, owned=True)

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jax_dwdp.devices import builder_device, make_mesh, put
-from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
+from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model, with_kernels
 from jax_dwdp.model.qwen35_moe import LogitsMode
 from jax_dwdp.parallel.backends import ExpertBackend, expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
@@ -205,16 +205,18 @@ class Pipeline:
     @classmethod
     def random(cls, cfg: ModelConfig, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
                boundaries=None, devices=None, fused_swiglu: bool = False, experts: str | None = None,
-               scan: bool = False) -> "Pipeline":
+               scan: bool = False, kernels=None) -> "Pipeline":
         """Random weights drawn per stage on its own device (no stage ever holds another's weights); they depend
         on the global layer only, so every layout of one seed is the same model.
-        `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`)."""
+        `fused_swiglu`: expert gate_up weights in the fused SwiGLU kernel's layout (`set_fused_swiglu`);
+        `kernels`: the kernel choices (default: the process's)."""
         mesh = make_mesh(pipeline, dwdp, devices)
         stages = plan_stages(cfg, pipeline, boundaries)
 
         def make_range(stage, a, b):
             return init_model(cfg, dtype=dtype, seed=seed, start_layer=a, end_layer=b,
-                              device=builder_device(mesh.devices[stage]), fused_swiglu=fused_swiglu)
+                              device=builder_device(mesh.devices[stage]), fused_swiglu=fused_swiglu,
+                              kernels=kernels)
         return cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts, scan=scan)
 
     @classmethod
@@ -233,7 +235,8 @@ class Pipeline:
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
                         boundaries=None, devices=None, cfg: ModelConfig | None = None,
-                        fused_swiglu: bool = False, experts: str | None = None, scan: bool = False) -> "Pipeline":
+                        fused_swiglu: bool = False, experts: str | None = None, scan: bool = False,
+                        kernels=None) -> "Pipeline":
         """Each stage loads only its own layers (HF or Orbax folder), straight onto its device (one rank) or one
         layer at a time onto its first device, each placed on the row before the next loads (N ranks); with
         `scan=True` one layer at a time into the stage's stacks (`CheckpointLayers`, the file opened once).
@@ -251,13 +254,13 @@ class Pipeline:
                     # Replicated experts ("local") are loaded whole: splitting them first would only gather them back.
                     row = Mesh(mesh.devices[stage], (AXIS,)) if dwdp > 1 and backend.splits_experts else None
                     loaders[stage] = CheckpointLayers(checkpoint_dir, cfg, dtype, device, fused_swiglu=fused_swiglu,
-                                                      row=row)
+                                                      row=row, kernels=kernels)
                 return loaders[stage](a, b)
             sharding = SingleDeviceSharding(device)
             model, report = load_checkpoint(checkpoint_dir, cfg=cfg, dtype=dtype, start_layer=a, end_layer=b,
                                             placement=lambda *_: sharding, fused_swiglu=fused_swiglu)
             reports.append(report)
-            return model
+            return model if kernels is None else with_kernels(model, kernels)
         try:
             pipe = cls(cfg, stages, mesh, make_range, dtype=dtype, experts=backend, scan=scan)
         finally:

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.devices import put
-from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model
+from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model, with_kernels
 from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.sources import _EXPERT_WEIGHTS, AXIS, is_expert_weight
@@ -131,7 +131,7 @@ def model_range(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: int) -
     """Layers [start_layer, end_layer) of `model` (global ids, inside its range) as a model of that range that
     shares `model`'s arrays (nothing is copied), with its embedding / head if the range has them."""
     graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype=model.dtype, start_layer=start_layer,
-                                                  end_layer=end_layer))
+                                                  end_layer=end_layer, kernels=model.kernels))
     full = dict(nnx.to_flat_state(nnx.state(model)))
     leaves = []
     for path, var in nnx.to_flat_state(abstract):
@@ -151,14 +151,15 @@ def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range,
 
     make_range(a, b) returns the model of layers [a, b) (weights anywhere, e.g. random or loaded on one device);
     each layer's arrays are placed before the next layer is made, and (with an `owned` placement) freed once
-    placed, so the device that makes them never holds more than one layer of them beside what it keeps."""
+    placed, so the device that makes them never holds more than one layer of them beside what it keeps. The stage
+    takes the parts' kernel choices."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer))
     wanted = {path for path, _ in nnx.to_flat_state(abstract)}
     values: dict = {}
-    interleaved = False
+    interleaved, kernels = False, None
     for layer in range(start_layer, end_layer):
         part = make_range(layer, layer + 1)
-        interleaved = _interleaved(part)
+        interleaved, kernels = _interleaved(part), part.kernels
         for path, var in nnx.to_flat_state(nnx.state(part)):
             target = ("layers", layer - start_layer, *path[2:]) if path[0] == "layers" else path
             if target in wanted:
@@ -168,7 +169,8 @@ def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range,
             gc.collect()  # flax modules hold reference cycles: their arrays go only with a collection
     stage = nnx.merge(graphdef, nnx.from_flat_state([(path, values[path]) for path, _ in
                                                      nnx.to_flat_state(abstract)]))
-    return set_fused_swiglu(stage, interleaved, permute=False)
+    stage = set_fused_swiglu(stage, interleaved, permute=False)
+    return stage if kernels is None or stage.kernels == kernels else with_kernels(stage, kernels)
 
 
 def expert_blocks(model: Qwen35MoeForCausalLM) -> list[tuple[jax.Array, jax.Array]]:
