@@ -3,7 +3,7 @@
 cuda.bindings' own argument conversion (structs, enums, lists of access descriptors, handles, a POSIX descriptor
 passed as the import's void*) into a C function with the driver's signature, which checks what it receives.
 
-Skips where cuda-bindings is not installed (it is in the `cuda` extra, not in `test`) or no C compiler is found.
+cuda-bindings is in the `test` and `cuda` extras; without it (a bare environment) or a C compiler it skips.
 """
 
 from __future__ import annotations
