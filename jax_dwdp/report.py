@@ -50,12 +50,18 @@ def _print_plan(result: dict) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for st in result["stages"]:
         for r in st["dwdp_ranks"]:
-            buffers = r["prefetch_buffer_bytes"] if scheme == "DWDP" else 0
+            buffers = r["prefetch_buffer_bytes"] + r["store_slot_bytes"] if scheme == "DWDP" else 0
             print(f"| {st['stage']} | [{st['start_layer']}, {st['end_layer']}) | {len(st['full_attention_layers'])} "
                   f"| {st['weight_bytes'] / gib:.2f} | {st['cache_bytes_per_token'] / 1024:.1f} KiB "
                   f"| {st['cache_bytes_per_sequence'] / 2**20:.1f} | {r['device']} "
                   f"| [{r['experts_owned'][0]}, {r['experts_owned'][1]}) | {r['resident_bytes'] / gib:.2f} "
                   f"| {buffers / gib:.2f} | {r['peer_bytes_per_layer'] / gib:.3f} |")
     if scheme == "DWDP" and ranks > 1:
-        print("buffers: two layers' full expert sets for the FFI store's prefetch (the XLA all-gather's, with padding "
-              "slots, in --json as xla_gather_buffer_bytes)")
+        modes = {r["store_mode"] for st in result["stages"] for r in st["dwdp_ranks"]}
+        if modes == {"in_place"}:
+            print("buffers: the FFI store's slots for two layers of the peers' experts (read in place: the rank's own "
+                  "experts never move); the XLA all-gather's two gathered layers in --json as xla_gather_buffer_bytes")
+        else:
+            print("buffers: two layers' full expert sets for the FFI store's prefetch (its blocks are not multiples of "
+                  "the 2 MiB VMM granularity, so it copies them out); the XLA all-gather's, with padding slots, in "
+                  "--json as xla_gather_buffer_bytes")

@@ -157,9 +157,10 @@ class FfiStoreSource(ExpertSource):
 
     With `mesh`, the programs run over the mesh's ranks (inside shard_map); without, each runs on the device of
     its input (independent ranks). A prefetch program is one custom call that forks the copy of a layer's peer
-    experts onto the device's copy stream after everything enqueued before it; `experts` hands the MoE a
-    function of its input that makes XLA's stream wait for that copy (the input orders the wait after the
-    layer's attention).
+    experts onto the device's copy stream after everything enqueued before it: in place, into the slots of the
+    layer's view of the store, and the layer then gets the views (`ExpertStore.layer_experts`) as its experts; copying
+    out, into XLA buffers that the layer gets. `experts` hands the MoE a function of its input that makes XLA's
+    stream wait for that copy (the input orders the wait after the layer's attention).
     """
 
     def __init__(self, store, mesh=None):
@@ -169,16 +170,25 @@ class FfiStoreSource(ExpertSource):
 
     def prefetch(self, index, h):
         self.store.check_open()  # the compiled programs would still call into a closed store
+        in_place = self.store.in_place
         with self._lock:
             if index not in self._programs:
                 def fetch(h):
+                    if in_place:
+                        return self.store.prefetch_in_place(h, index)
                     return self.store.prefetch(h, index)
                 if self.mesh is not None:
                     fetch = jax.shard_map(fetch, mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(AXIS),
                                           check_vma=False)
                 self._programs[index] = jax.jit(fetch)
             program = self._programs[index]
-        return program(h)
+        fetched = program(h)
+        if not in_place:
+            return fetched
+        if self.mesh is not None:
+            return self.store.sharded_layer_experts(index, self.mesh)
+        device, = h.devices()
+        return self.store.layer_experts(index, device)
 
     def experts(self, pending):
         return lambda x: self.store.wait(pending, x)

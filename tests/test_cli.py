@@ -137,9 +137,12 @@ def test_plan_prints_a_table_and_no_buffers_for_one_rank(capsys):
     assert code == 0, err
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 4 and rows[0].startswith("| 0 | [0, 20) |") and rows[3].startswith("| 1 | [20, 40) |")
+    assert all(row.split("|")[10].strip() == "1.50" for row in rows), rows  # the in-place store's slots, GiB
+    assert "read in place" in out
     code, out, err = run_cli(capsys, "plan", "--preset", "35b-a3b", "--json")
     (rank,) = json.loads(out)["stages"][0]["dwdp_ranks"]  # one rank holds every expert: nothing is fetched
     assert rank["prefetch_buffer_bytes"] == rank["xla_gather_buffer_bytes"] == rank["peer_bytes_per_layer"] == 0
+    assert rank["store_slot_bytes"] == 0 and rank["store_mode"] == "none"
 
 
 def test_plan_and_pipeline_refuse_bad_layouts(capsys):

@@ -40,12 +40,24 @@ def test_expert_layout():
     assert all(odd.owner(e) == r for r in range(4) for e in odd.owned(r))
     with pytest.raises(ValueError, match="would own none"):
         ExpertLayout(3, 4)
-    mem = rank_memory(ModelConfig.preset("35b-a3b"), ExpertLayout(256, 2), 0, 40, 2)
+    big = ModelConfig.preset("35b-a3b")
     per_expert = 3 * 2048 * 512 * 2  # gate_up + down of one 35B-A3B expert, bf16
-    assert mem["prefetch_buffer_bytes"] == 2 * 256 * per_expert  # two layers' full expert sets
-    assert mem["peer_bytes_per_layer"] == 128 * per_expert  # the peer's 128 experts cross NVLink
+    for ranks in (2, 4, 8):
+        # In place (its 4 / 2 MiB experts make every block a 2 MiB multiple): slots for two layers of the peers'
+        # blocks, no XLA buffer, and only the peers' experts move.
+        mem = rank_memory(big, ExpertLayout(256, ranks), 0, 40, 2)
+        assert mem["store_mode"] == "in_place" and mem["prefetch_buffer_bytes"] == 0
+        assert mem["store_slot_bytes"] == 2 * (ranks - 1) * (256 // ranks) * per_expert
+        assert mem["peer_bytes_per_layer"] == (256 - 256 // ranks) * per_expert
+        assert mem["local_copy_bytes_per_layer"] == 0
+    assert [rank_memory(big, ExpertLayout(256, n), 0, 40, 2)["store_slot_bytes"] / 2**30 for n in (2, 4, 8)] == [
+        1.5, 2.25, 2.625]
     odd_mem = rank_memory(CFG, odd, 3, 6, 4)
     assert odd_mem["resident_expert_bytes"] == 6 * 2 * 3 * CFG.hidden_size * CFG.moe_intermediate_size * 4
+    # The tiny model's blocks are far below the granularity: copied out, the own block too.
+    assert odd_mem["store_mode"] == "copy" and odd_mem["store_slot_bytes"] == 0
+    assert odd_mem["prefetch_buffer_bytes"] == 2 * 6 * 3 * CFG.hidden_size * CFG.moe_intermediate_size * 4
+    assert odd_mem["local_copy_bytes_per_layer"] == 0  # rank 3 of (6, 4) owns no expert
     assert odd_mem["xla_gather_buffer_bytes"] > odd_mem["prefetch_buffer_bytes"]  # the gather moves padding too
 
 

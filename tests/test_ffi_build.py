@@ -18,20 +18,22 @@ LIB = ROOT / "jax_dwdp" / "_lib" / "libjax_dwdp_ffi.so"
 
 
 @pytest.mark.skipif(cuda_home() is None, reason="no CUDA toolkit here: pip install builds no FFI library")
-def test_dwdp_library_exports_the_two_handlers_and_no_c_api():
-    """The store's library is its two XLA FFI handlers (the ones dwdp_ffi registers) and nothing Python calls
+def test_dwdp_library_exports_the_handlers_and_no_c_api():
+    """The store's library is its XLA FFI handlers (the ones dwdp_ffi registers) and nothing Python calls
     directly: its C functions (C++ ones are mangled, `_Z...`) are exactly the handlers. The test-only library adds
-    the prefetch with fault injection."""
+    the two prefetches with fault injection."""
     from jax_dwdp.parallel.dwdp_ffi import HANDLERS, library_path
 
     path = library_path()
     assert path.is_file(), f"{path} missing: `pip install -e .` should have built it (cuda.h is at {cuda_home()})"
     c_functions = {name for name in exported_functions(path) if not name.startswith("_Z")}
-    assert c_functions == set(HANDLERS.values()) == {"JaxDwdpStorePrefetch", "JaxDwdpStoreWait"}, c_functions
+    assert c_functions == set(HANDLERS.values()) == {"JaxDwdpStorePrefetch", "JaxDwdpStorePrefetchInPlace",
+                                                     "JaxDwdpStoreWait"}, c_functions
     testing = path.with_name("libjax_dwdp_ffi_testing.so")
     assert testing.is_file(), f"{testing} missing: `pip install -e .` builds it beside {path.name}"
     c_functions = {name for name in exported_functions(testing) if not name.startswith("_Z")}
-    assert c_functions == {"JaxDwdpStorePrefetch", "JaxDwdpStoreWait", "JaxDwdpStoreTestingPrefetch"}, c_functions
+    assert c_functions == {"JaxDwdpStorePrefetch", "JaxDwdpStorePrefetchInPlace", "JaxDwdpStoreWait",
+                           "JaxDwdpStoreTestingPrefetch", "JaxDwdpStoreTestingPrefetchInPlace"}, c_functions
 
 
 @pytest.mark.skipif(cuda_home() is None, reason="no CUDA toolkit here: pip install builds no FFI library")

@@ -80,8 +80,9 @@ def test_peak_memory_per_rank_within_plan():
     dep = plan_layout(cfg, 1, 2, jnp.bfloat16, dep=True)[0]
     cases = {  # name: (CLI flags, per-rank bound without activations, activations, bytes outside XLA per rank)
         "dwdp ffi": (["--dwdp", "2", "--dwdp-backend", "ffi"],
-                     [r["resident_bytes"] + r["prefetch_buffer_bytes"] for r in dwdp["dwdp_ranks"]], activations[1],
-                     [r["resident_expert_bytes"] for r in dwdp["dwdp_ranks"]]),
+                     [r["resident_bytes"] + r["prefetch_buffer_bytes"] + r["store_slot_bytes"]
+                      for r in dwdp["dwdp_ranks"]], activations[1],
+                     [r["resident_expert_bytes"] + r["store_slot_bytes"] for r in dwdp["dwdp_ranks"]]),
         "dwdp xla": (["--dwdp", "2"], [r["resident_bytes"] + r["xla_gather_buffer_bytes"] for r in dwdp["dwdp_ranks"]],
                      activations[1], [0, 0]),
         # DEP's MoE sees every rank's tokens: the activations of one GPU running the whole batch bound it.

@@ -49,7 +49,13 @@ store.sync()
 print("one process:", cuda_vmm.live_objects())
 store.close()
 
-ranks = [VmmStore.build_local(r, r, 2, **sizes) for r in range(2)]
+store = VmmStore.build([0, 1], **sizes, in_place=True)  # the views: second mappings of the blocks, slots
+assert store.in_place and store.slot_bytes() == 2 * ((6 << 20) + (2 << 20)), store.info()
+assert len(store.prefetch_attributes(1)["views"]) == 4
+print("one process in place:", cuda_vmm.live_objects())
+store.close()
+
+ranks = [VmmStore.build_local(r, r, 2, **sizes, in_place=True) for r in range(2)]
 fds = [s.export() for s in ranks]
 ranks[0].import_peer(1, fds[1])
 ranks[1].import_peer(0, fds[0])

@@ -49,7 +49,8 @@ def test_one_process_store_lives_and_closes(fake):
     assert live == {"allocations": 12, "mappings": 12, "va_ranges": 6, "streams": 2, "events": 2 * (1 + 7 + 6),
                     "contexts": 2, "stores": 1}, live
     assert fake.live()["allocations"] == 12 and store.handle_type == "posix_fd"
-    assert store.info() == {"handle_type": "posix_fd", "granularity": GRANULARITY}
+    assert store.info() == {"handle_type": "posix_fd", "granularity": GRANULARITY, "mode": "copy",
+                            "not_in_place": "not asked for"}
     reg = store.region(1, 0)
     assert reg.stride == 6 << 20 and reg.reserved == 12 << 20  # 6 MiB blocks: already granularity multiples
     assert store.region(1, 1).stride == GRANULARITY  # 2 MiB
@@ -94,12 +95,14 @@ def _calls_of_a_build(build) -> list[str]:
     return calls
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in place"])
 @pytest.mark.parametrize("kind", ["one process", "one rank"])
-def test_a_failure_at_any_driver_call_of_a_build_releases_everything(monkeypatch, kind):
+def test_a_failure_at_any_driver_call_of_a_build_releases_everything(monkeypatch, kind, in_place):
     """Every driver call a build makes, failed in turn: the constructor raises (naming the call and the
     CUresult, or for the capability probe falls back to POSIX descriptors) and nothing it made is left."""
-    build = ((lambda: VmmStore.build([0, 1], **SIZES)) if kind == "one process" else
-             (lambda: VmmStore.build_local(1, 1, 2, **SIZES)))
+    sizes = {**SIZES, "in_place": in_place}
+    build = ((lambda: VmmStore.build([0, 1], **sizes)) if kind == "one process" else
+             (lambda: VmmStore.build_local(1, 1, 2, **sizes)))
     calls = _calls_of_a_build(build)
     seen: dict[str, int] = {}
     failed = 0
@@ -155,6 +158,81 @@ def test_two_process_stores_trade_descriptors(fake):
     attrs = stores[1].prefetch_attributes(2)
     assert list(attrs["ranks"]) == [1] and list(attrs["ordinals"]) == [1]
     for s in stores:
+        s.close()
+    nothing_alive(fake)
+
+
+def _mapped(fake: FakeDriver, address: int) -> int:
+    """The handle the fake maps at `address` (a mapping starts there)."""
+    return fake.maps[address][1]
+
+
+def test_in_place_views_map_the_own_block_and_the_slots(fake):
+    """In place, each device row sees each (layer, weight) as one range of `ranks x stride` bytes: its own rank's
+    block (the same allocation the peers read) at its offset, and at each peer's offset a slot of its own, from slot
+    set layer % 2; the prefetch gets the views and the bytes of E experts; close releases the views and slots."""
+    store = VmmStore.build([0, 1], **SIZES, in_place=True)
+    try:
+        assert store.in_place and store.info()["mode"] == "in_place"
+        live = cuda_vmm.live_objects()
+        # per row: 2 slot sets x 2 weights x 1 peer slots, 3 layers x 2 weights x 2 ranks mappings, one range
+        assert live["allocations"] == 12 + 2 * 4 and live["mappings"] == 12 + 2 * 12 and live["va_ranges"] == 6 + 2
+        assert store.slot_bytes() == 2 * ((6 << 20) + (2 << 20)) and store.info()["slot_bytes"] == store.slot_bytes()
+        slots = {}
+        for row in range(2):
+            for layer in range(3):
+                for w in range(2):
+                    base, stride = store.view_address(row, layer, w), store.region(layer, w).stride
+                    assert _mapped(fake, base + row * stride) == store.region(layer, w).handles[row]  # own block
+                    peer = _mapped(fake, base + (1 - row) * stride)
+                    assert peer not in store.region(layer, w).handles  # a slot, not the peer's block
+                    slots[row, layer, w] = peer
+        for row in range(2):
+            for w in range(2):
+                assert slots[row, 0, w] == slots[row, 2, w] != slots[row, 1, w]  # sets alternate by layer
+        assert len(set(slots.values())) == 8  # no slot shared between rows or weights
+        attrs = store.prefetch_attributes(1)
+        assert set(attrs) == _bound_attributes("PrefetchInPlaceBinding")
+        assert [int(v) for v in attrs["views"]] == [store.view_address(r, 1, w) for r in range(2) for w in range(2)]
+        assert list(attrs["total_bytes"]) == [3 * (3 << 20), 3 * (1 << 20)]  # E = 3 experts: no padding slot
+        # [slot sets, one layer's view bytes, each row's first view]: layer = (view - base) // bytes
+        layer_bytes = 2 * (6 << 20) + 2 * (2 << 20)
+        assert [int(v) for v in attrs["view_layout"]] == [2, layer_bytes, store.view_address(0, 0, 0),
+                                                          store.view_address(1, 0, 0)]
+        assert (store.view_address(1, 2, 0) - store.view_address(1, 0, 0)) // layer_bytes == 2
+    finally:
+        store.close()
+    nothing_alive(fake)
+
+
+def test_blocks_off_the_granularity_are_copied_out(fake):
+    store = VmmStore.build([0, 1], **{**SIZES, "expert_bytes": (3 << 20, 1 << 19)}, in_place=True)  # 1 MiB block
+    try:
+        assert not store.in_place and store.slot_bytes() == 0
+        assert store.info()["mode"] == "copy"
+        assert "weight 1's block of 1048576 bytes is not a multiple of the 2097152-byte" in \
+            store.info()["not_in_place"]
+        assert set(store.prefetch_attributes(0)) == _bound_attributes("PrefetchBinding")
+    finally:
+        store.close()
+    nothing_alive(fake)
+
+
+def test_one_rank_per_process_in_place_views_its_own_slots(fake):
+    """One process per device: the view maps this rank's block and slots of its own device, never the peer's
+    imported block (which the prefetch copies from)."""
+    stores = [VmmStore.build_local(r, r, 2, **SIZES, in_place=True) for r in range(2)]
+    fds = [s.export() for s in stores]
+    for r, s in enumerate(stores):
+        s.import_peer(1 - r, fds[1 - r])
+    for fd in fds[0] + fds[1]:
+        os.close(fd)
+    for r, s in enumerate(stores):
+        base, stride = s.view_address(0, 1, 0), s.region(1, 0).stride
+        assert _mapped(fake, base + r * stride) == s.region(1, 0).handles[r]
+        assert _mapped(fake, base + (1 - r) * stride) not in s.region(1, 0).handles
+        attrs = s.prefetch_attributes(1)
+        assert list(attrs["ranks"]) == [r] and int(attrs["sources"][1 - r]) == s.region(1, 0).address(1 - r)
         s.close()
     nothing_alive(fake)
 

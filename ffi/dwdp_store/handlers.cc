@@ -1,19 +1,23 @@
-// The two XLA FFI custom calls of the DWDP expert store (interface: handlers.h; the picture: ffi/README.md).
-// - dwdp_prefetch(dep) -> (gate_up, down): records the ready event on XLA's stream and makes the device's copy
-//   stream wait for it (so the copy never overwrites memory that earlier XLA work still reads: the write-after-read
-//   guard), copies every rank's block into the XLA-allocated outputs, and records a done event whose table slot
-//   names the gate_up address.
+// The XLA FFI custom calls of the DWDP expert store (interface: handlers.h; the picture: ffi/README.md).
+// - dwdp_prefetch_in_place(dep) -> token: records the ready event on XLA's stream and makes the device's copy
+//   stream wait for it (so the copy never overwrites a slot that earlier XLA work, the layer two back, still reads:
+//   the write-after-read guard), copies the peers' blocks into the slots of the layer's compute view (the rank's own
+//   block is mapped there, never copied), and records a done event whose table slot names the view's gate_up
+//   address.
+// - dwdp_prefetch(dep) -> (gate_up, down): the same into XLA-allocated outputs, the rank's own block copied too:
+//   for blocks that are not a multiple of the allocation granularity (no contiguous view).
 // - dwdp_wait(gate_up, down, after) -> token: makes XLA's stream wait for the done event of that address. `after` is
 //   the consuming layer's MoE input, so XLA cannot schedule the wait early; Python ties the experts' uses to the
 //   token with an optimization barrier. (Outputs aliased to the expert operands would make XLA copy a program
 //   parameter before the wait: a read racing the copy.)
-// Neither is marked command-buffer compatible: they do host work that must run on every execution.
+// None is marked command-buffer compatible: they do host work that must run on every execution.
 // Everything else of the store (allocation, mapping, export / import, streams, events, release) is Python's, through
 // cuda.bindings (jax_dwdp/parallel/cuda_vmm.py).
 
 #include "handlers.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace dwdp {
 namespace {
@@ -34,29 +38,30 @@ std::string ErrorName(CUresult r) {
   return name;
 }
 
-// Enqueues the copy of layer's blocks (sources) into `outs` on `copy`, after everything XLA enqueued on `stream` so
-// far, and records `finished` after it; "" or the failure. Rank `rank`'s own block is copied last, the peers' first.
+// Enqueues the copy of layer's blocks (sources) into dst[w] (E experts, total[w] bytes) on `copy`, after everything
+// XLA enqueued on `stream` so far, and records `finished` after it; "" or the failure. The peers' blocks first;
+// rank `rank`'s own block last, unless `own` is false (in place: the view maps it, nothing moves). `peers` false
+// copies no peer block (the test library's timing probe: the events alone).
 std::string EnqueueCopy(CUstream stream, CUstream copy, CUevent ready, CUevent start, CUevent stop, CUevent finished,
-                        int64_t rank, int64_t ranks, Ints sources, Ints block_bytes, ffi::AnyBuffer* const outs[2],
-                        const std::string& where) {
+                        int64_t rank, int64_t ranks, Ints sources, Ints block_bytes, const CUdeviceptr dst[2],
+                        const size_t total[2], bool own, bool peers, const std::string& where) {
   auto failed = [&](const char* call, CUresult r) { return r == CUDA_SUCCESS ? "" : Describe(where, call, r); };
   std::string e;
   if (!(e = failed("cuEventRecord", cuEventRecord(ready, stream))).empty()) return e;  // the write-after-read guard
   if (!(e = failed("cuStreamWaitEvent", cuStreamWaitEvent(copy, ready, 0))).empty()) return e;
   if (start != nullptr && !(e = failed("cuEventRecord", cuEventRecord(start, copy))).empty()) return e;
   for (int w = 0; w < 2; ++w) {
-    const size_t total = outs[w]->size_bytes();
     const size_t block = static_cast<size_t>(block_bytes[w]);
-    const CUdeviceptr dst = reinterpret_cast<CUdeviceptr>(outs[w]->untyped_data());
-    // One copy per rank block: the local block HBM -> HBM, each peer's over NVLink. (One copy spanning local and
+    // One copy per rank block: each peer's over NVLink, the local one HBM -> HBM. (One copy spanning local and
     // peer mappings of the composite VA ran at about 80 GiB/s on two H200s; per-block copies let the driver pick
     // the peer path for each.) The last rank's padding slots lie past `total` and are never copied.
     for (int64_t step = 1; step <= ranks; ++step) {
       const int64_t r = (rank + step) % ranks;
+      if (r == rank ? !own : !peers) continue;
       const size_t offset = static_cast<size_t>(r) * block;
-      if (offset >= total) continue;
-      const size_t n = std::min(block, total - offset);
-      CUresult res = cuMemcpyDtoDAsync(dst + offset, Address(sources[w * ranks + r]), n, copy);
+      if (offset >= total[w]) continue;
+      const size_t n = std::min(block, total[w] - offset);
+      CUresult res = cuMemcpyDtoDAsync(dst[w] + offset, Address(sources[w * ranks + r]), n, copy);
       if (!(e = failed("cuMemcpyDtoDAsync", res)).empty()) return e;
     }
   }
@@ -108,10 +113,13 @@ RowGuard::~RowGuard() {
   if (locked_) pthread_spin_unlock(reinterpret_cast<pthread_spinlock_t*>(words_ + kLockWord));
 }
 
-ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, int64_t store, int64_t layer,
-                    int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done,
-                    Ints timing, Ints sources, Ints block_bytes, ffi::Result<ffi::AnyBuffer> gate_up,
-                    ffi::Result<ffi::AnyBuffer> down) {
+// The prefetch both forms share: the checks, the device's row, a done-event slot keyed by the row's gate_up
+// destination (the address dwdp_wait is given), the copy into dst_by_row[row * dst_stride + w]. `own`: whether the
+// rank's own block is copied too.
+ffi::Error PrefetchInto(CUstream stream, int32_t ordinal, int64_t store, int64_t layer, int64_t table, Ints ordinals,
+                        Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done, Ints timing, Ints sources,
+                        Ints block_bytes, const CUdeviceptr dst_by_row[], size_t dst_stride, const size_t total[2],
+                        bool own, bool copy_peers, Ints view_layout) {
   const std::string where = "dwdp_prefetch(store " + std::to_string(store) + ", layer " + std::to_string(layer) + ")";
   const size_t rows = ordinals.size();
   if (rows == 0 || ranks.size() != rows || streams.size() != rows || ready.size() != rows || done.size() == 0 ||
@@ -120,10 +128,9 @@ ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, in
     return Invalid(where + ": the store's attributes are inconsistent (one entry per device row, two weights)");
   const int64_t n = static_cast<int64_t>(sources.size() / 2);
   const int64_t slots = static_cast<int64_t>(done.size() / rows);
-  ffi::AnyBuffer* const outs[2] = {&(*gate_up), &(*down)};
   for (int w = 0; w < 2; ++w)
-    if (block_bytes[w] <= 0 || outs[w]->size_bytes() > static_cast<size_t>(n * block_bytes[w]))
-      return Invalid(where + ": output " + std::to_string(w) + " has " + std::to_string(outs[w]->size_bytes()) +
+    if (block_bytes[w] <= 0 || total[w] > static_cast<size_t>(n * block_bytes[w]))
+      return Invalid(where + ": weight " + std::to_string(w) + " has " + std::to_string(total[w]) +
                      " bytes, more than the " + std::to_string(n) + " rank blocks of " +
                      std::to_string(block_bytes[w]) + " bytes hold");
 
@@ -132,10 +139,12 @@ ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, in
   const int64_t row = guard.row();
   const int64_t rank = ranks[row];
   if (rank < 0 || rank >= n) return Invalid(where + ": rank " + std::to_string(rank) + " of " + std::to_string(n));
+  const CUdeviceptr* dst = dst_by_row + row * dst_stride;
 
-  // The done event's slot: the one an earlier prefetch into this address that nobody waited for holds (that
-  // buffer is gone: XLA gave its memory to this output), else a free one.
-  const int64_t key = static_cast<int64_t>(reinterpret_cast<uintptr_t>(outs[0]->untyped_data()));
+  // The done event's slot: the one an earlier prefetch into this address that nobody waited for holds (copy out:
+  // that buffer is gone, XLA gave its memory to this output; in place: the same layer prefetched again), else a
+  // free one.
+  const int64_t key = static_cast<int64_t>(dst[0]);
   int64_t* pending = guard.slots();
   int64_t slot = -1;
   for (int64_t k = 0; k < slots && slot < 0; ++k)
@@ -145,19 +154,67 @@ ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, in
   if (slot < 0)
     return Fail(where + ": " + std::to_string(slots) + " prefetches on device " + std::to_string(ordinal) +
                 " are not waited for (store.sync() forgets them)");
+  if (view_layout.size() != 0) {
+    if (view_layout.size() != rows + 2 || view_layout[0] < 2 || view_layout[1] <= 0)
+      return Invalid(where + ": the store's view layout is inconsistent");
+    const uint64_t sets = static_cast<uint64_t>(view_layout[0]), bytes = static_cast<uint64_t>(view_layout[1]);
+    const uint64_t base = static_cast<uint64_t>(view_layout[2 + row]);
+    for (int64_t k = 0; k < slots; ++k) {
+      const uint64_t other = static_cast<uint64_t>(pending[k]);
+      if (other == 0 || pending[k] == key || other < base) continue;
+      const uint64_t other_layer = (other - base) / bytes;
+      if (other_layer % sets == static_cast<uint64_t>(layer) % sets)
+        return Fail(where + ": layer " + std::to_string(other_layer) + "'s experts, in the same slot set (" +
+                    std::to_string(other_layer % sets) + " of " + std::to_string(sets) +
+                    "), are prefetched and not yet waited for: this copy would overwrite them before they are read "
+                    "(a prefetch depth of d needs d + 1 slot sets)");
+    }
+  }
 
   CUstream copy = Handle<CUstream>(streams[row]);
   std::string error = EnqueueCopy(stream, copy, Handle<CUevent>(ready[row]), Handle<CUevent>(timing[2 * row]),
                                   Handle<CUevent>(timing[2 * row + 1]), Handle<CUevent>(done[row * slots + slot]),
-                                  rank, n, sources, block_bytes, outs, where);
+                                  rank, n, sources, block_bytes, dst, total, own, copy_peers, where);
   if (!error.empty()) {
-    // XLA frees the outputs of a failed call: no copy may still be writing them, and no wait may find them.
+    // XLA frees the outputs of a failed call, and a failed in-place copy leaves its slots half-written: no copy may
+    // still be writing, and no wait may find them.
     cuStreamSynchronize(copy);
     pending[slot] = 0;
     return Fail(error);
   }
   pending[slot] = key;
   return ffi::Error::Success();
+}
+
+ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, int64_t store, int64_t layer,
+                    int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done,
+                    Ints timing, Ints sources, Ints block_bytes, ffi::Result<ffi::AnyBuffer> gate_up,
+                    ffi::Result<ffi::AnyBuffer> down) {
+  // Every row writes this device's outputs: the row found by the ordinal reads dst[0, 2).
+  const CUdeviceptr dst[2] = {reinterpret_cast<CUdeviceptr>(gate_up->untyped_data()),
+                              reinterpret_cast<CUdeviceptr>(down->untyped_data())};
+  const size_t total[2] = {gate_up->size_bytes(), down->size_bytes()};
+  const size_t rows = ordinals.size();
+  std::vector<CUdeviceptr> by_row;
+  for (size_t r = 0; r < rows; ++r) by_row.insert(by_row.end(), dst, dst + 2);
+  return PrefetchInto(stream, ordinal, store, layer, table, ordinals, ranks, contexts, streams, ready, done, timing,
+                      sources, block_bytes, by_row.data(), 2, total, /*own=*/true, /*copy_peers=*/true,
+                      Ints(nullptr, 0));
+}
+
+ffi::Error PrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, int64_t store, int64_t layer,
+                           int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready,
+                           Ints done, Ints timing, Ints sources, Ints block_bytes, Ints views, Ints total_bytes,
+                           Ints view_layout, ffi::Result<ffi::AnyBuffer> /*token*/) {
+  const std::string where = "dwdp_prefetch(store " + std::to_string(store) + ", layer " + std::to_string(layer) + ")";
+  if (views.size() != 2 * ordinals.size() || total_bytes.size() != 2 || total_bytes[0] <= 0 || total_bytes[1] <= 0)
+    return Invalid(where + ": the store's in-place attributes are inconsistent (two views per device row)");
+  std::vector<CUdeviceptr> by_row(views.size());
+  for (size_t i = 0; i < views.size(); ++i) by_row[i] = Address(views[i]);
+  const size_t total[2] = {static_cast<size_t>(total_bytes[0]), static_cast<size_t>(total_bytes[1])};
+  return PrefetchInto(stream, ordinal, store, layer, table, ordinals, ranks, contexts, streams, ready, done, timing,
+                      sources, block_bytes, by_row.data(), 2, total, /*own=*/false, /*copy_peers=*/true,
+                      view_layout);
 }
 
 ffi::Error Wait(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer /*down*/,
@@ -190,3 +247,4 @@ ffi::Error Wait(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpStorePrefetch, dwdp::Prefetch, dwdp::PrefetchBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpStoreWait, dwdp::Wait, dwdp::WaitBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDwdpStorePrefetchInPlace, dwdp::PrefetchInPlace, dwdp::PrefetchInPlaceBinding());

@@ -1,4 +1,4 @@
-// The DWDP expert store's two XLA FFI custom calls (handlers.cc), as the test-only library (testing.cc) reuses them.
+// The DWDP expert store's XLA FFI custom calls (handlers.cc), as the test-only library (testing.cc) reuses them.
 //
 // Python (jax_dwdp/parallel/cuda_vmm.py, through cuda.bindings) owns every CUDA object of a store: the VMM
 // allocations and their mappings, the primary contexts, the copy streams and the events. The custom calls get what
@@ -57,6 +57,16 @@ class RowGuard {
   std::string error_;
 };
 
+// The copy both prefetches enqueue (handlers.cc): dst_by_row[row * dst_stride + w] is where the device's row
+// writes weight w (total[w] bytes); `own`: copy the rank's own block too; `copy_peers`: copy the peers' blocks
+// (false only in the test library's probe of the events alone). `view_layout` (in place; empty copying out):
+// [slot sets, bytes of one layer's views, then each row's first view address]: a prefetch into a slot set that
+// holds another layer's experts not yet waited for is refused (it would overwrite them before they are read).
+ffi::Error PrefetchInto(CUstream stream, int32_t ordinal, int64_t store, int64_t layer, int64_t table, Ints ordinals,
+                        Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done, Ints timing, Ints sources,
+                        Ints block_bytes, const CUdeviceptr dst_by_row[], size_t dst_stride, const size_t total[2],
+                        bool own, bool copy_peers, Ints view_layout);
+
 ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, int64_t store, int64_t layer,
                     int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done,
                     Ints timing, Ints sources, Ints block_bytes, ffi::Result<ffi::AnyBuffer> gate_up,
@@ -86,6 +96,39 @@ inline auto PrefetchBinding() {
       .Attr<Ints>("block_bytes")
       .Ret<ffi::AnyBuffer>()   // gate_up
       .Ret<ffi::AnyBuffer>();  // down
+}
+
+ffi::Error PrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, int64_t store, int64_t layer,
+                           int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready,
+                           Ints done, Ints timing, Ints sources, Ints block_bytes, Ints views, Ints total_bytes,
+                           Ints view_layout, ffi::Result<ffi::AnyBuffer> token);
+
+// dwdp_prefetch_in_place(dep) -> token: Prefetch's attributes, plus views[row * 2 + w], where device row `row` sees
+// weight w of this layer as one [E, ...] tensor (its own block mapped at its rank's offset, its slots at the
+// peers'), total_bytes[w], the bytes of E experts of weight w, and view_layout (PrefetchInto). Only the peers'
+// blocks are copied, into the view; the done event is keyed by views[row * 2] (dwdp_wait's gate_up operand is that
+// view).
+inline auto PrefetchInPlaceBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<CUstream>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()  // dep
+      .Attr<int64_t>("store")
+      .Attr<int64_t>("layer")
+      .Attr<int64_t>("table")
+      .Attr<Ints>("ordinals")
+      .Attr<Ints>("ranks")
+      .Attr<Ints>("contexts")
+      .Attr<Ints>("streams")
+      .Attr<Ints>("ready")
+      .Attr<Ints>("done")
+      .Attr<Ints>("timing")
+      .Attr<Ints>("sources")
+      .Attr<Ints>("block_bytes")
+      .Attr<Ints>("views")
+      .Attr<Ints>("total_bytes")
+      .Attr<Ints>("view_layout")
+      .Ret<ffi::AnyBuffer>();  // token (never written)
 }
 
 ffi::Error Wait(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer down, ffi::AnyBuffer after,

@@ -12,6 +12,11 @@ A `VmmStore` holds every CUDA object of one expert store in this process:
   at r x stride and readable by every device of the store, so a peer's block is an address;
 - one process per device (`build_local`): only this rank's blocks are allocated (POSIX file descriptor handles);
   `export` gives them as descriptors and `import_peer` maps a peer process's blocks from its descriptors;
+- in place (`in_place`, when every block is a multiple of the allocation granularity): per device row and
+  (layer, weight) a compute view, one virtual range of `ranks x stride` bytes that the layer's MoE reads as its
+  [E, ...] experts: the row's own block mapped a second time at its rank's offset (read where it lives, never
+  copied) and, at each peer's offset, a slot of the row's own memory that the prefetch fills over the link. Layer l
+  uses slot set l % slot_sets (two: layer l+1's copy runs while layer l reads the other set);
 - the host table the custom calls share with Python (layout in ffi/dwdp_store/handlers.h, TABLE_* here).
 
 Everything acquired is recorded as it is acquired and released newest first, on every path: a failed build
@@ -219,6 +224,8 @@ class Device:
         self.ready = None
         self.done: list = []
         self.timing: list[tuple] = []  # per layer (start, stop), with timing
+        self.rank = -1  # the rank whose blocks live on this device
+        self.views_va = 0  # in place: the row's compute views, layer-major (see VmmStore.view_address)
 
 
 # ---- the store ---------------------------------------------------------------------------------------------------
@@ -233,12 +240,15 @@ class VmmStore:
     rank's padding slots are never copied)."""
 
     def __init__(self, *, ranks: int, layers: int, expert_bytes: Sequence[int], slots: int, experts: int,
-                 local_rank: int | None, timing: bool, pending_slots: int | None = None, where: str):
+                 local_rank: int | None, timing: bool, pending_slots: int | None = None, in_place: bool = False,
+                 slot_sets: int = 2, where: str):
         if ranks < 1 or layers < 1 or not expert_bytes or slots < 1 or not 1 <= experts <= ranks * slots:
             raise ValueError(f"{where}: bad sizes (ranks {ranks}, layers {layers}, weights {len(expert_bytes)}, "
                              f"slots {slots}, experts {experts})")
         if any(b <= 0 for b in expert_bytes):
             raise ValueError(f"{where}: a weight of 0 bytes per expert: {list(expert_bytes)}")
+        if slot_sets < 2:
+            raise ValueError(f"{where}: {slot_sets} slot sets; in place needs at least 2 (one read, one filled)")
         self.ranks, self.layers, self.slots, self.experts = ranks, layers, slots, experts
         self.expert_bytes = [int(b) for b in expert_bytes]
         self.local_rank, self.timing = local_rank, timing
@@ -256,6 +266,9 @@ class VmmStore:
         self.table = np.zeros(0, np.int64)
         self.closed = False
         self._attributes: dict[int, dict] = {}
+        # In place is asked for; it holds once the granularity is known (see _views_possible).
+        self.in_place, self.slot_sets = in_place, slot_sets
+        self.not_in_place = "" if in_place else "not asked for"
 
     # ---- building ----------------------------------------------------------------------------------------------
     @classmethod
@@ -425,6 +438,9 @@ class VmmStore:
                 for r, prop in enumerate(props):
                     self._create_block(reg, r, prop, i // len(self.expert_bytes), where)
                 cu(where, "cuMemSetAccess", reg.va, reg.reserved, access, len(access))
+        for r, (dev, prop) in enumerate(zip(self.devices, props)):
+            dev.rank = r
+            self._build_views(dev, prop, where)
         self._open_table()
 
     def _build_local(self, ordinal: int) -> None:
@@ -444,7 +460,75 @@ class VmmStore:
                 self._reserve(reg, where)
                 self._create_block(reg, r, prop, i // len(self.expert_bytes), where)
                 cu(where, "cuMemSetAccess", reg.address(r), reg.stride, [access], 1)
+        dev.rank = r
+        self._build_views(dev, prop, where)
         self._open_table()
+
+    # ---- in place: the compute views -----------------------------------------------------------------------------
+    def _views_possible(self) -> str:
+        """Why the views cannot be contiguous [E, ...] tensors ("" when they can): a block that is not a multiple of
+        the granularity leaves a gap before the next rank's block."""
+        ragged = [w for w, b in enumerate(self.expert_bytes) if (self.slots * b) % self.granularity]
+        if ragged:
+            return (f"weight {ragged[0]}'s block of {self.slots * self.expert_bytes[ragged[0]]} bytes is not a "
+                    f"multiple of the {self.granularity}-byte allocation granularity")
+        return ""
+
+    def layer_view_bytes(self) -> int:
+        """The virtual bytes of one layer's views on a row (every weight's `ranks x stride`)."""
+        return sum(self.ranks * round_up(self.slots * b, self.granularity) for b in self.expert_bytes)
+
+    def view_address(self, row: int, layer: int, weight: int) -> int:
+        """Where device row `row` sees layer `layer`'s weight `weight` as one [E, ...] tensor (in place)."""
+        dev = self.devices[row]
+        offset = sum(self.ranks * round_up(self.slots * b, self.granularity) for b in self.expert_bytes[:weight])
+        return dev.views_va + layer * self.layer_view_bytes() + offset
+
+    def slot_bytes(self) -> int:
+        """The device memory of one row's slots (in place; 0 otherwise): slot_sets x the peers' blocks of a
+        layer."""
+        if not self.in_place:
+            return 0
+        return self.slot_sets * (self.ranks - 1) * sum(round_up(self.slots * b, self.granularity)
+                                                        for b in self.expert_bytes)
+
+    def _build_views(self, dev: Device, prop, where: str) -> None:
+        """In place: the row's slots (slot_sets x weights x peers allocations on its device) and its compute views
+        (the row's own blocks mapped a second time, the slots at the peers' offsets), readable by its device."""
+        if self.in_place:
+            self.not_in_place = self._views_possible()
+            self.in_place = not self.not_in_place
+        if not self.in_place:
+            return
+        with self.current(dev, where):
+            peers = [p for p in range(self.ranks) if p != dev.rank]
+            strides = [round_up(self.slots * b, self.granularity) for b in self.expert_bytes]
+            slots = {}  # (set, weight, peer) -> handle
+            for s in range(self.slot_sets):
+                for w, stride in enumerate(strides):
+                    for p in peers:
+                        try:
+                            handle = cu(where, "cuMemCreate", stride, prop, 0)
+                        except CudaError as e:
+                            raise CudaError(f"{e} allocating a {stride}-byte expert slot on device {dev.ordinal}",
+                                            e.code) from None
+                        slots[s, w, p] = handle
+                        self.held.add("allocations", lambda h=handle: cu("close", "cuMemRelease", h))
+            size = self.layers * self.layer_view_bytes()
+            dev.views_va = int(cu(where, "cuMemAddressReserve", size, self.granularity, 0, 0))
+            va = dev.views_va
+            self.held.add("va_ranges", lambda: cu("close", "cuMemAddressFree", va, size))
+            row = self.devices.index(dev)
+            for layer in range(self.layers):
+                for w, stride in enumerate(strides):
+                    base = self.view_address(row, layer, w)
+                    for p in range(self.ranks):
+                        handle = (self.region(layer, w).handles[p] if p == dev.rank else
+                                  slots[layer % self.slot_sets, w, p])
+                        cu(where, "cuMemMap", base + p * stride, stride, 0, handle, 0)
+                        self.held.add("mappings", lambda a=base + p * stride, n=stride: cu("close", "cuMemUnmap", a,
+                                                                                            n))
+            cu(where, "cuMemSetAccess", va, size, [self._access(dev.ordinal)], 1)
 
     def _open_table(self) -> None:
         """The host table the custom calls share (one row per device, each row's spinlock initialised)."""
@@ -565,7 +649,10 @@ class VmmStore:
 
     def prefetch_attributes(self, layer: int) -> dict:
         """The attributes of layer `layer`'s dwdp_prefetch custom call: its whole interface (handlers.h,
-        PrefetchBinding), the same for every device of the store (each finds its row by its ordinal)."""
+        PrefetchBinding; in place PrefetchInPlaceBinding, which adds `views`, where each row's compute view of each
+        weight of the layer starts, `total_bytes`, the bytes of a weight's E experts, and `view_layout`, from which
+        the handler tells which slot set a pending prefetch fills), the same for every device of the store (each
+        finds its row by its ordinal)."""
         where = f"dwdp_prefetch(store {self.id}, layer {layer})"
         self._check_open(where)
         if len(self.expert_bytes) != 2:
@@ -586,6 +673,13 @@ class VmmStore:
                 timing=as_int64(int(e) for d in self.devices for e in (d.timing[layer] if d.timing else (0, 0))),
                 sources=as_int64(self.region(layer, w).address(r) for w in range(2) for r in range(self.ranks)),
                 block_bytes=as_int64(self.block_bytes(w) for w in range(2)))
+            if self.in_place:
+                self._attributes[layer].update(
+                    views=as_int64(self.view_address(row, layer, w) for row in range(len(self.devices))
+                                   for w in range(2)),
+                    total_bytes=as_int64(self.experts * b for b in self.expert_bytes),
+                    view_layout=as_int64([self.slot_sets, self.layer_view_bytes(),
+                                          *(d.views_va for d in self.devices)]))
         return self._attributes[layer]
 
     def wait_attributes(self) -> dict:
@@ -635,7 +729,14 @@ class VmmStore:
             raise StoreError(first)
 
     def info(self) -> dict:
-        return {"handle_type": self.handle_type, "granularity": self.granularity}
+        """How the store holds its experts: the handle type, the granularity and whether the MoE reads them in
+        place (`mode`, with `slot_sets` and `slot_bytes` per row) or from XLA buffers the prefetch fills ("copy",
+        with why not in place)."""
+        if self.in_place:
+            return {"handle_type": self.handle_type, "granularity": self.granularity, "mode": "in_place",
+                    "slot_sets": self.slot_sets, "slot_bytes": self.slot_bytes()}
+        return {"handle_type": self.handle_type, "granularity": self.granularity, "mode": "copy",
+                "not_in_place": self.not_in_place}
 
     def _check_open(self, where: str) -> None:
         if self.closed:

@@ -8,12 +8,20 @@ made.
   on devices[r]; one composite virtual address per (layer, weight) shows all ranks' blocks, contiguous when a
   block is a multiple of the 2 MiB allocation granularity, to every device of the store (peer reads over NVLink).
   Python makes and releases every CUDA object (`cuda_vmm.VmmStore`).
-- `store.prefetch(dep, layer)` (inside shard_map): returns the layer's full (gate_up [E, 2I, H], down [E, H, I])
-  in fresh XLA buffers, filled by a copy stream that starts after everything XLA enqueued before the call.
-- `store.wait(experts, after)`: the same buffers, after XLA's stream has waited for that copy; `after` (the MoE's
-  input) keeps XLA from scheduling it early, and an optimization barrier on its token orders every use after it.
-  The two custom calls' whole interface is their attributes (`VmmStore.prefetch_attributes` / `wait_attributes`
-  here, `PrefetchBinding` / `WaitBinding` in ffi/dwdp_store/handlers.h).
+- In place (`store.in_place`: every block a multiple of the 2 MiB allocation granularity, as at every published
+  Qwen3.5-MoE size): each device sees each layer's experts as one [E, ...] range, its own rank's block mapped
+  where its experts sit and store-owned slots at the peers' offsets; `store.layer_experts(layer)` gives that range
+  as jax.Arrays that are views of it (device_view: XLA holds no copy of any expert, and the rank's own experts
+  never move). `store.prefetch_in_place(dep, layer)` (inside shard_map) copies only the peers' blocks into the
+  layer's slots (slot set layer % 2), on a copy stream that starts after everything XLA enqueued before the call:
+  layer l+1's copy runs under layer l, into the slot set layer l does not read.
+- Otherwise (copy out) `store.prefetch(dep, layer)` returns the layer's full (gate_up [E, 2I, H], down [E, H, I])
+  in fresh XLA buffers, every rank's block copied, the rank's own too.
+- `store.wait(experts, after)`: the experts (views or buffers), after XLA's stream has waited for their copy;
+  `after` (the MoE's input) keeps XLA from scheduling it early, and an optimization barrier on its token orders
+  every use after it. The custom calls' whole interface is their attributes (`VmmStore.prefetch_attributes` /
+  `wait_attributes` here, `PrefetchInPlaceBinding` / `PrefetchBinding` / `WaitBinding` in
+  ffi/dwdp_store/handlers.h).
 - `close()` (or leaving a `with` block) releases every allocation, mapping, VA range, stream, event and context;
   whoever made the store closes it (a Pipeline or IndependentRanks with experts="ffi" makes and closes its own).
   `live_objects()` counts them, for tests.
@@ -26,9 +34,11 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.native import NativeLibrary
-from jax_dwdp.parallel import cuda_vmm
+from jax_dwdp.parallel import cuda_vmm, device_view
 from jax_dwdp.parallel.cuda_vmm import FfiUnavailable, StoreError, VmmStore, live_objects
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.fd_exchange import close_all
@@ -37,8 +47,10 @@ __all__ = ["ExpertStore", "ProcessExpertStore", "FfiUnavailable", "StoreError", 
            "library_path", "live_objects", "load_library", "require_gpus"]
 
 PREFETCH_TARGET = "jax_dwdp_dwdp_prefetch"
+PREFETCH_IN_PLACE_TARGET = "jax_dwdp_dwdp_prefetch_in_place"
 WAIT_TARGET = "jax_dwdp_dwdp_wait"
-HANDLERS = {PREFETCH_TARGET: "JaxDwdpStorePrefetch", WAIT_TARGET: "JaxDwdpStoreWait"}
+HANDLERS = {PREFETCH_TARGET: "JaxDwdpStorePrefetch", PREFETCH_IN_PLACE_TARGET: "JaxDwdpStorePrefetchInPlace",
+            WAIT_TARGET: "JaxDwdpStoreWait"}
 
 
 def _has_handlers(lib) -> None:
@@ -56,7 +68,7 @@ library_path = LIBRARY.path
 
 
 def load_library():
-    """Loads the handler library, the driver and the driver bindings on first use, and registers the two custom
+    """Loads the handler library, the driver and the driver bindings on first use, and registers the custom
     calls."""
     lib = LIBRARY.register(HANDLERS)
     cuda_vmm.driver()
@@ -78,12 +90,17 @@ def require_gpus(devices) -> None:
 class ExpertStore:
     """Every MoE layer's experts, rank r's block on devices[r], readable by every device. See the module doc."""
 
-    prefetch_target = PREFETCH_TARGET  # the custom call prefetch() runs (tests/store_testing.py names its own)
+    # the custom calls the prefetches run (tests/store_testing.py names its own)
+    prefetch_target, prefetch_in_place_target = PREFETCH_TARGET, PREFETCH_IN_PLACE_TARGET
 
-    def __init__(self, devices, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool = False):
+    def __init__(self, devices, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool = False,
+                 in_place: bool = True, slot_sets: int = 2):
         """`shapes` = per-expert shapes of the weights, ((2I, H), (H, I)); blocks are ceil(E/N) experts, the last
         rank's padded with zeros when N does not divide E (its padding is never copied). `timing` records each
-        layer's copy time (`copy_ms`)."""
+        layer's copy time (`copy_ms`). `in_place`: read the experts where they live whenever the blocks allow it
+        (`info()["mode"]` says what was chosen and, if not in place, why); False copies every block out.
+        `slot_sets`: in place, the layers whose peers' experts can be held at once (a prefetch depth of d needs
+        d + 1; the runner's is 1)."""
         self.devices = list(devices)
         self.num_ranks = len(self.devices)
         require_gpus(self.devices)
@@ -91,12 +108,34 @@ class ExpertStore:
             raise ValueError(f"an expert store needs distinct devices, got {self.devices}")
         if any(d.process_index != jax.process_index() for d in self.devices):
             raise ValueError("an expert store's devices must all belong to this process")
-        sizes = self._configure(len(self.devices), num_layers, num_experts, shapes, dtype, timing=timing)
+        sizes = self._configure(len(self.devices), num_layers, num_experts, shapes, dtype, timing=timing,
+                                in_place=in_place, slot_sets=slot_sets)
         self.vmm = VmmStore.build([d.local_hardware_id for d in self.devices], **sizes)
+        self._finish()
+
+    def _finish(self) -> None:
+        """After the VMM store is built: the views of the in-place ranges (released by close on any failure)."""
         self.id = self.vmm.id
         self.closed = False
+        self._views: list[list[tuple[jax.Array, jax.Array]]] = []  # [row][layer] = (gate_up, down)
+        if not self.vmm.in_place:
+            return
+        try:
+            for row, device in enumerate(self.devices):
+                self._views.append([tuple(
+                    device_view.view(self.vmm.view_address(row, layer, w), (self.num_experts, *self.shapes[w]),
+                                     self.dtype, device) for w in range(2)) for layer in range(self.num_layers)])
+        except BaseException:
+            self.close()
+            raise
 
-    def _configure(self, ranks: int, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool) -> dict:
+    @property
+    def in_place(self) -> bool:
+        """Whether the MoE reads the experts in place (layer_experts + prefetch_in_place) or from copies (prefetch)."""
+        return self.vmm.in_place
+
+    def _configure(self, ranks: int, num_layers: int, num_experts: int, shapes, dtype, *, timing: bool,
+                   in_place: bool, slot_sets: int) -> dict:
         """The store's layout, shapes and dtype; returns VmmStore's sizes."""
         load_library()
         self.layout = ExpertLayout(num_experts, ranks)
@@ -104,7 +143,8 @@ class ExpertStore:
         self.shapes, self.dtype = tuple(tuple(s) for s in shapes), jnp.dtype(dtype)
         self.timing = timing
         return dict(layers=num_layers, expert_bytes=[int(np.prod(s)) * self.dtype.itemsize for s in self.shapes],
-                    slots=self.layout.slots_per_rank, experts=num_experts, timing=timing)
+                    slots=self.layout.slots_per_rank, experts=num_experts, timing=timing, in_place=in_place,
+                    slot_sets=slot_sets)
 
     # ---- filling ---------------------------------------------------------------------------------------------
     def own_ranks(self) -> list[tuple[int, object]]:
@@ -178,10 +218,49 @@ class ExpertStore:
         return self.vmm.prefetch_attributes(layer)
 
     def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Copy out: layer `layer`'s experts in fresh XLA buffers, every rank's block copied."""
+        if self.in_place:
+            raise StoreError(f"expert store {self.id} reads its experts in place: prefetch_in_place(dep, layer) "
+                             "and layer_experts(layer)")
         out = tuple(jax.ShapeDtypeStruct((self.num_experts, *s), self.dtype) for s in self.shapes)
         attributes = self.prefetch_attributes(layer)
         call = jax.ffi.ffi_call(self.prefetch_target, out, has_side_effect=True)
         return call(dep, **attributes)
+
+    def prefetch_in_place(self, dep: jax.Array, layer: int) -> jax.Array:
+        """In place: copies the peers' blocks of layer `layer` into this device's slots for it; returns a token
+        (nothing reads it: `wait` on layer_experts(layer) finds the copy by the view's address)."""
+        if not self.in_place:
+            raise StoreError(f"expert store {self.id} copies its experts out ({self.vmm.not_in_place}): "
+                             "prefetch(dep, layer)")
+        attributes = self.prefetch_attributes(layer)
+        call = jax.ffi.ffi_call(self.prefetch_in_place_target, jax.ShapeDtypeStruct((1,), jnp.int32),
+                                has_side_effect=True)
+        return call(dep, **attributes)
+
+    def layer_experts(self, layer: int, device=None) -> tuple[jax.Array, jax.Array]:
+        """In place: layer `layer`'s (gate_up [E, 2I, H], down [E, H, I]) as `device`'s views of the store (its
+        own block and its slots); without `device`, the store's one device (a ProcessExpertStore's)."""
+        self.check_open()
+        if not self.in_place:
+            raise StoreError(f"expert store {self.id} copies its experts out: it has no views")
+        if device is None:
+            if len(self.devices) != 1:
+                raise ValueError("layer_experts: name the device (the store has several)")
+            device = self.devices[0]
+        return self._views[self.devices.index(device)][layer]
+
+    def sharded_layer_experts(self, layer: int, mesh) -> tuple[jax.Array, jax.Array]:
+        """In place, one process driving the mesh's devices (rank r on the mesh's r-th device): the views of every
+        device as arrays sharded P('dwdp') ([N * E, ...], device r's shard its own view), for shard_map."""
+        devices = list(mesh.devices.flat)
+        if devices != self.devices:
+            raise ValueError(f"sharded_layer_experts: the mesh's devices {devices} are not the store's ranks "
+                             f"{self.devices}, in order")
+        sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
+        return tuple(jax.make_array_from_single_device_arrays(
+            (len(devices) * self.num_experts, *self.shapes[w]), sharding,
+            [self.layer_experts(layer, d)[w] for d in devices]) for w in range(2))
 
     def wait(self, experts: tuple[jax.Array, jax.Array], after: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The experts, usable once XLA's stream has waited for their copy. The custom call returns a token (its
@@ -211,6 +290,10 @@ class ExpertStore:
         return {**self.vmm.info(), "ranks": self.num_ranks, "layers": self.num_layers,
                 "slots_per_rank": self.layout.slots_per_rank}
 
+    def slot_bytes(self) -> int:
+        """Device memory of each device's in-place slots (0 when copying out)."""
+        return self.vmm.slot_bytes()
+
     def check_open(self) -> None:
         if self.closed:
             raise StoreError(f"expert store {self.id} is closed")
@@ -221,6 +304,12 @@ class ExpertStore:
         if self.closed:
             return
         self.closed = True
+        # The views go before the memory they show is unmapped (XLA frees a view once no program uses it).
+        for row in getattr(self, "_views", []):
+            for layer in row:
+                for view in layer:
+                    view.delete()
+        self._views = []
         self.vmm.close()
 
     def __enter__(self) -> "ExpertStore":
@@ -242,17 +331,17 @@ class ProcessExpertStore(ExpertStore):
     """
 
     def __init__(self, device, rank: int, num_ranks: int, num_layers: int, num_experts: int, shapes, dtype, *,
-                 name: str = "experts", timing: bool = False):
+                 name: str = "experts", timing: bool = False, in_place: bool = True, slot_sets: int = 2):
         require_gpus([device])
         if not 0 <= rank < num_ranks:
             raise ValueError(f"ProcessExpertStore: rank {rank} is not in [0, {num_ranks})")
         self.devices, self.rank, self.num_ranks = [device], rank, num_ranks
         self.name = name  # pairs this store with its peers' (the same name in every process; backends.connect_store)
-        sizes = self._configure(num_ranks, num_layers, num_experts, shapes, dtype, timing=timing)
+        sizes = self._configure(num_ranks, num_layers, num_experts, shapes, dtype, timing=timing,
+                                in_place=in_place, slot_sets=slot_sets)
         self.vmm = VmmStore.build_local(device.local_hardware_id, rank, num_ranks, **sizes)
-        self.id = self.vmm.id
-        self.closed = False
         self.connected = num_ranks == 1
+        self._finish()
 
     @classmethod
     def from_blocks(cls, *args, **kwargs):  # noqa: D102 (the one-process constructors do not apply)
@@ -337,6 +426,10 @@ class ProcessExpertStore(ExpertStore):
     def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
         self.check_connected()
         return super().prefetch(dep, layer)
+
+    def prefetch_in_place(self, dep: jax.Array, layer: int) -> jax.Array:
+        self.check_connected()
+        return super().prefetch_in_place(dep, layer)
 
     def info(self) -> dict:
         return {**super().info(), "ranks": self.num_ranks, "rank": self.rank}

@@ -53,24 +53,49 @@ def expert_bytes_per_layer(cfg: ModelConfig, itemsize: int) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
 
 
+# The CUDA VMM allocation granularity (cuMemGetAllocationGranularity, recommended) of the H100 and H200: the store
+# reads its experts in place when each rank's block of each weight is a multiple of it (the store asks the driver).
+VMM_GRANULARITY = 2 << 20
+SLOT_SETS = 2  # in place: layer l reads one set of slots while layer l+1's peers are copied into the other
+
+
+def store_reads_in_place(cfg: ModelConfig, layout: ExpertLayout, itemsize: int,
+                         granularity: int = VMM_GRANULARITY) -> bool:
+    """Whether the FFI store's views are contiguous [E, ...] tensors: every rank block a granularity multiple."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return all(layout.slots_per_rank * n * itemsize % granularity == 0 for n in (2 * i * h, h * i))
+
+
 def rank_memory(cfg: ModelConfig, layout: ExpertLayout, rank: int, num_moe_layers: int, itemsize: int, *,
                 prefetch: bool = True, non_expert_bytes: int | None = None) -> dict:
-    """Resident expert bytes of a rank (its slots of every layer) and its prefetch buffers: two layers' full expert
-    sets (the one the MoE reads and the next being copied). The FFI path copies the E real experts (local block
-    included, so the grouped matmul sees one contiguous [E, ...] array); the XLA all-gather also gathers the padding
-    slots. Of those bytes, `peer_bytes_per_layer` cross NVLink per layer. prefetch=False (DEP: the experts never
-    move, the tokens do) has no prefetch buffers. With `non_expert_bytes` (the stage's other weights, which every
-    rank holds), `resident_bytes` is everything the rank keeps: those plus its experts."""
+    """Resident expert bytes of a rank (its slots of every layer) and what its prefetch needs besides.
+
+    The FFI store in place (`store_mode` "in_place": every rank block a multiple of the VMM granularity, as at every
+    published size) holds store-owned slots for the peers' blocks of two layers (`store_slot_bytes`; the one the MoE
+    reads and the next being copied) and no XLA buffer: only the peers' experts move, `peer_bytes_per_layer` over
+    NVLink. Copying out ("copy") it holds two layers' full expert sets in XLA buffers (`prefetch_buffer_bytes`) and
+    also copies its own block HBM to HBM (`local_copy_bytes_per_layer`). The XLA all-gather holds two gathered layers
+    with the padding slots (`xla_gather_buffer_bytes`). prefetch=False (DEP: the experts never move, the tokens do;
+    or one rank) has none of these. With `non_expert_bytes` (the stage's other weights, which every rank holds),
+    `resident_bytes` is everything the rank keeps: those plus its experts."""
     per_expert = expert_bytes_per_layer(cfg, itemsize)
-    peer_experts = cfg.num_experts - len(layout.owned(rank))
+    owned = len(layout.owned(rank))
+    peer_experts = cfg.num_experts - owned
+    in_place = store_reads_in_place(cfg, layout, itemsize)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    slot_bytes = SLOT_SETS * (layout.ranks - 1) * sum(
+        -(-layout.slots_per_rank * n * itemsize // VMM_GRANULARITY) * VMM_GRANULARITY for n in (2 * i * h, h * i))
     out = {
         "rank": rank,
         "experts_owned": [layout.owned(rank).start, layout.owned(rank).stop],
         "padding_slots": layout.padding_slots(rank),
         "resident_expert_bytes": num_moe_layers * layout.slots_per_rank * per_expert,
-        "prefetch_buffer_bytes": 2 * cfg.num_experts * per_expert if prefetch else 0,
+        "store_mode": ("in_place" if in_place else "copy") if prefetch else "none",
+        "store_slot_bytes": slot_bytes if prefetch and in_place else 0,
+        "prefetch_buffer_bytes": 2 * cfg.num_experts * per_expert if prefetch and not in_place else 0,
         "xla_gather_buffer_bytes": 2 * layout.padded_experts * per_expert if prefetch else 0,
         "peer_bytes_per_layer": peer_experts * per_expert if prefetch else 0,
+        "local_copy_bytes_per_layer": owned * per_expert if prefetch and not in_place else 0,
     }
     if non_expert_bytes is not None:
         out["resident_bytes"] = non_expert_bytes + out["resident_expert_bytes"]
