@@ -5,6 +5,8 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_dwdp.py dispatch --num-layers 8 --seq-len 16384
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_dwdp.py layouts --num-layers 16 --seq-len 16384 \
         --sequences 8 --layouts 2x2:ffi 2x1 1x4:ffi 1x4:xla
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_dwdp.py in-place --num-layers 8 \
+        --seq-lens 4096 16384 32768
 
 stage: one stage's N ranks in one SPMD program, every rank prefilling its own sequence of T tokens (batch 1 per
   rank): (a) `FfiStoreSource` experts (FFI): each rank stores 1/N of every layer's experts in CUDA VMM memory, layer l+1's
@@ -43,6 +45,13 @@ dispatch: host time of one independent rank's layer-wise prefill, split by call 
   end. One rank at a time: the timers are not thread-safe.
 layouts: pipeline P x DWDP N side by side (issue 7) on the same sequences, microbatches of N sequences (one per
   rank): ms per prefill, tokens/s and tokens/s per GPU.
+in-place: ONE GPU, rank 0 of a two-rank store whose rank 1 lives in the same process on the same device (its
+  "peer" copy is HBM to HBM): the layer-wise prefill of one sequence with the layers' own experts (local), through
+  the store read in place with its copy stream recording events but copying nothing (in-place-nolink: the store's
+  cost with the link hop taken away; slots filled by one earlier prefill), read in place with the peer copy
+  (in-place), and copied out as the store did before it read in place (copy-out: both blocks copied into XLA
+  buffers, the own one HBM to HBM). Per row ms and ratios to local, the copy time per layer, and the device memory:
+  each store's bytes (the driver's) and XLA's peak after the in-place variants and after copy-out.
 
 Without a subcommand the arguments go to `stage` (the command lines recorded in RESULTS.md before the merge). Each
 subcommand writes JSON with --out: {"what", "args", "device", "rows"}; dispatch writes {"args", "device",
@@ -175,16 +184,23 @@ class Ahead(FfiStoreSource):
         self.started = {}
 
 
-STORE_SOURCES = {"ffi": FfiStoreSource, "ffi-nowait": NoWait, "ffi-unused": Unused, "ffi-depth2": Ahead}
+STORE_SOURCES = {"ffi": FfiStoreSource, "ffi-copy": FfiStoreSource, "ffi-nowait": NoWait, "ffi-unused": Unused,
+                 "ffi-depth2": Ahead}
 VARIANTS = ("ffi", "xla", "replicated", *list(STORE_SOURCES)[1:])
 
 
-def make_store(placed, cfg, *, delete: bool = True):
+# The store each variant needs: the probes never wait for their prefetches, which only a store copying out allows (in
+# place, a prefetch refuses to refill a slot set whose layer is not waited for); depth 2 holds three layers in flight.
+STORE_OPTIONS = {"ffi-copy": dict(in_place=False), "ffi-nowait": dict(in_place=False),
+                 "ffi-unused": dict(in_place=False), "ffi-depth2": dict(slot_sets=3)}
+
+
+def make_store(placed, cfg, *, delete: bool = True, **options):
     """A CUDA VMM store of a placed model's split experts, each layer's copy timed (delete: the model's expert
     arrays are moved into it). A function of its own so that the CPU test can put a stand-in here."""
     from jax_dwdp.parallel.dwdp_ffi import ExpertStore
 
-    return ExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, delete=delete, timing=True)
+    return ExpertStore.from_sharded(expert_blocks(placed), cfg.num_experts, delete=delete, timing=True, **options)
 
 
 def stage_program(cfg, variant, mesh, dtype):
@@ -194,12 +210,13 @@ def stage_program(cfg, variant, mesh, dtype):
     if variant == "ffi-unused":  # the runner's model keeps all experts; the store gets a split copy of them
         placed = place_model(model, mesh, split_experts=False)
         split = place_model(model, mesh, split_experts=True)
-        store = make_store(split, cfg, delete=False)  # (a shard may share the model's buffers: drop, not delete)
+        # (a shard may share the model's buffers: drop, not delete)
+        store = make_store(split, cfg, delete=False, **STORE_OPTIONS[variant])
         del split
     else:
         placed = place_model(model, mesh, split_experts=variant != "replicated")
         if variant in STORE_SOURCES:
-            store = make_store(placed, cfg)
+            store = make_store(placed, cfg, **STORE_OPTIONS.get(variant, {}))
     del model
     gc.collect()
     if store is not None:
@@ -501,9 +518,98 @@ def bench_layouts(cfg, args) -> list[dict]:
     return rows
 
 
+# --- in-place: the store read in place against local experts, one GPU ---------------------------------------------
+
+def store_pair(model, cfg, dtype, *, in_place: bool, skip_peers: bool = False):
+    """Ranks 0 and 1 of one store on device 0, filled with the model's experts and connected in process (the test
+    library's stores: skip_peers is a probe of the events alone)."""
+    from tests.store_testing import FaultyProcessExpertStore, connect_in_process
+    from jax_dwdp.parallel.dwdp_ffi import device_memory
+
+    dev = jax.devices()[0]
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    stores, used = [], []
+    for r in range(2):
+        free = device_memory(dev)[0]
+        stores.append(FaultyProcessExpertStore(dev, r, 2, cfg.num_hidden_layers, cfg.num_experts,
+                                               ((2 * i, h), (h, i)), dtype, timing=True, in_place=in_place,
+                                               skip_peers=skip_peers))
+        used.append(free - device_memory(dev)[0])
+    s = stores[0].layout.slots_per_rank
+    for layer in range(cfg.num_hidden_layers):
+        experts = model.layers[layer].mlp.experts
+        for w, weight in enumerate((experts.gate_up_proj[...], experts.down_proj[...])):
+            for r, store in enumerate(stores):
+                store.fill(layer, w, r, weight[r * s:(r + 1) * s])
+    connect_in_process(stores)
+    return stores, used
+
+
+def bench_in_place(cfg, args) -> list[dict]:
+    dev = jax.devices()[0]
+    dtype = jnp.dtype(args.dtype)
+    model = init_model(cfg, dtype=dtype, seed=1, device=dev)
+    rows = {seq: {"seq_len": seq, "layers": cfg.num_hidden_layers} for seq in args.seq_lens}
+    inputs = {seq: (random_tokens(cfg, 1, seq, seed=0), np.full((1,), seq, np.int32)) for seq in args.seq_lens}
+
+    def measure(name, runner, store=None):
+        for seq, (tokens, lengths) in inputs.items():
+            def run():
+                return runner(tokens, lengths, logits="last", mode="layerwise")
+            out = jax.block_until_ready(run())
+            assert np.isfinite(np.asarray(out[0], np.float32)).all(), (name, seq)
+            rows[seq][f"{name}_ms"] = round(timed(run, args.iters) * 1e3, 2)
+            if store is not None:
+                rows[seq][f"{name}_copy_ms_per_layer"] = round(float(np.nanmean(store.copy_ms())), 3)
+            print(json.dumps({"variant": name, **rows[seq]}), flush=True)
+
+    measure("local", StageRunner(model, LocalSource(), device=dev))
+    memory = {}
+    stores, memory["in_place_store_bytes"] = store_pair(model, cfg, dtype, in_place=True)
+    try:
+        measure("in_place", StageRunner(model, FfiStoreSource(stores[0]), device=dev), stores[0])
+        # The same store, its prefetch now copying nothing (slots keep the experts the runs above copied).
+        stores[0].skip_peers = True
+        measure("in_place_nolink", StageRunner(model, FfiStoreSource(stores[0]), device=dev), stores[0])
+    finally:
+        for store in stores:
+            store.close()
+    memory["xla_peak_after_in_place"] = dev.memory_stats().get("peak_bytes_in_use")
+    stores, memory["copy_out_store_bytes"] = store_pair(model, cfg, dtype, in_place=False)
+    try:
+        measure("copy_out", StageRunner(model, FfiStoreSource(stores[0]), device=dev), stores[0])
+    finally:
+        for store in stores:
+            store.close()
+    memory["xla_peak_after_copy_out"] = dev.memory_stats().get("peak_bytes_in_use")
+    plan = rank_memory(cfg, ExpertLayout(cfg.num_experts, 2), 0, cfg.num_hidden_layers, dtype.itemsize)
+    memory["plan"] = {k: plan[k] for k in ("resident_expert_bytes", "store_slot_bytes", "prefetch_buffer_bytes")}
+    out = []
+    for row in rows.values():
+        for name in ("in_place_nolink", "in_place", "copy_out"):
+            row[f"{name}_vs_local"] = round(row[f"{name}_ms"] / row["local_ms"], 4)
+        row["memory"] = memory
+        out.append(row)
+    gib = 2**30
+    print(f"| tokens | local ms | in place, no link | in place | copy out | copy ms/layer in place / copy out |")
+    print("|---|---|---|---|---|---|")
+    for r in out:
+        print(f"| {r['seq_len']} | {r['local_ms']} | {r['in_place_nolink_ms']} ({r['in_place_nolink_vs_local']}x) | "
+              f"{r['in_place_ms']} ({r['in_place_vs_local']}x) | {r['copy_out_ms']} ({r['copy_out_vs_local']}x) | "
+              f"{r['in_place_copy_ms_per_layer']} / {r['copy_out_copy_ms_per_layer']} |")
+    print(f"store bytes per rank (GiB): in place {[round(b / gib, 3) for b in memory['in_place_store_bytes']]}, "
+          f"copy out {[round(b / gib, 3) for b in memory['copy_out_store_bytes']]}; plan: blocks "
+          f"{plan['resident_expert_bytes'] / gib:.3f} + slots {plan['store_slot_bytes'] / gib:.3f} in place, "
+          f"+ {2 * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype.itemsize / gib:.3f} "
+          f"XLA buffers copying out; XLA peak after in place {memory['xla_peak_after_in_place'] / gib:.3f}, after "
+          f"copy out {memory['xla_peak_after_copy_out'] / gib:.3f}")
+    return out
+
+
 # --- command line ----------------------------------------------------------------------------------------------
 
-COMMANDS = {"stage": bench_stage, "ranks": bench_ranks, "dispatch": bench_dispatch, "layouts": bench_layouts}
+COMMANDS = {"stage": bench_stage, "ranks": bench_ranks, "dispatch": bench_dispatch, "layouts": bench_layouts,
+            "in-place": bench_in_place}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -535,6 +641,10 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(num_layers=8)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--backend", default="xla", choices=["xla", "ffi"])
+
+    p = sub.add_parser("in-place", parents=[common], help="one GPU: the store read in place vs local experts")
+    p.set_defaults(num_layers=8)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
 
     p = sub.add_parser("layouts", parents=[common], help="pipeline P x DWDP N side by side")
     p.set_defaults(num_layers=16)

@@ -62,7 +62,10 @@ def test_dwdp_stage_without_a_subcommand_compares_xla_and_replicated(tmp_path):
 
 class FakeStore:
     """What the stage benchmark uses of an ExpertStore, over XLA on the CPU (the store itself needs GPUs): a
-    prefetch returns the layer's full experts (constants of its program), a wait returns them as they are."""
+    prefetch returns the layer's full experts (constants of its program), a wait returns them as they are. It
+    copies out (the probes' stores do; the in-place views need a GPU)."""
+
+    in_place = False
 
     def __init__(self, blocks, num_experts):
         self.full = [tuple(np.asarray(w)[:num_experts] for w in layer) for layer in blocks]
@@ -98,7 +101,7 @@ def fake_stores(monkeypatch):
 
     bench, made = load("bench_dwdp"), []
 
-    def make_store(placed, cfg, *, delete=True):
+    def make_store(placed, cfg, *, delete=True, in_place=True, slot_sets=2):
         made.append(FakeStore(expert_blocks(placed), cfg.num_experts))
         return made[-1]
     monkeypatch.setattr(bench, "make_store", make_store)
