@@ -120,10 +120,9 @@ def view(address: int, shape, dtype, device) -> jax.Array:
     device_type = {"cpu": DL_CPU, "gpu": DL_CUDA}.get(device.platform)
     if device_type is None:
         raise ValueError(f"device_view: no DLPack device type for platform {device.platform}")
-    external = _External(address, tuple(int(s) for s in shape), dtype, device_type, device.local_hardware_id
-                         if device_type == DL_CUDA else 0)
+    external = _External(address, tuple(int(s) for s in shape), dtype, device_type, device.local_hardware_id)
     try:
-        array = jax.dlpack.from_dlpack(external, copy=False)
+        array = jax.dlpack.from_dlpack(external, device=device, copy=False)
     finally:
         external.release_unconsumed()
     if array.unsafe_buffer_pointer() != address:  # a copy after all: the caller's writes would never be seen
