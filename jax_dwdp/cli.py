@@ -14,9 +14,6 @@ Bad input ends with one line on stderr starting with "error:" and exit status 2 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -32,7 +29,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 DEFAULT_BATCH, DEFAULT_SEQ_LEN = 1, 128
 DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
-BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError")
+BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError")
 
 
 class UsageError(ValueError):
@@ -58,57 +55,53 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prefill", help="run a jit-compiled prefill and report its speed")
     _add_model_args(p)
-    p.add_argument("--tokens", type=Path, help="int32 [B, T] .npy of token ids")
-    p.add_argument("--batch", type=int, help="random tokens: sequences (default 1)")
-    p.add_argument("--seq-len", type=int, help="random tokens: length (default 128)")
-    p.add_argument("--logits-out", metavar="FILE",
-                   help="write float32 [B, T, V] logits of all positions to this regular file (a symlink: to its "
-                        "target), atomically")
-    p.add_argument("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
-    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (one mesh row each)")
-    p.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (experts split over them)")
-    p.add_argument("--experts", "--dwdp-backend", dest="experts", metavar="BACKEND",
-                   help="how the --dwdp N ranks get their experts: xla (all-gather, every platform; the default), ffi "
-                        "(CUDA VMM store, GPUs), local (every rank holds all experts: the replicated baseline) or dep "
-                        "(tokens sent to the experts, as --dep N)")
-    p.add_argument("--dep", type=int, default=1,
-                   help="DEP ranks per stage: experts split over them, tokens sent to their experts and back "
-                        "(instead of --dwdp)")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches pushed through the pipeline")
-    p.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
-    p.add_argument("--layerwise", action="store_true",
-                   help="compile one program per layer type instead of the whole model (fast compile for deep models)")
-    p.add_argument("--scan", action="store_true",
-                   help="the layer stack (of the model, or of each --pipeline stage) as one scanned program over "
-                        "stacked weights (compile time independent of depth, one dispatch per prefill or per stage "
-                        "and microbatch)")
-    p.add_argument("--prefill-chunk", type=int, metavar="C",
-                   help="prefill the prompt in pieces of C tokens, each continuing the previous piece's cache "
-                        "(chunked prefill; one device)")
-    p.add_argument("--fused-swiglu", action="store_true",
-                   help="expert gate_up weights interleaved for the fused SwiGLU GPU kernel (opt-in: measured at parity)")
-    p.add_argument("--num-processes", type=int, default=1, metavar="N",
-                   help="one process per device: start N local processes (or, with --coordinator and --process-id, "
-                        "join a launch of N made by another tool); N must equal the devices the layout uses")
-    p.add_argument("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator of an outside launch")
-    p.add_argument("--process-id", type=int, metavar="I", help="this process's index in an outside launch")
-    p.add_argument("--process-timeout", type=int, default=60, metavar="S",
-                   help="seconds to wait for the other processes to start, and for a silent peer before it counts "
-                        "as dead (default 60)")
-    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="S",
-                   help=f"end the run, naming the step, when one step (compiling, a prefill) goes S seconds without "
-                        f"finishing (default {DEFAULT_STALL_S:g})")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--no-verify", action="store_true",
-                   help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
+    a = p.add_argument
+    a("--tokens", type=Path, help="int32 [B, T] .npy of token ids")
+    a("--batch", type=int, help="random tokens: sequences (default 1)")
+    a("--seq-len", type=int, help="random tokens: length (default 128)")
+    a("--logits-out", metavar="FILE", help="write float32 [B, T, V] logits of all positions to this regular file (a "
+                                           "symlink: to its target), atomically")
+    a("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
+    a("--pipeline", type=int, default=1, help="pipeline stages (one mesh row each)")
+    a("--dwdp", type=int, default=1, help="DWDP ranks per stage (experts split over them)")
+    a("--experts", "--dwdp-backend", dest="experts", metavar="BACKEND",
+      help="how the --dwdp N ranks get their experts: xla (all-gather, every platform; the default), ffi (CUDA VMM "
+           "store, GPUs), local (every rank holds all experts: the replicated baseline) or dep (tokens sent to the "
+           "experts, as --dep N)")
+    a("--dep", type=int, default=1, help="DEP ranks per stage: experts split over them, tokens sent to their experts "
+                                         "and back (instead of --dwdp)")
+    a("--microbatches", type=int, default=1, help="microbatches pushed through the pipeline")
+    a("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
+    a("--layerwise", action="store_true",
+      help="compile one program per layer type instead of the whole model (fast compile for deep models)")
+    a("--scan", action="store_true",
+      help="the layer stack (of the model, or of each --pipeline stage) as one scanned program over stacked weights "
+           "(compile time independent of depth, one dispatch per prefill or per stage and microbatch)")
+    a("--prefill-chunk", type=int, metavar="C", help="prefill the prompt in pieces of C tokens, each continuing the "
+                                                     "previous piece's cache (chunked prefill; one device)")
+    a("--fused-swiglu", action="store_true",
+      help="expert gate_up weights interleaved for the fused SwiGLU GPU kernel (opt-in: measured at parity)")
+    a("--num-processes", type=int, default=1, metavar="N",
+      help="one process per device: start N local processes (or, with --coordinator and --process-id, join a launch "
+           "of N made by another tool); N must equal the devices the layout uses")
+    a("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator of an outside launch")
+    a("--process-id", type=int, metavar="I", help="this process's index in an outside launch")
+    a("--process-timeout", type=int, default=60, metavar="S", help="seconds to wait for the other processes to "
+      "start, and for a silent peer before it counts as dead (default 60)")
+    a("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="S",
+      help=f"end the run, naming the step, when one step (compiling, a prefill) goes S seconds without finishing "
+           f"(default {DEFAULT_STALL_S:g})")
+    a("--json", action="store_true", help="print one JSON object")
+    a("--no-verify", action="store_true",
+      help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
     c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint")
     c.add_argument("hf_dir", type=Path, metavar="HF_DIR",
                    help="HF folder: config.json and model.safetensors, or shards with model.safetensors.index.json")
     c.add_argument("out_dir", type=Path, metavar="OUT_DIR",
                    help="the Orbax checkpoint to write (not inside HF_DIR); locked while converting")
     c.add_argument("--dtype", help="cast every tensor to bfloat16 or float32 (default: keep each tensor's dtype)")
-    c.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR that is a jax_dwdp checkpoint or an empty folder (only once the new "
-                        "one is complete)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR that is a jax_dwdp "
+                   "checkpoint or an empty folder (only once the new one is complete)")
     c.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
     v = sub.add_parser("verify", help="check every file of a converted checkpoint against its checksum")
     v.add_argument("directory", type=Path, metavar="DIR", help="a jax_dwdp Orbax checkpoint made by convert")
@@ -146,20 +139,17 @@ def _experts(args) -> str | None:
 
 
 def _spec(args, **extra):
-    """The library's PrefillSpec of a prefill (or plan) command line."""
+    """The library's PrefillSpec of a prefill (or plan) command line, and the model's config it names."""
     from jax_dwdp.driver import PrefillSpec
 
     if args.checkpoint is not None:
         _need(args.checkpoint, True, "--checkpoint")
     mode = "scanned" if getattr(args, "scan", False) else "layerwise" if getattr(args, "layerwise", False) else "whole"
-    return PrefillSpec(checkpoint=args.checkpoint, preset=args.preset, num_layers=args.num_layers, dtype=args.dtype,
+    spec = PrefillSpec(checkpoint=args.checkpoint, preset=args.preset, num_layers=args.num_layers, dtype=args.dtype,
                        seed=args.seed, pipeline=args.pipeline, ranks=_ranks(args), stage_boundaries=_boundaries(args),
                        mode=mode, **extra)
-
-
-def _model_config(spec):
     try:
-        return spec.config()
+        return spec, spec.config()
     except ValueError as e:
         if type(e) is not ValueError:  # ConfigError, CheckpointError: already one line naming the file
             raise
@@ -175,23 +165,10 @@ def _need(path: Path, folder: bool, flag: str = "") -> None:
         raise UsageError(f"{named}: is not a {'folder' if folder else 'regular file'}")
 
 
-def _dtype(name: str):
-    import jax.numpy as jnp
-
+def _dtype(name: str) -> str:
     if name not in DTYPES:
         raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
-    return jnp.dtype(name)
-
-
-def _load_tokens(args, vocab_size: int):
-    if args.tokens is not None:
-        _need(args.tokens, False, "--tokens")
-        try:
-            return np.load(args.tokens, allow_pickle=False)
-        except Exception as e:  # numpy raises several types for a file that is not .npy
-            raise UsageError(f"--tokens {args.tokens}: not a readable .npy file ({e})") from None
-    rng = np.random.default_rng(args.seed)
-    return rng.integers(0, vocab_size, (args.batch, args.seq_len)).astype(np.int32)
+    return name
 
 
 def _token_shape(args) -> None:
@@ -206,20 +183,6 @@ def _token_shape(args) -> None:
     args.seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
     if args.batch < 1 or args.seq_len < 1:
         raise UsageError(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
-
-
-def _check_size(args, cfg, batch: int, seq_len: int) -> None:
-    """Refuses a prefill whose tokens, caches and logits alone exceed this machine's memory, before anything is
-    allocated: otherwise numpy's MemoryError, or an allocator failure deep in XLA minutes later."""
-    from jax_dwdp.driver import host_memory_bytes, prefill_bytes_lower_bound
-
-    need = prefill_bytes_lower_bound(cfg, args.dtype, batch, seq_len, all_logits=args.logits_out is not None)
-    have = host_memory_bytes()
-    if need["total"] > have:
-        gib = 2**30
-        raise UsageError(f"--batch {batch} x {seq_len} tokens needs at least {need['total'] / gib:.1f} GiB (caches "
-                         f"{need['caches'] / gib:.1f}, logits {need['logits'] / gib:.1f}, hidden states "
-                         f"{need['hidden'] / gib:.1f}), more than this machine's {have / gib:.1f} GiB")
 
 
 def _check_options(args) -> None:
@@ -255,14 +218,14 @@ def _check_options(args) -> None:
                          "--prefill-chunk")
 
 
-def _check_layout(args, cfg, batch: int) -> None:
-    """The layout against the batch and the experts, before any weights are made."""
-    from jax_dwdp.parallel.expert_layout import ExpertLayout
-    from jax_dwdp.parallel.pipeline import check_layout
-
+def _check_processes(args) -> None:
+    """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
     try:
-        check_layout(batch, args.microbatches, _ranks(args))
-        ExpertLayout(cfg.num_experts, _ranks(args))
+        distributed.check_options(args.num_processes, args.coordinator, args.process_id, args.process_timeout)
+        if args.num_processes > 1:
+            distributed.check_layout(args.num_processes, args.pipeline, _ranks(args), experts=_experts(args),
+                                     joined=args.coordinator is not None or args.process_id is not None,
+                                     chunked=args.prefill_chunk is not None)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -275,85 +238,65 @@ def _status(args, text: str) -> None:
 
 def _prefill_inputs(args):
     """The checks every prefill makes before any device work: (spec, cfg, tokens, lengths)."""
+    from jax_dwdp import driver
     from jax_dwdp.outputs import output_file
-    from jax_dwdp.prefill import check_tokens
 
     _check_options(args)
     _token_shape(args)
     _dtype(args.dtype)
     if args.logits_out is not None:
         args.logits_out = output_file(args.logits_out, "--logits-out")
-    spec = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
-                 fused_swiglu=args.fused_swiglu, logits="all" if args.logits_out is not None else "last")
-    cfg = _model_config(spec)
-    if args.tokens is None:
-        _check_size(args, cfg, args.batch, args.seq_len)
-    tokens, lengths = check_tokens(_load_tokens(args, cfg.vocab_size), cfg.vocab_size)
-    if args.tokens is not None:
-        _check_size(args, cfg, *tokens.shape)
-    _check_layout(args, cfg, tokens.shape[0])
-    return spec, cfg, tokens, lengths
+    spec, cfg = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
+                      fused_swiglu=args.fused_swiglu, logits="all" if args.logits_out is not None else "last")
+    try:
+        tokens = None if args.tokens is None else driver.read_tokens(args.tokens)
+    except ValueError as e:
+        raise UsageError(f"--tokens {e}") from None
+    try:
+        return spec, cfg, *driver.prefill_inputs(spec, cfg, tokens, batch=args.batch, seq_len=args.seq_len)
+    except ValueError as e:  # the batch the memory check names is what --batch (or the file) gives
+        raise UsageError(str(e).replace("a batch of ", "--batch ", 1)) from None
 
 
 def cmd_prefill(args) -> dict:
-    import jax
-
     from jax_dwdp import driver
+    from jax_dwdp.native import build_status
+    from jax_dwdp.outputs import save_npy_atomically
     from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable
     from jax_dwdp.weights import checksums_checked, precision_notice
 
-    if args.dtype == "float32":
-        jax.config.update("jax_default_matmul_precision", "highest")
     spec, cfg, tokens, lengths = _prefill_inputs(args)
-    if args.checkpoint is not None:
-        notice = precision_notice(args.checkpoint, args.dtype)
-        if notice is not None and not getattr(args, "process_id", None):  # once per launch: process 0 says it
-            print(f"notice: {notice}", file=sys.stderr)
+    notice = precision_notice(args.checkpoint, args.dtype) if args.checkpoint is not None else None
+    if notice is not None and not args.process_id:  # once per launch: process 0 says it
+        print(f"notice: {notice}", file=sys.stderr)
     try:
         driver.preflight(spec)
     except FfiUnavailable as e:  # no GPU, no driver or no library: one line before any weights are made
         raise UsageError(f"--experts ffi: {e}") from None
-    _status(args, f"loading {args.checkpoint}" if args.checkpoint is not None else "making random weights")
     with checksums_checked(not args.no_verify):
-        try:
-            built = driver.build_driver(spec, cfg, batch=tokens.shape[0])
-        except ValueError as e:  # layout and mesh problems (too many stages, too few devices)
-            if type(e).__name__ in BAD_INPUT[1:]:
-                raise
-            raise UsageError(str(e)) from None
-        with built:
-            result = driver.measure(built, tokens, lengths, iters=args.iters, watchdog=Watchdog(args.stall_timeout),
-                                    status=lambda text: _status(args, text))
-            if not built.reports:  # one process per device: the last stage's (first) process reports
-                return {"reporter": False}
+        result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters,
+                                    watchdog=Watchdog(args.stall_timeout), status=lambda text: _status(args, text))
+    if result is None:  # one process per device: the last stage's (first) process reports
+        return {"reporter": False}
     logits, caches = result.pop("logits"), result.pop("caches")
-    finite = bool(np.isfinite(np.asarray(logits)).all())
-    if not finite:
-        print(f"warning: {driver.not_finite(logits, caches)}", file=sys.stderr)
+    warning = driver.not_finite(logits, caches)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.logits_out is not None:
-        from jax_dwdp.outputs import save_npy_atomically
-
         save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
     return {"command": "prefill", **result, "logits_out": str(args.logits_out) if args.logits_out else None,
-            "logits_finite": finite, "ffi_libraries": _build_status()}
-
-
-def _build_status() -> str:
-    from jax_dwdp.native import build_status
-
-    return build_status()
+            "logits_finite": warning is None, "ffi_libraries": build_status()}
 
 
 def cmd_plan(args) -> dict:
     from jax_dwdp.plan import plan_layout
 
-    dtype = _dtype(args.dtype)
+    _dtype(args.dtype)
     if min(args.dwdp, args.dep) < 1:
         raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
-    spec = _spec(args)
-    cfg = _model_config(spec)
+    spec, cfg = _spec(args)
     try:
-        stages = plan_layout(cfg, args.pipeline, _ranks(args), dtype, boundaries=spec.stage_boundaries,
+        stages = plan_layout(cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
                              dep=args.dep > 1)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -381,54 +324,24 @@ def cmd_verify(args) -> dict:
 COMMANDS = {"prefill": cmd_prefill, "plan": cmd_plan, "convert": cmd_convert, "verify": cmd_verify}
 
 
-def _check_processes(args) -> None:
-    """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
-    n = args.num_processes
-    joined = args.coordinator is not None or args.process_id is not None
-    try:
-        distributed.check_options(n, args.coordinator, args.process_id, args.process_timeout)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if n == 1:
-        return
-    devices = args.pipeline * _ranks(args)
-    if devices != n:
-        raise UsageError(f"--num-processes {n}: one process per device, but the layout (--pipeline {args.pipeline} x "
-                         f"{_ranks(args)} ranks) uses {devices} device(s)")
-    if args.pipeline > 1 and _ranks(args) > 1:
-        raise UsageError("across processes, --pipeline runs one device per stage and --dwdp / --dep ranks one stage: "
-                         "not both yet")
-    if args.dwdp > 1 and args.experts == "ffi" and not joined and not distributed.visible_gpus():
-        # (a joined process finds out from its own devices, when its driver is built)
-        raise UsageError("--experts ffi across processes needs a CUDA GPU per process; none is visible (use "
-                         "--experts xla)")
-    if args.prefill_chunk is not None:
-        raise UsageError("--prefill-chunk runs on one device, in one process")
-
-
 def main(argv: list[str] | None = None) -> int:
     distributed.die_with_parent()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     distributed.quiet_native_logs(args.verbose)
     if args.command == "prefill":
-        launcher = args.num_processes > 1 and args.process_id is None
         try:
             _check_processes(args)
-            if launcher:  # everything a process would check, before any process starts: one line, not one each
-                _prefill_inputs(args)
+            if args.num_processes > 1 and args.process_id is None:  # a launcher checks what every process would,
+                _prefill_inputs(args)                                 # before any starts: one line, not one each
         except Exception as e:
-            if args.debug or type(e).__name__ not in BAD_INPUT:
+            if type(e).__name__ not in BAD_INPUT:
                 raise
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if launcher:
-            return distributed.launch(argv, args.num_processes, timeout_s=args.process_timeout, verbose=args.verbose,
-                                      status=lambda text: print(text, file=sys.stderr, flush=True))
-        if args.process_id is not None and not os.environ.get(distributed.SUPERVISED_ENV):
-            return distributed.supervise(argv, process_id=args.process_id, num_processes=args.num_processes,
-                                         coordinator=args.coordinator, timeout_s=args.process_timeout,
-                                         verbose=args.verbose)
+            return _failed(args, e)
+        code = distributed.hand_off(argv, num_processes=args.num_processes, coordinator=args.coordinator,
+                                    process_id=args.process_id, timeout_s=args.process_timeout, verbose=args.verbose)
+        if code is not None:
+            return code
     try:
         return _main(args)
     except KeyboardInterrupt:  # what was being written is already removed (e.g. a conversion's partial folder)
@@ -440,13 +353,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args) -> int:
     if getattr(args, "process_id", None) is not None:  # (the process options were checked by main)
-        # Native libraries print to file descriptor 1 (gloo: "Rank i is connected ..."): point it at stderr and keep
-        # stdout, through a duplicate, for the results (--json stays one JSON object).
-        sys.stdout.flush()
-        results = os.dup(1)
-        os.dup2(2, 1)
-        sys.stdout = os.fdopen(results, "w", buffering=1)
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.process_timeout)
+        distributed.join_launch(args.coordinator, args.num_processes, args.process_id, timeout_s=args.process_timeout)
         args.quiet = args.process_id != 0  # process 0 reports progress
     else:
         distributed.ensure_host_devices(getattr(args, "pipeline", 1) * max(getattr(args, "dwdp", 1),
@@ -454,23 +361,25 @@ def _main(args) -> int:
     try:
         result = COMMANDS[args.command](args)
     except Exception as e:
-        if args.debug:
-            raise
-        if type(e).__name__ in BAD_INPUT:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # a device or XLA failure: one line
-        print(f"error: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
-        return EXIT_RUNTIME
-    if not result.pop("reporter", True):  # another process of the launch reports
-        return 0
-    if args.json:
-        print(json.dumps(result))
-    else:
+        return _failed(args, e)
+    if result.pop("reporter", True):  # (else another process of the launch reports)
         from jax_dwdp import report
 
-        report.print_result(result)
+        report.print_result(result, as_json=args.json)
     return 0
+
+
+def _failed(args, e: Exception) -> int:
+    """One line on stderr for a command that failed (--debug: the traceback instead) and its exit status: 2 for
+    bad input, 1 for anything else (a device or XLA failure)."""
+    if args.debug:
+        raise e
+    if type(e).__name__ in BAD_INPUT:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(f"error: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
+    return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

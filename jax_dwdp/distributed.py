@@ -118,6 +118,26 @@ def check_options(num_processes: int, coordinator: str | None, process_id: int |
         raise ValueError(f"--process-id must lie in [0, {num_processes}), got {process_id}")
 
 
+def check_layout(num_processes: int, pipeline: int, ranks: int, *, experts: str | None = None, joined: bool = False,
+                 chunked: bool = False) -> None:
+    """A launch of `num_processes` >= 2 against the layout it runs (`pipeline` stages x `ranks` per stage, `experts`
+    their backend, `chunked` a chunked prefill): one device per process; a ValueError naming the option otherwise.
+    `joined`: this process joins a launch made by another tool, and finds out about its GPUs when its driver is
+    built (a launcher of its own asks first: it must not start processes that cannot run)."""
+    devices = pipeline * ranks
+    if devices != num_processes:
+        raise ValueError(f"--num-processes {num_processes}: one process per device, but the layout (--pipeline "
+                         f"{pipeline} x {ranks} ranks) uses {devices} device(s)")
+    if pipeline > 1 and ranks > 1:
+        raise ValueError("across processes, --pipeline runs one device per stage and --dwdp / --dep ranks one stage: "
+                         "not both yet")
+    if experts == "ffi" and not joined and not visible_gpus():
+        raise ValueError("--experts ffi across processes needs a CUDA GPU per process; none is visible (use "
+                         "--experts xla)")
+    if chunked:
+        raise ValueError("--prefill-chunk runs on one device, in one process")
+
+
 def check_address(address: str) -> None:
     """--coordinator HOST:PORT (an IPv6 host in brackets), checked before jax.distributed sees it."""
     host, sep, port = address.rpartition(":")
@@ -159,6 +179,20 @@ def explain_death(code: int, held: list[str], *, process_id: int, num_processes:
     fatal = [line.split("] ", 1)[1] for line in held if line[:1] == "F" and "] " in line]
     why = f": {fatal[-1][:200]}" if fatal else ""
     return f"{who} {_describe(code)}{why} (--verbose shows the native libraries' messages)"
+
+
+def hand_off(argv: list[str], *, num_processes: int, coordinator: str | None, process_id: int | None,
+             timeout_s: int, verbose: bool = False) -> int | None:
+    """Where a checked `jax-dwdp ARGV` of one process per device runs when not in this process: in N local
+    processes that this one starts (`launch`: no process id given), or, for a process of an outside launch, in a
+    child whose stderr this one reads (`supervise`, unless this is that child). Returns their exit code; None when
+    this process runs the command itself."""
+    if num_processes > 1 and process_id is None:
+        return launch(argv, num_processes, timeout_s=timeout_s, verbose=verbose)
+    if process_id is not None and not os.environ.get(SUPERVISED_ENV):
+        return supervise(argv, process_id=process_id, num_processes=num_processes, coordinator=coordinator,
+                         timeout_s=timeout_s, verbose=verbose)
+    return None
 
 
 def supervise(argv: list[str], *, process_id: int, num_processes: int, coordinator: str, timeout_s: float,
@@ -206,6 +240,17 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
                                heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=max(timeout_s, 3600),
                                local_device_ids=[int(local)] if local else None)
     launch_id(timeout_s)  # process 0 publishes it now: a peer never waits on a process 0 that failed later
+
+
+def join_launch(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 60) -> None:
+    """`initialize` for a process whose stdout carries its results (the CLI's: --json is one JSON object there).
+    Native libraries print to file descriptor 1 (gloo: "Rank i is connected ..."), so fd 1 is pointed at stderr and
+    sys.stdout keeps the results through a duplicate of the original."""
+    sys.stdout.flush()
+    results = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(results, "w", buffering=1)
+    initialize(coordinator, num_processes, process_id, timeout_s=timeout_s)
 
 
 _LAUNCH_KEY = "jax_dwdp/launch_id"

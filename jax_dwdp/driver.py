@@ -1,14 +1,17 @@
 """A prefill driver built from a spec: what `jax-dwdp prefill` runs, for notebooks and scripts too.
 
     spec = PrefillSpec(preset="tiny", pipeline=2, ranks=2, experts="xla")
+    tokens, lengths = prefill_inputs(spec, spec.config(), batch=2, seq_len=128)   # or your [B, T] ids
     with build_driver(spec) as driver:
         logits, caches = driver.run(tokens, lengths)
         result = measure(driver, tokens, lengths, iters=3)
 
 `build_driver` picks the one driver that runs the spec: a `Pipeline` (stages, microbatches or ranks), a scanned
 model on one device, a chunked prefill (pieces that continue a cache), or `jit_prefill`. Its `run(tokens,
-lengths)` returns (logits, [one cache per stage]). The spec's fields are the CLI's options (docs/cli.md); the CLI
-checks them against each other with messages that name its flags, the library checks what it builds.
+lengths)` returns (logits, [one cache per stage]). `prefill_inputs` makes (random ids) or takes the tokens and
+refuses what the spec cannot run before anything is built: the checks `jax-dwdp prefill` makes of its inputs. The
+spec's fields are the CLI's options (docs/cli.md); the CLI checks them against each other with messages that name
+its flags, the library checks the inputs and what it builds.
 """
 
 from __future__ import annotations
@@ -24,19 +27,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dwdp.config import ModelConfig
+from jax_dwdp.config import ConfigError, ModelConfig
 from jax_dwdp.kernels.choices import KernelChoices
 from jax_dwdp.model import init_model, with_kernels
 from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.outputs import OutputError
 from jax_dwdp.parallel.backends import expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
+from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.pipeline import Pipeline, cache_bytes_per_sequence, cache_bytes_per_token, microbatch_rows
-from jax_dwdp.parallel.pipeline import plan_stages
-from jax_dwdp.prefill import jit_prefill
+from jax_dwdp.parallel.pipeline import check_layout, plan_stages
+from jax_dwdp.prefill import InputError, check_tokens, jit_prefill
 from jax_dwdp.runner import DEFAULT_MODE, execution_mode
 from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
 from jax_dwdp.watchdog import Watchdog
-from jax_dwdp.weights import load_checkpoint
+from jax_dwdp.weights import CheckpointError, load_checkpoint
 from jax_dwdp.weights.hf_loader import load_config
 
 
@@ -84,6 +89,11 @@ class PrefillSpec:
                 raise ValueError(f"num_layers must lie in [1, {cfg.num_hidden_layers}], got {self.num_layers}")
             cfg = cfg.first_layers(self.num_layers)
         return cfg
+
+
+class SpecError(ValueError):
+    """A spec that cannot be built here (its layout against the model or this machine's devices, options that do
+    not combine); the message says why."""
 
 
 class Driver:
@@ -214,6 +224,32 @@ def chunked_prefill(model, logits: LogitsMode, chunk: int, *, mode: str = DEFAUL
     return run
 
 
+def run_prefill(spec: PrefillSpec, cfg: ModelConfig, tokens, lengths, *, iters: int = 3,
+                watchdog: Watchdog | None = None, status=None) -> dict | None:
+    """What `jax-dwdp prefill` runs once `preflight` and `prefill_inputs` have passed: the spec's driver built
+    (`status(text)` told "loading ..." or "making random weights") and `measure`d; a float32 spec with every matmul
+    at full precision (a reference run), set for the process so that a pipeline's stage threads use it too, and
+    restored after. Returns measure's dict, None in a process of a launch that does not report (`Driver.reports`).
+    A spec that cannot be built raises SpecError; the library's own errors of its inputs pass as they are."""
+    say = status or (lambda text: None)
+    precision = jax.config.jax_default_matmul_precision
+    if spec.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        say(f"loading {spec.checkpoint}" if spec.checkpoint is not None else "making random weights")
+        try:
+            built = build_driver(spec, cfg, batch=tokens.shape[0])
+        except ValueError as e:
+            if isinstance(e, (ConfigError, InputError, CheckpointError, OutputError)):
+                raise
+            raise SpecError(str(e)) from None  # layout and mesh problems (too many stages, too few devices)
+        with built:
+            result = measure(built, tokens, lengths, iters=iters, watchdog=watchdog, status=status)
+            return result if built.reports else None
+    finally:
+        jax.config.update("jax_default_matmul_precision", precision)
+
+
 def measure(driver: Driver, tokens, lengths, *, iters: int = 3, watchdog: Watchdog | None = None,
             status=None) -> dict:
     """Compiles, runs one warm-up and `iters` timed prefills (the median reported), each step under `watchdog`
@@ -273,6 +309,57 @@ def peak_memory_bytes(devices=None) -> list[int | None]:
     return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.local_devices()[:1])]
 
 
+def prefill_inputs(spec: PrefillSpec, cfg: ModelConfig, tokens=None, lengths=None, *, batch: int = 1,
+                   seq_len: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """The checked int32 (tokens, lengths) of a prefill of `spec` (`cfg`: its config): `tokens` [B, T] ids,
+    right-padded to `lengths` (default: every row full), or None for `batch` x `seq_len` random ids drawn with the
+    spec's seed. Refused (InputError, ValueError), before anything is built: ids outside the vocabulary or lengths
+    outside the rows; tokens whose caches, logits and hidden states alone exceed the host's memory (random ids:
+    before they are drawn), which would otherwise be a MemoryError or an allocator failure deep in XLA minutes
+    later; a layout that cannot take the batch or split the experts over its ranks."""
+    all_logits = spec.logits == "all"
+    drawn = tokens is None
+    if drawn:
+        check_host_memory(cfg, spec.dtype, batch, seq_len, all_logits=all_logits)
+        tokens = random_tokens(cfg.vocab_size, batch, seq_len, spec.seed)
+    tokens, lengths = check_tokens(tokens, cfg.vocab_size, lengths)
+    if not drawn:
+        check_host_memory(cfg, spec.dtype, *tokens.shape, all_logits=all_logits)
+    check_layout(tokens.shape[0], spec.microbatches, spec.ranks)
+    ExpertLayout(cfg.num_experts, spec.ranks)
+    return tokens, lengths
+
+
+def random_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
+    """int32 [batch, seq_len] ids drawn uniformly from the vocabulary (numpy's default generator of `seed`)."""
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch, seq_len)).astype(np.int32)
+
+
+def read_tokens(path: str | Path) -> np.ndarray:
+    """The array of a .npy file of token ids (checked by `prefill_inputs`); an InputError naming the file when it
+    is missing, not a regular file, or not one numpy reads as .npy (no pickled objects)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if not path.is_file():
+        raise InputError(f"{path}: is not a regular file")
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as e:  # numpy raises several types for a file that is not .npy
+        raise InputError(f"{path}: not a readable .npy file ({e})") from None
+
+
+def check_host_memory(cfg: ModelConfig, dtype, batch: int, seq_len: int, *, all_logits: bool) -> None:
+    """An InputError when a prefill's tokens, caches, logits and hidden states alone (`prefill_bytes_lower_bound`)
+    exceed this machine's memory (`host_memory_bytes`)."""
+    need = prefill_bytes_lower_bound(cfg, dtype, batch, seq_len, all_logits=all_logits)
+    have, gib = host_memory_bytes(), 2**30
+    if need["total"] > have:
+        raise InputError(f"a batch of {batch} x {seq_len} tokens needs at least {need['total'] / gib:.1f} GiB "
+                         f"(caches {need['caches'] / gib:.1f}, logits {need['logits'] / gib:.1f}, hidden states "
+                         f"{need['hidden'] / gib:.1f}), more than this machine's {have / gib:.1f} GiB")
+
+
 def prefill_bytes_lower_bound(cfg: ModelConfig, dtype, batch: int, seq_len: int, *, all_logits: bool) -> dict:
     """What a prefill's tokens, caches, logits and hidden states alone take (a lower bound of what it holds), by
     part: {"caches", "logits", "hidden", "total"} in bytes."""
@@ -289,10 +376,13 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def not_finite(logits, caches) -> str:
-    """What to tell of logits that hold NaN or Inf: how many, and the first layer whose cache does."""
+def not_finite(logits, caches) -> str | None:
+    """What to tell of logits that hold NaN or Inf: how many, and the first layer whose cache does; None when every
+    value is finite."""
     values = np.asarray(logits)
     bad = int(values.size - np.isfinite(values).sum())
+    if not bad:
+        return None
     first = first_non_finite_layer(caches)
     where = (f"; the first layer whose cache holds such values is layer {first}" if first is not None else
              "; every layer's cache is finite, so they arose in the final norm or the head")

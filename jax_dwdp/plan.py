@@ -14,10 +14,11 @@ from jax_dwdp.parallel.pipeline import (cache_bytes_per_sequence, cache_bytes_pe
 def plan_layout(cfg: ModelConfig, pipeline: int, ranks: int, dtype, *, boundaries=None,
                 dep: bool = False) -> list[dict]:
     """Per stage: layers, weight and cache bytes, and per rank its experts, resident bytes (non-expert weights + its
-    expert block) and buffers (dep=True: none, the experts never move)."""
+    expert block) and buffers (dep=True: none, the experts never move). `dtype`: a numpy / jax dtype or its name."""
     stages = plan_stages(cfg, pipeline, boundaries)
     layout = ExpertLayout(cfg.num_experts, ranks)
-    itemsize = jnp.dtype(dtype).itemsize
+    dtype = jnp.dtype(dtype)
+    itemsize = dtype.itemsize
     out = []
     for st in stages:
         moe_layers = st.end_layer - st.start_layer  # every layer is MoE

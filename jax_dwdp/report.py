@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 from jax_dwdp.weights.hf_loader import cast_line
 
 
-def print_result(result: dict) -> None:
-    """Prints a command's result dict for a person."""
+def print_result(result: dict, *, as_json: bool = False) -> None:
+    """Prints a command's result dict for a person, or (as_json) as one JSON object."""
     command = result["command"]
-    if command == "plan":
+    if as_json:
+        print(json.dumps(result))
+    elif command == "plan":
         _print_plan(result)
     elif command == "verify":
         print(f"ok: {result['directory']}: {result['files']} files ({result['bytes'] / 1e9:.3f} GB) match their "

@@ -1,6 +1,7 @@
-"""The engine's one vocabulary: a driver built from a spec runs what the CLI runs, the expert backend is one object
-looked up by its word, the execution mode one value checked in one place, and a model's kernel choices survive
-every way a driver builds its stages (placed on ranks, restacked for a scan, loaded one layer at a time)."""
+"""The engine's one vocabulary: a driver built from a spec runs what the CLI runs (its inputs made and checked by
+`prefill_inputs`, built and measured by `run_prefill`), the expert backend is one object looked up by its word, the
+execution mode one value checked in one place, and a model's kernel choices survive every way a driver builds its
+stages (placed on ranks, restacked for a scan, loaded one layer at a time)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_dwdp import driver as driver_module
 from jax_dwdp.config import ModelConfig
-from jax_dwdp.driver import PrefillSpec, build_driver
+from jax_dwdp.driver import (Driver, PrefillSpec, SpecError, build_driver, not_finite, prefill_bytes_lower_bound,
+                             prefill_inputs, random_tokens, read_tokens, run_prefill)
 from jax_dwdp.kernels.choices import KernelChoices
 from jax_dwdp.model import init_model
 from jax_dwdp.parallel import BACKENDS, ExpertBackend, IndependentRanks, Pipeline, expert_backend
 from jax_dwdp.parallel.backends import DepBackend, FfiBackend, LocalBackend, XlaBackend
-from jax_dwdp.prefill import jit_prefill
+from jax_dwdp.plan import plan_layout
+from jax_dwdp.prefill import InputError, jit_prefill
 from jax_dwdp.runner import DEFAULT_MODE, MODES, execution_mode
 from jax_dwdp.scan import ScannedModel
 
@@ -72,6 +76,83 @@ def test_a_spec_names_one_source_of_weights_and_a_known_mode():
     with pytest.raises(ValueError, match=r"num_layers must lie in \[1, 4\]"):
         PrefillSpec(preset="tiny", num_layers=9).config()
     assert PrefillSpec(preset="tiny", num_layers=2).config().num_hidden_layers == 2
+
+
+def test_prefill_inputs_draw_or_check_the_tokens():
+    spec = PrefillSpec(preset="tiny", seed=5)
+    tokens, lengths = prefill_inputs(spec, CFG, batch=2, seq_len=7)
+    want = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 7))
+    assert tokens.dtype == np.int32 and (tokens == want).all() and (tokens == random_tokens(CFG.vocab_size, 2, 7, 5)).all()
+    assert lengths.tolist() == [7, 7]
+    tokens, lengths = prefill_inputs(spec, CFG, [[1, 2, 3], [4, 5, 0]], [3, 2])
+    assert tokens.dtype == np.int32 and tokens.shape == (2, 3) and lengths.tolist() == [3, 2]
+    with pytest.raises(InputError, match=f"token id {CFG.vocab_size} is outside the vocabulary"):
+        prefill_inputs(spec, CFG, [[1, CFG.vocab_size]])
+    with pytest.raises(InputError, match=r"lengths must lie in \[1, 2\]"):
+        prefill_inputs(spec, CFG, [[1, 2]], [3])
+    with pytest.raises(ValueError, match="9 DWDP ranks for 8 experts: a rank would own none"):
+        prefill_inputs(PrefillSpec(preset="tiny", ranks=9), CFG, batch=9, seq_len=4)
+
+
+def test_prefill_inputs_refuse_what_exceeds_the_hosts_memory_before_drawing(monkeypatch):
+    """The bound counts the tokens, caches, hidden states and the logits asked for (all positions' or the last's);
+    random ids are not drawn when it is exceeded, given ones are measured by their shape."""
+    need = prefill_bytes_lower_bound(CFG, "bfloat16", 3, 16, all_logits=False)
+    assert need["total"] < prefill_bytes_lower_bound(CFG, "bfloat16", 3, 16, all_logits=True)["total"]
+    monkeypatch.setattr(driver_module, "host_memory_bytes", lambda: need["total"])
+    spec = PrefillSpec(preset="tiny")
+    assert prefill_inputs(spec, CFG, batch=3, seq_len=16)[0].shape == (3, 16)  # exactly fits
+    monkeypatch.setattr(driver_module, "random_tokens", lambda *a: pytest.fail("drew the ids before the check"))
+    with pytest.raises(InputError, match=r"^a batch of 3 x 17 tokens needs at least .*, more than this machine's "):
+        prefill_inputs(spec, CFG, batch=3, seq_len=17)
+    with pytest.raises(InputError, match="a batch of 3 x 16 tokens needs at least"):
+        prefill_inputs(PrefillSpec(preset="tiny", logits="all"), CFG, np.zeros((3, 16), np.int32))
+
+
+def test_read_tokens_names_the_file_it_cannot_read(tmp_path):
+    np.save(tmp_path / "ok.npy", np.arange(6, dtype=np.int64).reshape(2, 3))
+    assert read_tokens(tmp_path / "ok.npy").tolist() == [[0, 1, 2], [3, 4, 5]]
+    (tmp_path / "garbage.npy").write_bytes(b"not numpy")
+    np.save(tmp_path / "objects.npy", np.array([[1, "a"]], dtype=object), allow_pickle=True)
+    for name, message in [("missing.npy", "no such file"), ("", "is not a regular file"),
+                          ("garbage.npy", "not a readable .npy file"), ("objects.npy", "not a readable .npy file")]:
+        with pytest.raises(InputError, match=f"^{tmp_path / name if name else tmp_path}: {message}"):
+            read_tokens(tmp_path / name if name else tmp_path)
+
+
+def test_run_prefill_builds_measures_and_says_so(inputs):
+    said = []
+    result = run_prefill(PrefillSpec(preset="tiny", dtype="float32"), CFG, *inputs, iters=1, status=said.append)
+    assert said == ["making random weights", "compiling", "running 1 warm-up and 1 timed prefills"]
+    assert result["batch"] == 2 and result["seq_len"] == 24 and result["dtype"] == "float32"
+    assert np.asarray(result["logits"]).shape == (2, CFG.vocab_size) and len(result["caches"]) == 1
+    assert not_finite(result["logits"], result["caches"]) is None
+    assert "(2 of 2 values NaN or Inf); every layer's cache is finite, so they arose in the final norm or the head" \
+        in not_finite(np.full((1, 2), np.nan), result["caches"])
+
+
+def test_run_prefill_runs_float32_at_full_precision_and_restores_it(inputs, monkeypatch):
+    seen = []
+    monkeypatch.setattr(driver_module, "measure", lambda *a, **k: seen.append(jax.config.jax_default_matmul_precision)
+                        or {"numbers": 1})
+    before = jax.config.jax_default_matmul_precision
+    assert run_prefill(PrefillSpec(preset="tiny", dtype="float32"), CFG, *inputs) == {"numbers": 1}
+    assert run_prefill(PrefillSpec(preset="tiny"), CFG, *inputs) == {"numbers": 1}
+    assert seen == ["highest", before] and jax.config.jax_default_matmul_precision == before
+
+
+def test_run_prefill_refuses_a_spec_it_cannot_build_and_skips_a_process_that_does_not_report(inputs, monkeypatch):
+    with pytest.raises(SpecError, match="^5 pipeline stages for 4 layers: every stage needs at least one layer$"):
+        run_prefill(PrefillSpec(preset="tiny", pipeline=5), CFG, *inputs)
+    monkeypatch.setattr(driver_module, "measure", lambda *a, **k: {"numbers": 1})
+    closed = []
+    monkeypatch.setattr(driver_module, "build_driver", lambda spec, cfg, batch: Driver(
+        spec, cfg, None, None, "not the reporter", close=closed.append, reports=False))
+    assert run_prefill(PrefillSpec(preset="tiny"), CFG, *inputs) is None and closed == [None]
+
+
+def test_a_plan_takes_a_dtype_or_its_name():
+    assert plan_layout(CFG, 2, 2, "float32") == plan_layout(CFG, 2, 2, jnp.float32)
 
 
 def test_the_execution_mode_is_one_value_checked_in_one_place():

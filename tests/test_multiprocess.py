@@ -193,6 +193,61 @@ def test_inconsistent_process_options_are_one_line_errors(args, message):
     assert "started" not in proc.stderr  # no process was started
 
 
+def test_a_launch_runs_one_device_per_process(monkeypatch):
+    """distributed.check_layout, what the launcher (and a joining process) checks of the layout before jax starts."""
+    from jax_dwdp import distributed
+    from jax_dwdp.distributed import check_layout
+
+    check_layout(2, 1, 2)
+    check_layout(3, 3, 1)
+    for args, kwargs, message in [
+        ((3, 1, 2), {}, "--num-processes 3: one process per device, but the layout (--pipeline 1 x 2 ranks) uses 2 "
+                        "device(s)"),
+        ((4, 2, 2), {}, "across processes, --pipeline runs one device per stage and --dwdp / --dep ranks one stage: "
+                        "not both yet"),
+        ((2, 2, 1), {"chunked": True}, "--prefill-chunk runs on one device, in one process"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            check_layout(*args, **kwargs)
+        assert str(e.value) == message
+    monkeypatch.setattr(distributed, "visible_gpus", lambda: [])
+    with pytest.raises(ValueError, match="--experts ffi across processes needs a CUDA GPU per process; none is"):
+        check_layout(2, 1, 2, experts="ffi")
+    check_layout(2, 1, 2, experts="ffi", joined=True)  # a joined process finds out from its own devices
+    check_layout(2, 1, 2, experts="xla")
+    monkeypatch.setattr(distributed, "visible_gpus", lambda: ["0", "1"])
+    check_layout(2, 1, 2, experts="ffi")
+
+
+def test_a_command_line_is_handed_to_a_launch_or_a_supervised_child_or_runs_here(monkeypatch):
+    from jax_dwdp import distributed
+
+    calls = []
+    monkeypatch.setattr(distributed, "launch", lambda argv, n, **kw: calls.append(("launch", argv, n, kw)) or 3)
+    monkeypatch.setattr(distributed, "supervise", lambda argv, **kw: calls.append(("supervise", argv, kw)) or 4)
+    monkeypatch.delenv(distributed.SUPERVISED_ENV, raising=False)
+    options = dict(coordinator=None, process_id=None, timeout_s=9)
+    assert distributed.hand_off(["a"], num_processes=1, **options) is None and calls == []
+    assert distributed.hand_off(["a"], num_processes=2, verbose=True, **options) == 3
+    assert calls.pop() == ("launch", ["a"], 2, {"timeout_s": 9, "verbose": True})
+    joined = dict(options, coordinator="127.0.0.1:1", process_id=1)
+    assert distributed.hand_off(["b"], num_processes=2, **joined) == 4
+    assert calls.pop() == ("supervise", ["b"], dict(joined, num_processes=2, verbose=False))
+    monkeypatch.setenv(distributed.SUPERVISED_ENV, "1")  # the supervised child runs the command itself
+    assert distributed.hand_off(["b"], num_processes=2, **joined) is None and calls == []
+
+
+def test_a_joined_process_keeps_stdout_for_its_results():
+    """join_launch points file descriptor 1 (where native libraries print) at stderr; print() still reaches the
+    original stdout."""
+    code = ("from jax_dwdp import distributed; import os; distributed.initialize = lambda *a, **k: None; "
+            "distributed.join_launch('127.0.0.1:1', 2, 0); os.write(1, b'Rank 0 is connected\\n'); print('result')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env(),
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "result\n" and proc.stderr == "Rank 0 is connected\n"
+
+
 def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
     """SIGINT to the launcher (the children are in their own process group, so a terminal's Ctrl-C reaches only
     the launcher): every process stopped, one "interrupted" line, exit 130."""
