@@ -64,6 +64,7 @@ class HostViewStore:
         return tuple(self._views[self.devices.index(device or self.devices[0]), layer, w] for w in range(2))
 
     sharded_layer_experts = ExpertStore.sharded_layer_experts
+    rank_of = ExpertStore.rank_of
 
     def wait(self, experts, after):
         return experts

@@ -251,16 +251,22 @@ class ExpertStore:
         return self._views[self.devices.index(device)][layer]
 
     def sharded_layer_experts(self, layer: int, mesh) -> tuple[jax.Array, jax.Array]:
-        """In place, one process driving the mesh's devices (rank r on the mesh's r-th device): the views of every
-        device as arrays sharded P('dwdp') ([N * E, ...], device r's shard its own view), for shard_map."""
+        """In place, over a 1-D mesh of the store's ranks (rank r on the mesh's r-th device; the devices of other
+        processes are their own stores'): arrays sharded P(axis) ([N * E, ...]) whose shard on each of this
+        process's devices is that device's views, for shard_map."""
         devices = list(mesh.devices.flat)
-        if devices != self.devices:
+        mine = [(r, d) for r, d in enumerate(devices) if d.process_index == jax.process_index()]
+        if [(r, d) for r, d in mine if d not in self.devices or self.rank_of(d) != r]:
             raise ValueError(f"sharded_layer_experts: the mesh's devices {devices} are not the store's ranks "
                              f"{self.devices}, in order")
         sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
         return tuple(jax.make_array_from_single_device_arrays(
             (len(devices) * self.num_experts, *self.shapes[w]), sharding,
-            [self.layer_experts(layer, d)[w] for d in devices]) for w in range(2))
+            [self.layer_experts(layer, d)[w] for _, d in mine]) for w in range(2))
+
+    def rank_of(self, device) -> int:
+        """The rank whose blocks live on `device` (one process drives every rank: its position)."""
+        return self.devices.index(device)
 
     def wait(self, experts: tuple[jax.Array, jax.Array], after: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The experts, usable once XLA's stream has waited for their copy. The custom call returns a token (its
@@ -353,6 +359,9 @@ class ProcessExpertStore(ExpertStore):
     def own_ranks(self) -> list[tuple[int, object]]:
         """This process's rank alone, on its device."""
         return [(self.rank, self.devices[0])]
+
+    def rank_of(self, device) -> int:
+        return self.rank
 
     def fill(self, layer: int, weight: int, rank: int, block: jax.Array) -> None:
         """Copies this rank's block (`rank` == self.rank; [ceil(E/N), *shape], on this process's device alone) into
