@@ -57,6 +57,22 @@ def causal_conv_silu_xla(x: jax.Array, weight: jax.Array, history: jax.Array | N
     return jax.nn.silu(out).astype(x.dtype)
 
 
+def causal_conv_bias_silu_xla(x: jax.Array, weight: jax.Array, bias: jax.Array | None,
+                              history: jax.Array | None = None) -> jax.Array:
+    """silu(causal depthwise conv + bias) (Mamba-2's conv1d has a bias): x [B, T, C]; weight [C, 1, K]; bias [C] or
+    None; history [B, K-1, C] or None (zeros). In fp32, returned in x's dtype."""
+    kernel = weight.shape[-1]
+    b, t, c = x.shape
+    if history is None:
+        history = jnp.zeros((b, kernel - 1, c), x.dtype)
+    padded = jnp.concatenate([history.astype(x.dtype), x], axis=1).astype(_F32)
+    w = weight[:, 0, :].astype(_F32)  # [C, K]
+    out = sum(padded[:, j : j + t, :] * w[:, j] for j in range(kernel))
+    if bias is not None:
+        out = out + bias.astype(_F32)
+    return jax.nn.silu(out).astype(x.dtype)
+
+
 def _block_c(c: int) -> int:
     """The largest power of two <= MAX_BLOCK_C (read at each call) that divides C (0: none >= 16, the kernel does
     not apply)."""

@@ -9,25 +9,32 @@ from flax import nnx
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.model.moe import set_fused_swiglu
+from jax_dwdp.model.nemotron_h import NemotronHForCausalLM
 from jax_dwdp.model.qwen35_moe import Qwen35MoeForCausalLM
+from jax_dwdp.nemotron_h_config import NemotronHConfig
+
+
+def model_class(cfg: ModelConfig | NemotronHConfig) -> type[Qwen35MoeForCausalLM] | type[NemotronHForCausalLM]:
+    """The model family of a config: its config class decides (chosen from config.json's model_type)."""
+    return NemotronHForCausalLM if isinstance(cfg, NemotronHConfig) else Qwen35MoeForCausalLM
 
 
 def abstract_model(
-    cfg: ModelConfig, *, dtype=jnp.bfloat16, start_layer: int = 0, end_layer: int | None = None,
+    cfg: ModelConfig | NemotronHConfig, *, dtype=jnp.bfloat16, start_layer: int = 0, end_layer: int | None = None,
     kernels: KernelChoices | None = None,
-) -> Qwen35MoeForCausalLM:
+) -> Qwen35MoeForCausalLM | NemotronHForCausalLM:
     """The model's structure with ShapeDtypeStruct leaves: allocates nothing (for loaders). `kernels`: its kernel
     choices (default: the process's, `KernelChoices.from_environment()`)."""
     kernels = resolve(kernels)  # (resolved outside eval_shape's trace)
     return nnx.eval_shape(
-        lambda: Qwen35MoeForCausalLM(
+        lambda: model_class(cfg)(
             cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(0), kernels=kernels
         )
     )
 
 
 def init_model(
-    cfg: ModelConfig,
+    cfg: ModelConfig | NemotronHConfig,
     *,
     dtype=jnp.bfloat16,
     seed: int = 0,
@@ -36,7 +43,7 @@ def init_model(
     device: jax.Device | None = None,
     fused_swiglu: bool = False,
     kernels: KernelChoices | None = None,
-) -> Qwen35MoeForCausalLM:
+) -> Qwen35MoeForCausalLM | NemotronHForCausalLM:
     """A model with random weights, generated directly on `device` (default: the first device).
 
     Each parameter is drawn on the device by its own small (cached) computation, so a 35B-parameter model never
@@ -45,9 +52,11 @@ def init_model(
     weights are drawn in the checkpoint layout and then permuted, so a seed gives the same model either way.
     `kernels`: the model's kernel choices (default: the process's, `KernelChoices.from_environment()`).
     """
+    if fused_swiglu and isinstance(cfg, NemotronHConfig):
+        raise ValueError("fused_swiglu: Nemotron-H's experts have no gate (relu^2), there is no SwiGLU to fuse")
     device = device or jax.devices()[0]
     with jax.default_device(device):
-        model = Qwen35MoeForCausalLM(
+        model = model_class(cfg)(
             cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer, rngs=nnx.Rngs(seed), kernels=kernels
         )
         return set_fused_swiglu(model, True, donate=True) if fused_swiglu else model

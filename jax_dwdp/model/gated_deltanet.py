@@ -70,7 +70,7 @@ class GatedDeltaNet(nnx.Module):
         """
         mixed = self.in_proj_qkv(x)  # [B, T, C]
         history = None if cache is None else jnp.swapaxes(cache[0], 1, 2)  # [B, K-1, C]
-        conv_state = _last_inputs(mixed, lengths, self.conv_kernel - 1, history)
+        conv_state = last_inputs(mixed, lengths, self.conv_kernel - 1, history)
         g, beta = self._gates(x)
         conv_out = causal_conv_silu(mixed, self.conv1d.weight[...], history, splits=(self.key_dim, 2 * self.key_dim),
                                     kernels=self.kernels)
@@ -102,7 +102,7 @@ class _Conv1dWeight(nnx.Module):
         self.weight = nnx.Param(normal_init(rngs, (channels, 1, kernel), dtype, kernel**-0.5))
 
 
-def _last_inputs(x: jax.Array, lengths: jax.Array, n: int, history: jax.Array | None = None) -> jax.Array:
+def last_inputs(x: jax.Array, lengths: jax.Array, n: int, history: jax.Array | None = None) -> jax.Array:
     """x [B, T, C] -> the n inputs before each sequence's length, [B, C, n]; before t = 0 they come from `history`
     [B, n, C] (the inputs of an earlier piece of the sequence), or are zeros."""
     if history is None:

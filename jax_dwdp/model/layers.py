@@ -1,4 +1,4 @@
-"""Small building blocks: linear maps in the HF [out, in] layout, the two RMSNorms, RoPE."""
+"""Small building blocks: linear maps in the HF [out, in] layout, the RMSNorms, RoPE."""
 
 from __future__ import annotations
 
@@ -39,6 +39,20 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps)
+
+
+class PlainRMSNorm(nnx.Module):
+    """Nemotron-H's RMSNorm: w * norm(x) (plain w, initialised near ones), normalised in fp32; the product in x's
+    dtype."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param((1.0 + normal_init(rngs, (dim,), jnp.float32, 0.1)).astype(dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * n.astype(x.dtype)
 
 
 class GatedRMSNorm(nnx.Module):
