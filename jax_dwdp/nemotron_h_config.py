@@ -230,6 +230,11 @@ class NemotronHConfig:
             raise ConfigError(f"the first {n} layers: choose 1 to {self.num_hidden_layers}")
         return dataclasses.replace(self, layer_types=self.layer_types[:n])
 
+    def cuts(self, stored: "NemotronHConfig") -> bool:
+        """This config is `stored` (a checkpoint's) cut to fewer layers: a loader skips the others."""
+        return (self.num_hidden_layers < stored.num_hidden_layers
+                and stored.first_layers(self.num_hidden_layers) == self)
+
     def replace(self, **changes: Any) -> "NemotronHConfig":
         return dataclasses.replace(self, **changes)
 

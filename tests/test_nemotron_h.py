@@ -13,12 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from jax_dwdp.config import ConfigError, ModelConfig
 from jax_dwdp.families import config_from_hf_dict
 from jax_dwdp.kernels.ssd import ssd_chunked, ssd_step
 from jax_dwdp.model import NemotronHForCausalLM, init_model
 from jax_dwdp.nemotron_h_config import ATTENTION, MAMBA, NemotronHConfig, parse_pattern, pattern_of
+from jax_dwdp.weights.hf_loader import load_hf_checkpoint
+from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.nemotron_reference import (hf_config, hf_prefill_and_step, jit_prefill_and_step, random_hf_model, rel_err,
                                       to_jax)
 
@@ -212,3 +216,27 @@ def test_presets_have_the_published_sizes():
     assert (nano.num_hidden_layers, len(nano.layer_ids(ATTENTION)), len(nano.layer_ids(MAMBA))) == (52, 6, 23)
     assert round(nano.param_counts()["total"] / 1e9, 1) == 31.6
     assert isinstance(init_model(NemotronHConfig.preset("tiny"), dtype=jnp.float32), NemotronHForCausalLM)
+
+
+def test_hf_checkpoint_loads_through_the_name_map(tmp_path, fresh_rng):
+    """What transformers saves (the released layout: `backbone.`, per-expert pieces) loads into the model the name
+    map builds, bit for bit; a stage's load reads only its layers; a missing expert piece is named."""
+    cfg = CONFIGS["latent"]
+    hf = random_hf_model(cfg, int(fresh_rng.integers(1 << 30)))
+    hf.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    model, report = load_hf_checkpoint(tmp_path / "ckpt", dtype=jnp.float32)
+    reference = to_jax(hf, cfg)
+    assert isinstance(model, NemotronHForCausalLM) and report.tensors_loaded == len(hf.state_dict())
+    for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(reference))):
+        np.testing.assert_array_equal(got[...], want[...], err_msg=str(path))
+    stage, stage_report = load_hf_checkpoint(tmp_path / "ckpt", dtype=jnp.float32, start_layer=3)
+    assert stage.start_layer == 3 and stage_report.skipped_other_layers > 0
+    np.testing.assert_array_equal(stage.layers[1].mixer.experts.up_proj[...], model.layers[4].mixer.experts.up_proj[...])
+    with safe_open(tmp_path / "ckpt" / "model.safetensors", "np") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    del tensors["backbone.layers.4.mixer.experts.5.up_proj.weight"]
+    (tmp_path / "broken").mkdir()
+    save_file(tensors, tmp_path / "broken" / "model.safetensors")
+    (tmp_path / "broken" / "config.json").write_text((tmp_path / "ckpt" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"missing tensor backbone\.layers\.4\.mixer\.experts\.5\.up_proj"):
+        load_hf_checkpoint(tmp_path / "broken", dtype=jnp.float32)

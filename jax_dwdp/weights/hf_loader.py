@@ -1,4 +1,4 @@
-"""Loading Hugging Face Qwen3.5-MoE safetensors checkpoints into jax_dwdp models, one tensor at a time.
+"""Loading Hugging Face safetensors checkpoints (Qwen3.5-MoE, Nemotron-H) into jax_dwdp models, one tensor at a time.
 
 Tensors are read lazily from memory-mapped files, converted and placed on the device one by one, so host memory
 peaks near the largest tensor (a fused expert tensor when per-expert pieces are assembled), not the model.
@@ -22,8 +22,10 @@ from flax import nnx
 
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.devices import put
-from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model
-from jax_dwdp.weights import hf_names
+from jax_dwdp.families import config_from_json_file
+from jax_dwdp.model import NemotronHForCausalLM, Qwen35MoeForCausalLM, abstract_model
+from jax_dwdp.nemotron_h_config import NemotronHConfig
+from jax_dwdp.weights import hf_names, nemotron_h_names
 from jax_dwdp.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint, orbax_without_marker
 
 log = logging.getLogger(__name__)
@@ -67,12 +69,37 @@ def cast_line(cast: dict[str, int]) -> str:
 
 
 def load_config(checkpoint_dir: str | Path) -> ModelConfig:
+    return ModelConfig.from_json_file(_config_path(checkpoint_dir))
+
+
+def load_family_config(checkpoint_dir: str | Path) -> ModelConfig | NemotronHConfig:
+    """The checkpoint's config, of the family its model_type names."""
+    return config_from_json_file(_config_path(checkpoint_dir))
+
+
+def _config_path(checkpoint_dir: str | Path) -> Path:
     path = Path(checkpoint_dir) / "config.json"
     if not os.path.lexists(path):  # a copy of a conversion's items, made before it wrote its config and marker
         orbax = orbax_without_marker(Path(checkpoint_dir))
         if orbax is not None:
             raise CheckpointError(orbax)
-    return ModelConfig.from_json_file(path)
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Naming:
+    """How one family's checkpoints name its tensors; the loader is the same for every family."""
+
+    family: str
+    names: object  # the module mapping names to paths: classify, hf_name, TEXT_PREFIXES
+    embedding: hf_names.Path
+    final_norm: hf_names.Path
+
+
+NAMINGS = {
+    ModelConfig: Naming("Qwen3.5-MoE", hf_names, ("embed_tokens", "weight"), ("norm", "weight")),
+    NemotronHConfig: Naming("Nemotron-H", nemotron_h_names, ("embeddings", "weight"), ("norm_f", "weight")),
+}
 
 
 def _convert(array: np.ndarray, dtype: np.dtype | None, name: str, file: Path,
@@ -87,36 +114,45 @@ def _convert(array: np.ndarray, dtype: np.dtype | None, name: str, file: Path,
     return array.astype(target, copy=False)
 
 
-class _ExpertAssembler:
-    """Builds fused expert tensors from per-expert pieces; host memory: one fused tensor per open layer."""
+def _parts(fused: hf_names.Path) -> tuple[str, ...]:
+    """The per-expert pieces of a fused expert tensor, in its row order: Qwen3.5's gate_up_proj stacks gate_proj
+    over up_proj; every other fused tensor (down_proj, Nemotron-H's up_proj) is one piece per expert."""
+    return ("gate_proj", "up_proj") if fused[-1] == "gate_up_proj" else (fused[-1],)
 
-    def __init__(self, cfg: ModelConfig, report: LoadReport):
-        self.cfg = cfg
+
+class _ExpertAssembler:
+    """Builds fused expert tensors [E, rows, cols] from per-expert pieces; host memory: one fused tensor per open
+    layer."""
+
+    def __init__(self, report: LoadReport):
         self.report = report
+        self.num_experts: dict[hf_names.Path, int] = {}
         self.buffers: dict[hf_names.Path, np.ndarray] = {}
         self.seen: dict[hf_names.Path, set[tuple[int, str]]] = {}
         self.sources: dict[hf_names.Path, set[str]] = {}  # the pieces' dtypes, for report.cast
 
     def add(self, target: hf_names.Target, piece: np.ndarray, shape, dtype, name: str, file: Path):
         """dtype None: the first piece's dtype (pieces of another dtype are cast to it, and counted)."""
-        i, h = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        expected = (h, i) if target.part == "down_proj" else (i, h)
+        parts = _parts(target.path)
+        rows = shape[1] // len(parts)
+        expected = (rows, shape[2])
         if tuple(piece.shape) != expected:
             raise CheckpointError(f"{file}: tensor {name} has shape {tuple(piece.shape)}; expected {expected}")
-        if not 0 <= target.expert < self.cfg.num_experts:
-            raise CheckpointError(f"{file}: tensor {name} names expert {target.expert}; the model has {self.cfg.num_experts}")
+        if not 0 <= target.expert < shape[0]:
+            raise CheckpointError(f"{file}: tensor {name} names expert {target.expert}; the model has {shape[0]}")
         buf = self.buffers.get(target.path)
         if buf is None:
             buf = self.buffers[target.path] = np.empty(shape, piece.dtype if dtype is None else dtype)
             self.seen[target.path] = set()
             self.sources[target.path] = set()
-        rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[target.part]
-        buf[target.expert, rows] = _convert(piece, buf.dtype, name, file, None)
+            self.num_experts[target.path] = shape[0]
+        j = parts.index(target.part)
+        buf[target.expert, j * rows:(j + 1) * rows] = _convert(piece, buf.dtype, name, file, None)
         self.seen[target.path].add((target.expert, target.part))
         self.sources[target.path].add(np.dtype(piece.dtype).name)
-        parts = ("down_proj",) if target.part == "down_proj" else ("gate_proj", "up_proj")
-        if len(self.seen[target.path]) == self.cfg.num_experts * len(parts):
+        if len(self.seen[target.path]) == shape[0] * len(parts):
             del self.seen[target.path]
+            del self.num_experts[target.path]
             # One assembled tensor, counted once: under its pieces' dtype, or all of them ("bfloat16+float32")
             # when they differ.
             self.report.count_cast("+".join(sorted(self.sources.pop(target.path))), buf.dtype)
@@ -125,12 +161,11 @@ class _ExpertAssembler:
 
     def missing(self, start_layer: int, prefix: str) -> str | None:
         for path, seen in self.seen.items():
-            parts = ("down_proj",) if path[-1] == "down_proj" else ("gate_proj", "up_proj")
-            for e in range(self.cfg.num_experts):
-                for p in parts:
+            for e in range(self.num_experts[path]):
+                for p in _parts(path):
                     if (e, p) not in seen:
                         layer = int(path[1]) + start_layer
-                        return f"{prefix}layers.{layer}.mlp.experts.{e}.{p}.weight"
+                        return f"{prefix}layers.{layer}.{path[2]}.experts.{e}.{p}.weight"
         return None
 
 
@@ -138,14 +173,14 @@ class _NameIndex:
     """A checkpoint's tensor names grouped by layer, built once per open checkpoint, so that loading a layer range
     from a checkpoint kept open across many ranges (conversion) visits only that range's names."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint):
+    def __init__(self, ckpt: SafetensorsCheckpoint, names):
         self.by_layer: dict[int, list[str]] = {}
         self.rest: list[str] = []  # embedding, norm, head, vision/MTP and unknown names
         # The text-model prefix this checkpoint uses, so that a missing tensor is named as the checkpoint names it.
-        self.prefix = next((p for p in hf_names.TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in ckpt.names())),
-                           hf_names.TEXT_PREFIXES[0])
+        self.prefix = next((p for p in names.TEXT_PREFIXES if any(n.startswith(p + "layers.") for n in ckpt.names())),
+                           names.TEXT_PREFIXES[0])
         for name in ckpt.names():
-            target = hf_names.classify(name, 0, 0)  # an empty range: every layer tensor is "other_layer"
+            target = names.classify(name, 0, 0)  # an empty range: every layer tensor is "other_layer"
             if target is not None and target.kind == "other_layer":
                 self.by_layer.setdefault(target.layer, []).append(name)
             else:
@@ -166,23 +201,24 @@ class _NameIndex:
 _INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _name_index(ckpt: SafetensorsCheckpoint) -> _NameIndex:
-    index = _INDEXES.get(ckpt)
-    if index is None:
-        index = _INDEXES[ckpt] = _NameIndex(ckpt)
-    return index
+def _name_index(ckpt: SafetensorsCheckpoint, names=hf_names) -> _NameIndex:
+    indexes = _INDEXES.setdefault(ckpt, {})
+    if names.__name__ not in indexes:
+        indexes[names.__name__] = _NameIndex(ckpt, names)
+    return indexes[names.__name__]
 
 
 def load_hf_checkpoint(
     checkpoint_dir: str | Path | SafetensorsCheckpoint,
     *,
-    cfg: ModelConfig | None = None,
+    cfg: ModelConfig | NemotronHConfig | None = None,
     dtype=jnp.bfloat16,
     start_layer: int = 0,
     end_layer: int | None = None,
     placement: Placement | None = None,
-) -> tuple[Qwen35MoeForCausalLM, LoadReport]:
-    """Loads layers [start_layer, end_layer) (and the embedding / head when the range has them).
+) -> tuple[Qwen35MoeForCausalLM | NemotronHForCausalLM, LoadReport]:
+    """Loads layers [start_layer, end_layer) (and the embedding / head when the range has them), of the family that
+    the checkpoint's config.json (or `cfg`) names.
 
     `checkpoint_dir` is a folder, or an already open SafetensorsCheckpoint (headers parsed once) that a caller
     loading many ranges keeps open; it is left open, with its mappings dropped so that mapped pages do not pile up.
@@ -196,8 +232,13 @@ def load_hf_checkpoint(
         opened, checkpoint_dir = checkpoint_dir, checkpoint_dir.directory
     else:
         opened, checkpoint_dir = None, Path(checkpoint_dir)
-    stored = load_config(checkpoint_dir) if cfg is None or (Path(checkpoint_dir) / "config.json").is_file() else cfg
+    stored = (load_family_config(checkpoint_dir) if cfg is None or (Path(checkpoint_dir) / "config.json").is_file()
+              else cfg)
     cfg = cfg or stored
+    if type(stored) is not type(cfg):
+        raise CheckpointError(f"{checkpoint_dir}: a {NAMINGS[type(stored)].family} checkpoint, not a "
+                              f"{NAMINGS[type(cfg)].family} model")
+    naming = NAMINGS[type(cfg)]
     # A config of the checkpoint's first layers (--num-layers) loads those; the others are skipped, not unexpected.
     stored_layers = stored.num_hidden_layers if cfg.cuts(stored) else cfg.num_hidden_layers
     end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
@@ -211,7 +252,7 @@ def load_hf_checkpoint(
         placement = lambda path, shape, dt: jax.sharding.SingleDeviceSharding(device)  # noqa: E731
     loaded: dict[hf_names.Path, jax.Array] = {}
     report = LoadReport()
-    assembler = _ExpertAssembler(cfg, report)
+    assembler = _ExpertAssembler(report)
 
     def place(path, array: np.ndarray, name: str, file: Path, assembled: bool = False):
         var = expected[path]
@@ -229,7 +270,7 @@ def load_hf_checkpoint(
     ckpt = opened if opened is not None else SafetensorsCheckpoint(checkpoint_dir)
     bytes_before = ckpt.bytes_read
     try:
-        index = _name_index(ckpt)
+        index = _name_index(ckpt, naming.names)
         inside, outside = index.select(start_layer, end_layer)
         # A missing tensor is reported against the file when there is one, else against the folder.
         where = ckpt.files[0] if len(ckpt.files) == 1 else checkpoint_dir
@@ -243,9 +284,10 @@ def load_hf_checkpoint(
         report.skipped_other_layers += sum(len(index.by_layer[layer]) for layer in outside)
         for name in inside:
             info = ckpt.info(name)
-            target = hf_names.classify(name, start_layer, end_layer)
+            target = naming.names.classify(name, start_layer, end_layer)
             if target is None:
-                raise CheckpointError(f"{info.file}: unexpected tensor {name} (not part of the Qwen3.5-MoE text model)")
+                raise CheckpointError(f"{info.file}: unexpected tensor {name} (not part of the {naming.family} text "
+                                      "model)")
             if target.kind == "non_text":
                 report.skipped_non_text += 1
             elif target.kind == "expert_piece":
@@ -258,10 +300,10 @@ def load_hf_checkpoint(
                     place(target.path, fused, name, info.file, assembled=True)
             else:
                 path = target.path
-                if path == ("embed_tokens", "weight") and cfg.tie_word_embeddings and ("lm_head", "weight") in expected:
+                if path == naming.embedding and cfg.tie_word_embeddings and ("lm_head", "weight") in expected:
                     place(("lm_head", "weight"), ckpt.read(name), name, info.file)
                 if path not in expected:
-                    if path in (("embed_tokens", "weight"), ("norm", "weight"), ("lm_head", "weight")):
+                    if path in (naming.embedding, naming.final_norm, ("lm_head", "weight")):
                         report.skipped_other_layers += 1  # belongs to another pipeline stage
                         continue
                     raise CheckpointError(
@@ -281,7 +323,7 @@ def load_hf_checkpoint(
     for path, var in expected.items():
         if path not in loaded:
             raise CheckpointError(
-                f"{where}: missing tensor {hf_names.hf_name(path, start_layer, index.prefix)} "
+                f"{where}: missing tensor {naming.names.hf_name(path, start_layer, index.prefix)} "
                 f"(expected shape {tuple(var.shape)})"
             )
     state = nnx.from_flat_state([(path, type(var)(loaded[path])) for path, var in expected.items()])
