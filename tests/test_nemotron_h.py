@@ -21,6 +21,7 @@ from jax_dwdp.families import config_from_hf_dict
 from jax_dwdp.kernels.ssd import ssd_chunked, ssd_step
 from jax_dwdp.model import NemotronHForCausalLM, init_model
 from jax_dwdp.nemotron_h_config import ATTENTION, MAMBA, NemotronHConfig, parse_pattern, pattern_of
+from jax_dwdp.prefill import jit_decode_step, jit_prefill
 from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.nemotron_reference import (hf_config, hf_prefill_and_step, jit_prefill_and_step, random_hf_model, rel_err,
@@ -240,3 +241,23 @@ def test_hf_checkpoint_loads_through_the_name_map(tmp_path, fresh_rng):
     (tmp_path / "broken" / "config.json").write_text((tmp_path / "ckpt" / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"missing tensor backbone\.layers\.4\.mixer\.experts\.5\.up_proj"):
         load_hf_checkpoint(tmp_path / "broken", dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("mode", ["whole", "layerwise"])
+def test_jit_prefill_runs_the_family(fresh_rng, mode):
+    """The engine's jit_prefill (one program, or one per layer type through the StageRunner) and jit_decode_step
+    give the model's own prefill and decode on a right-padded batch."""
+    cfg = CONFIGS["plain"]
+    model = init_model(cfg, dtype=jnp.float32, seed=int(fresh_rng.integers(1 << 30)))
+    tokens = fresh_rng.integers(0, cfg.vocab_size, (2, 21)).astype(np.int32)
+    lengths = np.array([21, 12], np.int32)
+    logits, cache = jit_prefill(model, logits="last", cache_len=22, mode=mode)(tokens, lengths)
+    next_logits, _ = jit_decode_step(model)(np.argmax(logits, -1).astype(np.int32), cache)
+    ref_logits, ref_cache = nnx.jit(lambda m, x, n: m.prefill(x, n, logits="last", cache_len=22))(
+        model, tokens, lengths)
+    ref_next, _ = nnx.jit(lambda m, x, c: m.decode_step(x, c))(model, np.argmax(ref_logits, -1).astype(np.int32),
+                                                               ref_cache)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(next_logits, ref_next, rtol=1e-5, atol=1e-5)
+    for leaf in ("key", "value", "conv", "recurrent"):
+        np.testing.assert_allclose(getattr(cache, leaf), getattr(ref_cache, leaf), rtol=1e-5, atol=1e-5)

@@ -9,6 +9,8 @@ Mamba-2 layers in `conv` / `recurrent`, each slot belonging to one layer of the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -186,10 +188,14 @@ class NemotronHForCausalLM(nnx.Module):
             linear_layer_ids=self.linear_layer_ids)
 
     def forward_layers(self, h: jax.Array, lengths: jax.Array, *, cache_len: int | None = None,
-                       cache: Cache | None = None) -> tuple[jax.Array, Cache]:
+                       run_layer: Callable | None = None, cache: Cache | None = None) -> tuple[jax.Array, Cache]:
         """Runs this range's layers over h [B, T, H] (right-padded, valid lengths [B]) and builds its cache. With
         `cache` (this range's cache from an earlier prefill of the same sequences) the tokens continue it at
-        positions cache.lengths[b] + t; a sequence with length 0 keeps its cache."""
+        positions cache.lengths[b] + t; a sequence with length 0 keeps its cache.
+
+        `run_layer(index, layer, h, positions, lengths, layer_cache) -> (h, layer cache)` replaces the plain call, as
+        in `Qwen35MoeForCausalLM.forward_layers` (the engine's StageRunner compiles layers through it)."""
+        run_layer = run_layer or (lambda index, layer, *args: layer(*args[:3], None, args[3]))
         b, t, _ = h.shape
         if cache is not None:
             cache_len = cache.capacity
@@ -198,7 +204,7 @@ class NemotronHForCausalLM(nnx.Module):
         full_slot = {layer_id: i for i, layer_id in enumerate(self.full_layer_ids)}
         linear_slot = {layer_id: i for i, layer_id in enumerate(self.linear_layer_ids)}
         keys, values, convs, states = [], [], [], []
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             layer_cache = None
             if cache is not None and layer.layer_type == MAMBA:
                 i = linear_slot[layer.layer_id]
@@ -206,7 +212,7 @@ class NemotronHForCausalLM(nnx.Module):
             elif cache is not None and layer.layer_type == ATTENTION:
                 i = full_slot[layer.layer_id]
                 layer_cache = (cache.key[i], cache.value[i])
-            h, out = layer(h, positions, lengths, None, layer_cache)
+            h, out = run_layer(index, layer, h, positions, lengths, layer_cache)
             if layer.layer_type == MAMBA:
                 convs.append(out[0])
                 states.append(out[1])
@@ -219,11 +225,12 @@ class NemotronHForCausalLM(nnx.Module):
 
     # ---- whole-model entry points -------------------------------------------------------------
     def forward(self, x: jax.Array, lengths: jax.Array, *, logits: LogitsMode = "all", cache_len: int | None = None,
-                cache: Cache | None = None) -> tuple[jax.Array | None, Cache]:
+                run_layer: Callable | None = None, cache: Cache | None = None) -> tuple[jax.Array | None, Cache]:
         """This range's share of a prefill: x is tokens [B, T] if the range starts at layer 0, else hidden states
         [B, T, H]; returns logits (if the range ends at the last layer) or hidden states, and the range's cache."""
         h = self.embed(x) if self.is_first else x
-        h, cache = self.forward_layers(h, lengths.astype(jnp.int32), cache_len=cache_len, cache=cache)
+        h, cache = self.forward_layers(h, lengths.astype(jnp.int32), cache_len=cache_len, run_layer=run_layer,
+                                       cache=cache)
         return (self.head(h, lengths, logits) if self.is_last else h), cache
 
     def prefill(self, tokens: jax.Array, lengths: jax.Array | None = None, *, logits: LogitsMode = "all",
