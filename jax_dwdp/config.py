@@ -154,10 +154,35 @@ class ModelConfig:
         """Channels of the depthwise conv: [q | k | v] of the Gated DeltaNet."""
         return 2 * self.linear_key_dim + self.linear_value_dim
 
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """A linear-attention layer's conv state per sequence: [conv channels, K-1]."""
+        return self.conv_dim, self.linear_conv_kernel_dim - 1
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """A linear-attention layer's fp32 recurrent state per sequence: [HV, dk, dv]."""
+        return self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
+
+    @property
+    def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """One routed expert's two weights: gate_up_proj [2I, H], down_proj [H, I]."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return (2 * i, h), (h, i)
+
     def layer_ids(self, kind: str, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
         """Global ids of the layers of one kind inside [start_layer, end_layer)."""
         end = self.num_hidden_layers if end_layer is None else end_layer
         return tuple(i for i in range(start_layer, end) if self.layer_types[i] == kind)
+
+    def moe_layer_ids(self, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
+        """Global ids of the layers with routed experts inside [start_layer, end_layer): every Qwen3.5 layer."""
+        return tuple(range(start_layer, self.num_hidden_layers if end_layer is None else end_layer))
+
+    def scan_period(self, start_layer: int = 0, end_layer: int | None = None) -> int:
+        """How many layers one block of a scanned stack of [start_layer, end_layer) holds (jax_dwdp.scan): the
+        pattern's period, full_attention_interval."""
+        return self.full_attention_interval
 
     def param_counts(self) -> dict[str, int]:
         """Parameter counts of the text model: total and activated per token."""

@@ -41,6 +41,22 @@ def parse_pattern(pattern: str) -> tuple[str, ...]:
     return tuple(PATTERN_SYMBOLS[c] for c in pattern)
 
 
+def best_period(layer_types: tuple[str, ...]) -> int:
+    """The period p of a scanned stack of these layers: the first p layers repeated as often as they recur from the
+    start, the rest unrolled, p chosen for the fewest layers to compile (p + the rest); ties: the shorter. A
+    pattern that never repeats gives its own length (one block)."""
+    n = len(layer_types)
+
+    def repeats(p: int) -> int:
+        blocks = 1
+        while (blocks + 1) * p <= n and layer_types[blocks * p:(blocks + 1) * p] == layer_types[:p]:
+            blocks += 1
+        return blocks
+
+    best = min(range(1, n + 1), key=lambda p: (n - (repeats(p) - 1) * p, p)) if n else 1
+    return best if repeats(best) > 1 else max(n, 1)
+
+
 def pattern_of(layer_types: tuple[str, ...]) -> str:
     symbol = {t: s for s, t in PATTERN_SYMBOLS.items()}
     return "".join(symbol[t] for t in layer_types)
@@ -144,10 +160,53 @@ class NemotronHConfig:
         """The width the routed experts read and write: the latent size when the MoE has a latent projection."""
         return self.moe_latent_size or self.hidden_size
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (the engine's name for n_routed_experts)."""
+        return self.n_routed_experts
+
+    @property
+    def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """One routed expert's two weights: up_proj [I, D], down_proj [D, I] (D: expert_input_size)."""
+        d, i = self.expert_input_size, self.moe_intermediate_size
+        return (i, d), (d, i)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """A Mamba-2 layer's conv state per sequence: [x | B | C channels, K-1]."""
+        return self.mamba_conv_dim, self.conv_kernel - 1
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """A Mamba-2 layer's fp32 SSM state per sequence: [heads, head_dim, state size]."""
+        return self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size
+
     def layer_ids(self, kind: str, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
         """Global ids of the layers of one kind inside [start_layer, end_layer)."""
         end = self.num_hidden_layers if end_layer is None else end_layer
         return tuple(i for i in range(start_layer, end) if self.layer_types[i] == kind)
+
+    def moe_layer_ids(self, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
+        """Global ids of the layers with routed experts (the MoE layers) inside [start_layer, end_layer)."""
+        return self.layer_ids(MOE, start_layer, end_layer)
+
+    def scan_period(self, start_layer: int = 0, end_layer: int | None = None) -> int:
+        """How many layers one block of a scanned stack of [start_layer, end_layer) holds (jax_dwdp.scan): the
+        `best_period` of the range's own pattern (Nano 30B-A3B: 7, "MEMEM*E" five times, 17 layers after)."""
+        end = self.num_hidden_layers if end_layer is None else end_layer
+        return best_period(self.layer_types[start_layer:end])
+
+    def prefill_flops(self, batch: int, seq_len: int, logits_positions: int) -> float:
+        """Forward FLOPs of a causal prefill (matmuls + attention), for MFU: as ModelConfig.prefill_flops, the
+        weights' matmuls at the activated parameters and QK^T / PV of the attention layers; the SSD scan's own
+        products (like Gated DeltaNet's recurrence there) are not counted. lm_head only at the positions whose
+        logits are computed."""
+        counts = self.param_counts()
+        embed = head = self.vocab_size * self.hidden_size
+        layer_params = counts["active"] - head - embed
+        n_attn = len(self.layer_ids(ATTENTION))
+        attn_per_token = n_attn * 2 * 2 * self.num_attention_heads * self.head_dim * (seq_len / 2)
+        return batch * seq_len * (2.0 * layer_params + attn_per_token) + 2.0 * head * logits_positions
 
     def param_counts(self) -> dict[str, int]:
         """Parameter counts of the text model (MTP head excluded): total and activated per token."""

@@ -143,13 +143,7 @@ def routed_experts(
     kernels = resolve(kernels)
     m, k = expert_ids.shape
     num_experts, two_i, _ = gate_up_proj.shape
-    if valid is None:  # every id in [0, E): the counting sort (one Pallas kernel on the GPU) gives the inverse too
-        order, inverse, group_sizes = routing.expert_permutation(expert_ids, num_experts, kernels=kernels)
-    else:
-        order, group_sizes = sort_by_expert(expert_ids, num_experts)
-        # The inverse permutation is a scatter of iota (no second sort).
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                      unique_indices=True)
+    order, inverse, group_sizes = expert_order(expert_ids, num_experts, valid, kernels)
     # Row count padded to the kernels' row multiple; the padded rows belong to no group and are never read back.
     pad = (-m * k) % GROUPED_MATMUL_ROW_MULTIPLE
     gemm = functools.partial(grouped_matmul, implementation=grouped_matmul_impl, kernels=kernels)
@@ -172,9 +166,30 @@ def routed_experts(
     out = gemm(act, down_proj, group_sizes)
     if valid is None:
         return combine_rows(out, inverse, expert_weights.astype(x.dtype), add)
-    # DEP: rows of slots held elsewhere may be garbage (NaN * 0 is NaN): selected out, not weighted out.
+    return combine_valid_rows(out, inverse, expert_weights, valid, x.dtype, add)
+
+
+def expert_order(expert_ids: jax.Array, num_experts: int, valid: jax.Array | None = None,
+                 kernels: KernelChoices | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The (token, slot) pairs in expert order: (order [M*k], its inverse, group sizes [E]). Without `valid`, every
+    id is in [0, E) and the counting sort (one Pallas kernel on the GPU) gives the inverse too; with it (DEP), the
+    ids of slots held elsewhere are >= E and sort after every group."""
+    if valid is None:
+        return routing.expert_permutation(expert_ids, num_experts, kernels=kernels)
+    order, group_sizes = sort_by_expert(expert_ids, num_experts)
+    # The inverse permutation is a scatter of iota (no second sort).
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+    return order, inverse, group_sizes
+
+
+def combine_valid_rows(out: jax.Array, inverse: jax.Array, expert_weights: jax.Array, valid: jax.Array, dtype,
+                       add: jax.Array | None = None) -> jax.Array:
+    """DEP's weighted top-k sum: expert rows `out` [M*k + pad, H] back in token order, only the `valid` [M, k] slots
+    counted, summed in fp32 (+ `add`). Rows of slots held elsewhere may be garbage (NaN * 0 is NaN): selected out,
+    not weighted out."""
+    m, k = valid.shape
     out = jnp.where(valid.reshape(-1)[:, None], out[inverse] * expert_weights.reshape(-1)[:, None], 0)
-    out = jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
+    out = jnp.sum(out.reshape(m, k, -1).astype(jnp.float32), axis=1).astype(dtype)
     return out if add is None else out + add
 
 
@@ -266,7 +281,8 @@ class SparseMoe(nnx.Module):
 
 
 def _experts_of(model) -> list[Experts]:
-    return [layer.mlp.experts for layer in model.layers]
+    """The SwiGLU expert modules of a model's layers (Qwen3.5: every layer's; a Nemotron-H model has none)."""
+    return [layer.mlp.experts for layer in model.layers if isinstance(getattr(layer, "mlp", None), SparseMoe)]
 
 
 def fused_swiglu_enabled(model) -> bool:
@@ -297,6 +313,8 @@ def set_fused_swiglu(model, enable: bool, *, permute: bool = True, donate: bool 
     - `permute=False` only marks the layout, for weights that are already in it.
     """
     experts = _experts_of(model)
+    if enable and not experts and len(model.layers):
+        raise ValueError("fused_swiglu: this model has no SwiGLU experts (Nemotron-H's are relu^2: no gate to fuse)")
     if all(e.gate_up_interleaved == enable for e in experts):
         return model
     if enable and experts[0].gate_up_proj.get_value().shape[1] % (2 * SWIGLU_BLOCK):

@@ -3,8 +3,9 @@
 Each layer is one block: x + mixer(norm(x)), its mixer a Mamba-2 layer, an attention layer, a dense relu^2 MLP or a
 MoE block, as `cfg.layer_types` says. The module tree mirrors transformers' (`embeddings`, `layers.N.norm`,
 `layers.N.mixer.*`, `norm_f`, `lm_head`), so checkpoint names map to parameter paths by dropping a prefix. Caches
-use the Qwen3.5 model's `Cache`: K and V of the attention layers in `key` / `value`, the conv and SSM states of the
-Mamba-2 layers in `conv` / `recurrent`, each slot belonging to one layer of the range; MLP and MoE layers hold none.
+use the families' shared `Cache` (jax_dwdp.model.cache): K and V of the attention layers in `key` / `value`, the
+conv and SSM states of the Mamba-2 layers in `conv` / `recurrent`, each slot belonging to one layer of the range;
+MLP and MoE layers hold none.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.model.layers import Embedding, Linear, PlainRMSNorm
 from jax_dwdp.model.mamba2 import Mamba2Mixer
 from jax_dwdp.model.nemotron_moe import NemotronHMoe, ReluSquaredMlp
-from jax_dwdp.model.qwen35_moe import Cache, LogitsMode, cache_length, kv_entry
+from jax_dwdp.model.cache import Cache, LogitsMode, _positions, _single_device, cache_length, kv_entry
 from jax_dwdp.nemotron_h_config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 
 
@@ -71,6 +72,12 @@ class Attention(nnx.Module):
 
 
 class NemotronHBlock(nnx.Module):
+    """norm -> one mixer -> residual: Mamba-2, attention, the relu^2 MLP or the MoE, as the pattern says. Only a MoE
+    block has routed experts."""
+
+    EXPERTS = ("mixer", "experts")  # where a MoE block's routed experts sit, and their two weights
+    EXPERT_WEIGHTS = ("up_proj", "down_proj")
+
     def __init__(self, cfg: NemotronHConfig, layer_id: int, *, dtype, rngs: nnx.Rngs,
                  kernels: KernelChoices | None = None):
         kernels = resolve(kernels)
@@ -100,6 +107,30 @@ class NemotronHBlock(nnx.Module):
             else:
                 out, cache = self.mixer(h), None
             return x + out, cache
+
+    @property
+    def has_experts(self) -> bool:
+        return self.layer_type == MOE
+
+    def expert_weights(self) -> tuple[jax.Array, jax.Array] | None:
+        """A MoE block's own routed-expert weights (up_proj [E, I, D], down_proj [E, D, I]); None for the others."""
+        if not self.has_experts:
+            return None
+        return self.mixer.experts.up_proj[...], self.mixer.experts.down_proj[...]
+
+    def mix(self, x, positions, lengths, cache=None):
+        """The block's part before the routed experts (the engine's profile splits layers in two): the whole block
+        unless it is a MoE block, which has nothing before its experts."""
+        if self.has_experts:
+            return x, None
+        return self(x, positions, lengths, None, cache)
+
+    def moe(self, x, experts=None):
+        """The block's routed-expert part: x + MoE(norm(x)) for a MoE block (`experts` in place of its own when
+        given), x itself for the others."""
+        if not self.has_experts:
+            return x
+        return self(x, None, None, experts)[0]
 
     def decode(self, x, position, cache):
         h = self.norm(x)
@@ -154,6 +185,11 @@ class NemotronHForCausalLM(nnx.Module):
         """The range's Mamba-2 layers: the slots of the cache's conv / recurrent."""
         return self.cfg.layer_ids(MAMBA, self.start_layer, self.end_layer)
 
+    @property
+    def expert_layer_ids(self) -> tuple[int, ...]:
+        """The range's MoE layers: those with routed experts."""
+        return self.cfg.moe_layer_ids(self.start_layer, self.end_layer)
+
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.embeddings(tokens)
 
@@ -172,20 +208,13 @@ class NemotronHForCausalLM(nnx.Module):
         return self.logits(h)
 
     def _assemble(self, keys, values, convs, states, lengths, batch: int, cache_len: int) -> Cache:
-        """A Cache from per-layer leaves; a kind the range has no layer of becomes an empty [0, ...] leaf."""
-        cfg = self.cfg
-
-        def stack(xs, shape, dtype):
-            return jnp.stack(xs) if xs else jnp.zeros((0, *shape), dtype)
-
-        kv = (batch, cache_len, cfg.num_key_value_heads, cfg.head_dim)
-        return Cache(
-            key=stack(keys, kv, self.dtype), value=stack(values, kv, self.dtype),
-            conv=stack(convs, (batch, cfg.mamba_conv_dim, cfg.conv_kernel - 1), self.dtype),
-            recurrent=stack(states, (batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size),
-                            jnp.float32),
-            lengths=lengths.astype(jnp.int32), full_layer_ids=self.full_layer_ids,
-            linear_layer_ids=self.linear_layer_ids)
+        """A Cache from per-layer leaves; a kind the range has no layer of becomes an empty [0, ...] leaf, made where
+        the lengths live (a stage's device, not the default one)."""
+        stack = lambda xs: jnp.stack(xs) if xs else None  # noqa: E731
+        return Cache.assemble(self.cfg, self.dtype, key=stack(keys), value=stack(values), conv=stack(convs),
+                              recurrent=stack(states), lengths=lengths.astype(jnp.int32), batch=batch,
+                              cache_len=cache_len, full_layer_ids=self.full_layer_ids,
+                              linear_layer_ids=self.linear_layer_ids, device=_single_device(lengths))
 
     def forward_layers(self, h: jax.Array, lengths: jax.Array, *, cache_len: int | None = None,
                        run_layer: Callable | None = None, cache: Cache | None = None) -> tuple[jax.Array, Cache]:
@@ -200,7 +229,7 @@ class NemotronHForCausalLM(nnx.Module):
         if cache is not None:
             cache_len = cache.capacity
         cache_len = cache_length(t, cache_len)
-        positions = None if cache is None else jnp.arange(t, dtype=jnp.int32)[None, :] + cache.lengths[:, None]
+        positions = None if cache is None else _positions(h, b, t) + cache.lengths[:, None]
         full_slot = {layer_id: i for i, layer_id in enumerate(self.full_layer_ids)}
         linear_slot = {layer_id: i for i, layer_id in enumerate(self.linear_layer_ids)}
         keys, values, convs, states = [], [], [], []
