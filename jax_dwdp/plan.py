@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_dwdp.config import ModelConfig
+from jax_dwdp.families import FamilyConfig
 from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
 from jax_dwdp.parallel.pipeline import (cache_bytes_per_sequence, cache_bytes_per_token, plan_stages,
                                         stage_weight_bytes)
 
 
-def plan_layout(cfg: ModelConfig, pipeline: int, ranks: int, dtype, *, boundaries=None,
+def plan_layout(cfg: FamilyConfig, pipeline: int, ranks: int, dtype, *, boundaries=None,
                 dep: bool = False) -> list[dict]:
     """Per stage: layers, weight and cache bytes, and per rank its experts, resident bytes (non-expert weights + its
     expert block) and buffers (dep=True: none, the experts never move). `dtype`: a numpy / jax dtype or its name."""
@@ -21,7 +21,7 @@ def plan_layout(cfg: ModelConfig, pipeline: int, ranks: int, dtype, *, boundarie
     itemsize = dtype.itemsize
     out = []
     for st in stages:
-        moe_layers = st.end_layer - st.start_layer  # every layer is MoE
+        moe_layers = len(st.moe_layers)
         weights = stage_weight_bytes(cfg, st, dtype)
         non_expert = weights - moe_layers * cfg.num_experts * expert_bytes_per_layer(cfg, itemsize)
         # One rank holds every expert: nothing is fetched, so there are no prefetch or gather buffers.
@@ -34,6 +34,7 @@ def plan_layout(cfg: ModelConfig, pipeline: int, ranks: int, dtype, *, boundarie
             "end_layer": st.end_layer,
             "linear_attention_layers": list(st.linear_attention_layers),
             "full_attention_layers": list(st.full_attention_layers),
+            "moe_layers": list(st.moe_layers),
             "weight_bytes": weights,
             "non_expert_weight_bytes": non_expert,
             "cache_bytes_per_token": cache_bytes_per_token(cfg, st, dtype),

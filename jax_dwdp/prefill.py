@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
-from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.model import Cache, CausalLM
+from jax_dwdp.model.cache import LogitsMode
 from jax_dwdp.programs import precision_scope
 from jax_dwdp.runner import StageRunner, execution_mode
 
@@ -48,7 +48,7 @@ def check_tokens(tokens, vocab_size: int, lengths=None, *, min_length: int = 1) 
     return tokens.astype(np.int32), lengths.astype(np.int32)
 
 
-def check_cache(cache: Cache, model: Qwen35MoeForCausalLM, lengths: np.ndarray) -> None:
+def check_cache(cache: Cache, model: CausalLM, lengths: np.ndarray) -> None:
     """A cache that a prefill continues: the model's layers, the batch's sequences, room for the new tokens."""
     if (cache.full_layer_ids, cache.linear_layer_ids) != (model.full_layer_ids, model.linear_layer_ids):
         raise InputError(f"the cache holds layers {cache.full_layer_ids + cache.linear_layer_ids}, not this model's")
@@ -64,7 +64,7 @@ def check_cache(cache: Cache, model: Qwen35MoeForCausalLM, lengths: np.ndarray) 
 
 
 def jit_prefill(
-    model: Qwen35MoeForCausalLM,
+    model: CausalLM,
     *,
     logits: LogitsMode = "all",
     cache_len: int | None = None,
@@ -105,7 +105,7 @@ def jit_prefill(
     return prefill
 
 
-def jit_decode_step(model: Qwen35MoeForCausalLM) -> Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]:
+def jit_decode_step(model: CausalLM) -> Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]:
     """Returns decode(tokens [B], cache) -> (logits [B, V], cache), the reference single-token step."""
     graphdef, state = nnx.split(model)
 

@@ -50,8 +50,8 @@ def _print_plan(result: dict) -> None:
     print(f"model: {result['model']}; {result['dtype']}")
     print(f"{result['pipeline']} stage(s) x {ranks} {scheme} rank(s)")
     print("| stage | layers | full-attn layers | weights GiB | KV cache per token | state per sequence MiB | device "
-          "| experts | resident GiB | buffers GiB | peer GiB per layer |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| experts | resident GiB | buffers GiB | peer GiB per layer | MoE layers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for st in result["stages"]:
         for r in st["dwdp_ranks"]:
             buffers = r["prefetch_buffer_bytes"] + r["store_slot_bytes"] if scheme == "DWDP" else 0
@@ -59,7 +59,7 @@ def _print_plan(result: dict) -> None:
                   f"| {st['weight_bytes'] / gib:.2f} | {st['cache_bytes_per_token'] / 1024:.1f} KiB "
                   f"| {st['cache_bytes_per_sequence'] / 2**20:.1f} | {r['device']} "
                   f"| [{r['experts_owned'][0]}, {r['experts_owned'][1]}) | {r['resident_bytes'] / gib:.2f} "
-                  f"| {buffers / gib:.2f} | {r['peer_bytes_per_layer'] / gib:.3f} |")
+                  f"| {buffers / gib:.2f} | {r['peer_bytes_per_layer'] / gib:.3f} | {len(st['moe_layers'])} |")
     if scheme == "DWDP" and ranks > 1:
         modes = {r["store_mode"] for st in result["stages"] for r in st["dwdp_ranks"]}
         if modes == {"in_place"}:

@@ -39,8 +39,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dwdp.model import Cache, Qwen35MoeForCausalLM
-from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.model import Cache, CausalLM
+from jax_dwdp.model.cache import LogitsMode
 from jax_dwdp.sources import AXIS, ExpertSource, LocalSource, is_expert_weight
 from jax_dwdp.devices import place, put
 from jax_dwdp.programs import (StaticGraph, canonical_graphs, embed_body, head_body, layer_body, precision_scope,
@@ -68,7 +68,7 @@ def execution_mode(mode: str | None = None, *, layerwise: bool = False, scan: bo
 class StageRunner:
     """runner(x, lengths, *, logits, cache_len, mode) -> (logits or hidden states, the stage's Cache)."""
 
-    def __init__(self, model: Qwen35MoeForCausalLM, source: ExpertSource | None = None, *, mesh: Mesh | None = None,
+    def __init__(self, model: CausalLM, source: ExpertSource | None = None, *, mesh: Mesh | None = None,
                  device: jax.Device | None = None):
         self.source, self.mesh, self.device = source or LocalSource(), mesh, device
         self.ranks = mesh.shape[AXIS] if mesh is not None else 1

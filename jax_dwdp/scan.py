@@ -6,7 +6,9 @@ state per position in that period (leading axis: the blocks) plus the layers aft
 unrolled), and compiles embed (first stage), a scan over the blocks (one body: one period of layers), the tail and
 the head (last stage) as one program: its compile time does not grow with depth, and a prefill (or a stage's share
 of one microbatch) is one dispatch. A stage may start anywhere in the pattern: its period is read from its own
-first layers (a stage starting at layer 2 of a 3 + 1 pattern repeats linear, full, linear, linear).
+first layers (a stage starting at layer 2 of a 3 + 1 pattern repeats linear, full, linear, linear). Nemotron-H's
+pattern is read from the range itself (`NemotronHConfig.scan_period`: the period that leaves the fewest layers to
+compile; Nano 30B-A3B repeats "MEMEM*E" five times and unrolls the 17 layers after).
 
 Memory: `ScannedModel.from_model(model)` restacks the weights of a loaded (or random) model on its device, one
 weight at a time, each layer's copy deleted as soon as it is in the stack: the peak above the model is one stacked
@@ -44,8 +46,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
-from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model
-from jax_dwdp.model.qwen35_moe import LogitsMode, cache_length, kv_entry
+from jax_dwdp.model import Cache, CausalLM, abstract_model, init_model
+from jax_dwdp.model.cache import LogitsMode, cache_length, kv_entry
 from jax_dwdp.devices import place
 from jax_dwdp.prefill import check_tokens
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
@@ -110,7 +112,7 @@ class ScannedModel:
         return self.end_layer == self.cfg.num_hidden_layers
 
     @classmethod
-    def from_model(cls, model: Qwen35MoeForCausalLM, *, consume: bool = True) -> "ScannedModel":
+    def from_model(cls, model: CausalLM, *, consume: bool = True) -> "ScannedModel":
         """Restacks a model's (or a stage's) layers; `model` is consumed unless `consume=False` (see the module
         docstring)."""
         cfg = model.cfg
@@ -119,7 +121,8 @@ class ScannedModel:
             raise ValueError(f"ScannedModel needs a model on one device; its weights are on {len(devices)}")
         graphs = canonical_graphs(model)
         layers = list(model.layers)
-        period, blocks = period_of(tuple(layer.layer_type for layer in layers), cfg.full_attention_interval)
+        period, blocks = period_of(tuple(layer.layer_type for layer in layers),
+                                   cfg.scan_period(model.start_layer, model.end_layer))
         p = len(period)
         stacked = []
         for j in range(p if blocks else 0):
@@ -150,7 +153,8 @@ class ScannedModel:
         if not 0 <= start_layer < end_layer <= cfg.num_hidden_layers:
             raise ValueError(f"layer range [{start_layer}, {end_layer}) is empty or outside [0, "
                              f"{cfg.num_hidden_layers})")
-        period, blocks = period_of(tuple(cfg.layer_types[start_layer:end_layer]), cfg.full_attention_interval)
+        period, blocks = period_of(tuple(cfg.layer_types[start_layer:end_layer]),
+                                   cfg.scan_period(start_layer, end_layer))
         p = len(period)
         stacks: list = [None] * p  # per position in the period: (treedef, [stacked leaf])
         tail, graphs, shell, device, dtype = [], {}, {}, None, None
@@ -240,7 +244,8 @@ class ScannedModel:
 
 
 def _layer(kind: str, graph: StaticGraph, state, h, positions, lengths, cache_len: int):
-    """One layer; its K/V padded to cache_len (the Cache layout), its conv / recurrent state as it is."""
+    """One layer; its K/V padded to cache_len (the Cache layout), its conv / recurrent state as it is (None: a
+    Nemotron-H MoE or MLP layer, which leaves no cache)."""
     h, out = nnx.merge(graph.value, state)(h, positions, lengths)
     return h, (kv_entry(out, cache_len) if kind == FULL_ATTENTION else out)
 
@@ -273,7 +278,8 @@ def _forward(model_graph, graphs, period, tail_types, is_first, is_last, mode, c
                     outs.append((kind, pair))
         for typ, state in zip(tail_types, tail):
             h, out = _layer(typ, graphs[typ], state, h, positions, lengths, cache_len)
-            outs.append((typ, tuple(x[None] for x in out)))
+            if out is not None:  # (MoE and MLP layers leave no cache)
+                outs.append((typ, tuple(x[None] for x in out)))
 
         def gather(kind, k):
             parts = [pair[k] for typ, pair in outs if typ == kind]

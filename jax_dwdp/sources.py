@@ -22,25 +22,27 @@ A source answers, for the runner:
   experts(pending)     (traced) the experts for the layer's MoE: arrays, a function of the MoE input, or None
                        for the layer's own weights;
   abort()              after a failed prefill: make sure no copy still writes into a buffer the failure dropped.
+
+Layers without routed experts (Nemotron-H's Mamba-2, attention and MLP layers) have nothing to fetch: a source
+answers None for them (`blocks[i]` is None; the FFI store holds the expert layers only, `layers` mapping a stage's
+layer to its store layer), and the layer computes without. So layer l+1's experts still move under layer l,
+whatever layer l is. The sources never look at the experts' shapes or activation: DEP's exchange runs the calling
+MoE's own routed-expert function (SwiGLU or relu^2).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_dwdp.model import is_expert_weight  # noqa: F401 (the placements' and runners' test of a weight)
 from jax_dwdp.model.moe import routed_experts
 
 AXIS = "dwdp"
-_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-def is_expert_weight(path: tuple) -> bool:
-    """A flat nnx state path of a model (or stage) that names a routed expert weight."""
-    return len(path) == 5 and path[0] == "layers" and path[2:4] == ("mlp", "experts") and path[4] in _EXPERT_WEIGHTS
 
 
 def gather_experts(local: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -116,10 +118,10 @@ class XlaGatherSource(ExpertSource):
             gather_experts, mesh=mesh, in_specs=(P(AXIS),), out_specs=P(AXIS), check_vma=False))
 
     def first(self, h):
-        return self._gather_first(self.blocks[0])
+        return None if self.blocks[0] is None else self._gather_first(self.blocks[0])
 
     def prefetch(self, index, h):
-        return self.blocks[index]  # gathered by `overlap`, inside the program of layer index - 1
+        return self.blocks[index]  # gathered by `overlap`, inside the program of layer index - 1 (None: no experts)
 
     def overlap(self, h, ahead):
         h, ahead = jax.lax.optimization_barrier((h, ahead))
@@ -141,13 +143,17 @@ class XlaPeerCopySource(ExpertSource):
         self.devices, self.blocks = list(devices), blocks
 
     def prefetch(self, index, h):
-        device = next(iter(h.devices()))
         layer = self.blocks[index]
+        if layer is None:  # a layer without experts
+            return None
+        device = next(iter(h.devices()))
         own = self.devices.index(device)
         copies = [block if r == own else jax.device_put(block, device) for r, block in enumerate(layer)]
         return tuple(b[0] for b in copies), tuple(b[1] for b in copies)
 
     def experts(self, pending):
+        if pending is None:
+            return None
         gate_up, down = pending
         return jnp.concatenate(gate_up, axis=0), jnp.concatenate(down, axis=0)
 
@@ -161,36 +167,44 @@ class FfiStoreSource(ExpertSource):
     layer's view of the store, and the layer then gets the views (`ExpertStore.layer_experts`) as its experts; copying
     out, into XLA buffers that the layer gets. `experts` hands the MoE a function of its input that makes XLA's
     stream wait for that copy (the input orders the wait after the layer's attention).
+
+    `layers` (a stage whose layers do not all have experts): per layer of the stage, its layer in the store (the
+    stage's expert layers in order, `model.expert_slots`) or None; default: layer i is the store's layer i.
     """
 
-    def __init__(self, store, mesh=None):
-        self.store, self.mesh = store, mesh
+    def __init__(self, store, mesh=None, layers: tuple[int | None, ...] | None = None):
+        self.store, self.mesh, self.layers = store, mesh, layers
         self._programs: dict[int, object] = {}
         self._lock = threading.Lock()  # independent ranks' threads may ask for the same program at once
 
     def prefetch(self, index, h):
+        layer = index if self.layers is None else self.layers[index]
+        if layer is None:  # a layer without experts: nothing to copy
+            return None
         self.store.check_open()  # the compiled programs would still call into a closed store
         in_place = self.store.in_place
         with self._lock:
-            if index not in self._programs:
+            if layer not in self._programs:
                 def fetch(h):
                     if in_place:
-                        return self.store.prefetch_in_place(h, index)
-                    return self.store.prefetch(h, index)
+                        return self.store.prefetch_in_place(h, layer)
+                    return self.store.prefetch(h, layer)
                 if self.mesh is not None:
                     fetch = jax.shard_map(fetch, mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(AXIS),
                                           check_vma=False)
-                self._programs[index] = jax.jit(fetch)
-            program = self._programs[index]
+                self._programs[layer] = jax.jit(fetch)
+            program = self._programs[layer]
         fetched = program(h)
         if not in_place:
             return fetched
         if self.mesh is not None:
-            return self.store.sharded_layer_experts(index, self.mesh)
+            return self.store.sharded_layer_experts(layer, self.mesh)
         device, = h.devices()
-        return self.store.layer_experts(index, device)
+        return self.store.layer_experts(layer, device)
 
     def experts(self, pending):
+        if pending is None:
+            return None
         return lambda x: self.store.wait(pending, x)
 
     def abort(self):
@@ -213,7 +227,7 @@ class DepDispatchSource(ExpertSource):
         return self.blocks[index]
 
     def experts(self, pending):
-        return DispatchedExperts(*pending)
+        return None if pending is None else DispatchedExperts(*pending)
 
     def operands(self):
         return tuple(self.blocks)
@@ -236,10 +250,15 @@ class DispatchedExperts:
     """
 
     def __init__(self, gate_up: jax.Array, down: jax.Array):
+        """This rank's block of the layer's two expert weights (Qwen3.5: gate_up_proj, down_proj; Nemotron-H:
+        up_proj, down_proj)."""
         self.gate_up, self.down = gate_up, down
 
-    def routed(self, x, ids, weights, *, gate_up_interleaved: bool = False, kernels=None):
-        """x [M, H], ids / weights [M, k] of this rank's tokens -> their routed-expert output [M, H]."""
+    def routed(self, x, ids, weights, *, gate_up_interleaved: bool = False, kernels=None, experts_fn=None):
+        """x [M, H], ids / weights [M, k] of this rank's tokens -> their routed-expert output [M, H]. `experts_fn`:
+        the MoE's routed-expert function (x, ids, weights, w0, w1, *, valid=, kernels=) (default: the SwiGLU
+        experts, `moe.routed_experts`, in the `gate_up_interleaved` layout)."""
+        compute = experts_fn or functools.partial(routed_experts, gate_up_interleaved=gate_up_interleaved)
         m = x.shape[0]
         slots = self.gate_up.shape[0]
         ranks = jax.lax.axis_size(AXIS)
@@ -248,8 +267,7 @@ class DispatchedExperts:
         mine = (local >= 0) & (local < slots)
         # Slots held elsewhere get the id `slots`: sorted after every group of this block, so no kernel computes
         # them, and masked out of the sum.
-        partial = routed_experts(all_x, jnp.where(mine, local, slots), jnp.where(mine, all_weights, 0),
-                                 self.gate_up, self.down, gate_up_interleaved=gate_up_interleaved, valid=mine,
-                                 kernels=kernels)
+        partial = compute(all_x, jnp.where(mine, local, slots), jnp.where(mine, all_weights, 0), self.gate_up,
+                          self.down, valid=mine, kernels=kernels)
         back = jax.lax.all_to_all(partial.reshape(ranks, m, -1), AXIS, 0, 0, tiled=False)  # [N, M, H]: per source
         return jnp.sum(back.astype(jnp.float32), axis=0).astype(x.dtype)

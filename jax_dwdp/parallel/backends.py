@@ -19,8 +19,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
-from jax_dwdp.config import ModelConfig
 from jax_dwdp.distributed import launch_id
+from jax_dwdp.families import FamilyConfig
+from jax_dwdp.model import expert_slots
 from jax_dwdp.parallel.fd_exchange import ExchangeTimeout, FdExchange
 from jax_dwdp.parallel.placement import Placement, SplitPlacement, StorePlacement, by_rank, expert_blocks
 from jax_dwdp.sources import (DepDispatchSource, ExpertSource, FfiStoreSource, LocalSource, XlaGatherSource,
@@ -45,9 +46,10 @@ class ExpertBackend:
             raise ValueError(f"experts {self.name!r} ({self.scheme}) needs {self.scheme} ranks > 1; one rank holds "
                              f"its experts: 'local'")
 
-    def placement(self, row: Mesh, cfg: ModelConfig, num_layers: int, dtype, *, owned: bool,
+    def placement(self, row: Mesh, cfg: FamilyConfig, num_layers: int, dtype, *, owned: bool,
                   stage: int = 0) -> Placement:
-        """Where stage `stage`'s weights go on its row (a 1-D 'dwdp' mesh)."""
+        """Where stage `stage`'s weights go on its row (a 1-D 'dwdp' mesh); `num_layers`: the stage's layers with
+        routed experts."""
         raise NotImplementedError
 
     def built(self, stage: int) -> None:
@@ -97,7 +99,8 @@ class XlaBackend(ExpertBackend):
 
     def ranks_source(self, model, devices):
         # blocks[layer][rank]: rank r's shard of the split experts (a view, nothing is copied)
-        return XlaPeerCopySource(devices, [list(zip(*(by_rank(w) for w in layer))) for layer in expert_blocks(model)])
+        return XlaPeerCopySource(devices, [None if layer is None else list(zip(*(by_rank(w) for w in layer)))
+                                           for layer in expert_blocks(model)])
 
 
 class DepBackend(ExpertBackend):
@@ -130,17 +133,24 @@ class FfiBackend(ExpertBackend):
         load_library()
 
     def placement(self, row, cfg, num_layers, dtype, *, owned, stage=0):
+        if num_layers == 0:  # a stage without MoE layers (Nemotron-H) has no experts to store
+            return Placement(row, owned=owned)
         self.stores[stage] = self._open(row, cfg, num_layers, dtype, name=f"stage{stage}")
         return StorePlacement(row, self.stores[stage], owned=owned)
 
     def built(self, stage):
-        connect_store(self.stores[stage])
+        if stage in self.stores:
+            connect_store(self.stores[stage])
 
     def stage_source(self, stage, model, row):
-        return FfiStoreSource(self.stores[stage], row)
+        if stage not in self.stores:
+            return LocalSource()
+        return FfiStoreSource(self.stores[stage], row, layers=expert_slots(model))
 
     def ranks_source(self, model, devices):
-        return FfiStoreSource(self.stores[0])
+        if 0 not in self.stores:
+            return LocalSource()
+        return FfiStoreSource(self.stores[0], layers=expert_slots(model))
 
     def close(self, exc=None):
         from jax_dwdp.parallel.dwdp_ffi import close_store
@@ -149,8 +159,9 @@ class FfiBackend(ExpertBackend):
         for store in stores:
             close_store(store, exc)
 
-    def _open(self, mesh: Mesh, cfg: ModelConfig, num_layers: int, dtype, *, name: str):
-        """An empty expert store over the mesh's devices for `num_layers` layers of `cfg`'s experts.
+    def _open(self, mesh: Mesh, cfg: FamilyConfig, num_layers: int, dtype, *, name: str):
+        """An empty expert store over the mesh's devices for `num_layers` layers of `cfg`'s experts (of either
+        family: the store holds each expert's two weights at `cfg.expert_shapes`, whatever they are).
 
         One process driving every device of the mesh: an `ExpertStore` over them. One process per device (the
         mesh's devices in several processes): a `ProcessExpertStore` of this process's device, its rank the
@@ -158,8 +169,7 @@ class FfiBackend(ExpertBackend):
         processes by `name` (the stage's), which is the same in every process."""
         from jax_dwdp.parallel.dwdp_ffi import ExpertStore, ProcessExpertStore
 
-        h, i = cfg.hidden_size, cfg.moe_intermediate_size
-        shapes = ((2 * i, h), (h, i))
+        shapes = cfg.expert_shapes
         devices = list(mesh.devices.flat)
         mine = [r for r, d in enumerate(devices) if d.process_index == jax.process_index()]
         if len(mine) == len(devices):

@@ -7,8 +7,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dwdp.config import ModelConfig
-from jax_dwdp.model import Qwen35MoeForCausalLM, with_kernels
+from jax_dwdp.families import FamilyConfig
+from jax_dwdp.model import CausalLM, with_kernels
 from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.sources import AXIS, is_expert_weight
 from jax_dwdp.weights import is_orbax_checkpoint, load_checkpoint
@@ -24,7 +24,7 @@ class CheckpointLayers:
     split placement over the row when the ranks divide the experts (no padding slots), so each process reads only
     its own experts' bytes (Orbax: its chunks; HF: its slices of the mapped file, when no cast is needed)."""
 
-    def __init__(self, directory, cfg: ModelConfig, dtype, device, *, fused_swiglu: bool = False, row=None,
+    def __init__(self, directory, cfg: FamilyConfig, dtype, device, *, fused_swiglu: bool = False, row=None,
                  kernels=None):
         """`kernels`: the kernel choices of the models it makes (default: the process's)."""
         self.directory, self.cfg, self.dtype, self.fused_swiglu = directory, cfg, dtype, fused_swiglu
@@ -36,7 +36,7 @@ class CheckpointLayers:
         self.hf = None if is_orbax_checkpoint(directory) else SafetensorsCheckpoint(directory)
         self.reports: list = []
 
-    def __call__(self, start_layer: int, end_layer: int) -> Qwen35MoeForCausalLM:
+    def __call__(self, start_layer: int, end_layer: int) -> CausalLM:
         def placement(path, shape, dtype):
             return self.split if self.split is not None and is_expert_weight(path) else self.sharding
 

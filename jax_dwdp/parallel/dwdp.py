@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_dwdp.config import ModelConfig
-from jax_dwdp.model import Qwen35MoeForCausalLM, init_model
-from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.families import FamilyConfig
+from jax_dwdp.model import CausalLM, init_model
+from jax_dwdp.model.cache import LogitsMode
 from jax_dwdp.parallel.backends import ExpertBackend, FfiBackend, expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
 from jax_dwdp.parallel.placement import build_placed, model_range
@@ -50,14 +50,14 @@ class IndependentRanks:
     layer at a time (build_placed), so no device ever holds more than its share plus one layer.
     """
 
-    def __init__(self, model: Qwen35MoeForCausalLM, devices: list[jax.Device], *,
+    def __init__(self, model: CausalLM, devices: list[jax.Device], *,
                  experts: str | ExpertBackend = "xla"):
         if not (model.is_first and model.is_last):
             raise ValueError("independent DWDP ranks run whole models (use a Pipeline for stages)")
         self._setup(model.cfg, devices, experts, lambda a, b: model_range(model, a, b), model.dtype, owned=False)
 
     @classmethod
-    def random(cls, cfg: ModelConfig, devices, *, experts: str | ExpertBackend = "xla", dtype=jnp.bfloat16,
+    def random(cls, cfg: FamilyConfig, devices, *, experts: str | ExpertBackend = "xla", dtype=jnp.bfloat16,
                seed: int = 0, fused_swiglu: bool = False, store_options: dict | None = None,
                kernels=None) -> "IndependentRanks":
         """Random weights (the same model as init_model(cfg, seed=seed)), made one layer at a time on devices[0].
@@ -75,7 +75,7 @@ class IndependentRanks:
 
     @classmethod
     def from_checkpoint(cls, directory, devices, *, experts: str | ExpertBackend = "xla", dtype=jnp.bfloat16,
-                        cfg: ModelConfig | None = None, fused_swiglu: bool = False,
+                        cfg: FamilyConfig | None = None, fused_swiglu: bool = False,
                         kernels=None) -> "IndependentRanks":
         """An HF or Orbax checkpoint, loaded one layer at a time onto devices[0] and placed; `load_report`."""
         cfg = cfg or load_config(directory)
@@ -88,14 +88,14 @@ class IndependentRanks:
         ranks.load_report = layers.report(0, cfg.num_hidden_layers)
         return ranks
 
-    def _setup(self, cfg: ModelConfig, devices, experts, make_range, dtype, *, owned: bool) -> None:
+    def _setup(self, cfg: FamilyConfig, devices, experts, make_range, dtype, *, owned: bool) -> None:
         self.cfg, self.devices = cfg, list(devices)
         self.backend = expert_backend(experts, independent=True)
         self.experts = self.backend.name
         self.backend.check(self.devices, max(len(self.devices), self.backend.min_ranks))  # before any weights
         mesh = Mesh(np.array(self.devices), (AXIS,))
         try:
-            placement = self.backend.placement(mesh, cfg, cfg.num_hidden_layers, dtype, owned=owned)
+            placement = self.backend.placement(mesh, cfg, len(cfg.moe_layer_ids()), dtype, owned=owned)
             placed = build_placed(cfg, 0, cfg.num_hidden_layers, make_range, placement, dtype=dtype)
             self.backend.built(0)
             self.source = self.backend.ranks_source(placed, self.devices)

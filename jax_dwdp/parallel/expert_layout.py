@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jax_dwdp.config import ModelConfig
+from jax_dwdp.families import FamilyConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +48,9 @@ class ExpertLayout:
         return expert // self.slots_per_rank
 
 
-def expert_bytes_per_layer(cfg: ModelConfig, itemsize: int) -> int:
-    """gate_up_proj + down_proj bytes of one expert."""
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+def expert_bytes_per_layer(cfg: FamilyConfig, itemsize: int) -> int:
+    """The bytes of one expert's two weights (Qwen3.5: gate_up_proj + down_proj; Nemotron-H: up_proj + down_proj)."""
+    return sum(math.prod(shape) for shape in cfg.expert_shapes) * itemsize
 
 
 # The CUDA VMM allocation granularity (cuMemGetAllocationGranularity, recommended) of the H100 and H200: the store
@@ -59,14 +59,13 @@ VMM_GRANULARITY = 2 << 20
 SLOT_SETS = 2  # in place: layer l reads one set of slots while layer l+1's peers are copied into the other
 
 
-def store_reads_in_place(cfg: ModelConfig, layout: ExpertLayout, itemsize: int,
+def store_reads_in_place(cfg: FamilyConfig, layout: ExpertLayout, itemsize: int,
                          granularity: int = VMM_GRANULARITY) -> bool:
     """Whether the FFI store's views are contiguous [E, ...] tensors: every rank block a granularity multiple."""
-    h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    return all(layout.slots_per_rank * n * itemsize % granularity == 0 for n in (2 * i * h, h * i))
+    return all(layout.slots_per_rank * math.prod(shape) * itemsize % granularity == 0 for shape in cfg.expert_shapes)
 
 
-def rank_memory(cfg: ModelConfig, layout: ExpertLayout, rank: int, num_moe_layers: int, itemsize: int, *,
+def rank_memory(cfg: FamilyConfig, layout: ExpertLayout, rank: int, num_moe_layers: int, itemsize: int, *,
                 prefetch: bool = True, non_expert_bytes: int | None = None) -> dict:
     """Resident expert bytes of a rank (its slots of every layer) and what its prefetch needs besides.
 
@@ -82,9 +81,9 @@ def rank_memory(cfg: ModelConfig, layout: ExpertLayout, rank: int, num_moe_layer
     owned = len(layout.owned(rank))
     peer_experts = cfg.num_experts - owned
     in_place = store_reads_in_place(cfg, layout, itemsize)
-    h, i = cfg.hidden_size, cfg.moe_intermediate_size
     slot_bytes = SLOT_SETS * (layout.ranks - 1) * sum(
-        -(-layout.slots_per_rank * n * itemsize // VMM_GRANULARITY) * VMM_GRANULARITY for n in (2 * i * h, h * i))
+        -(-layout.slots_per_rank * math.prod(shape) * itemsize // VMM_GRANULARITY) * VMM_GRANULARITY
+        for shape in cfg.expert_shapes)
     out = {
         "rank": rank,
         "experts_owned": [layout.owned(rank).start, layout.owned(rank).stop],

@@ -2,7 +2,10 @@
 
 Each stage is a model built for its range [start_layer, end_layer) on its own device(s): it holds only those
 layers' weights (loaders skip other layers' tensors without reading them) and allocates caches only for them, one
-slot per linear- or full-attention layer of the range. Stages may cut through the 3 linear + 1 full pattern.
+slot per layer of the range with a recurrent state (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba-2) or K/V (full
+attention); Nemotron-H's MoE and MLP layers hold none. Stages may cut anywhere in the pattern (Qwen3.5's 3 linear + 1
+full, Nemotron-H's Mamba-2 / MoE / attention sequence); expert backends place and move the experts of the stage's MoE
+layers only.
 
 The prefill is GPipe-style and MPMD: each stage is its own compiled program (with `scan=True`, one scanned program per
 stage over its stacked layers, `jax_dwdp.scan`: one dispatch per stage and microbatch; otherwise the stage runner's
@@ -30,10 +33,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION
 from jax_dwdp.devices import builder_device, make_mesh, put
-from jax_dwdp.model import Cache, Qwen35MoeForCausalLM, abstract_model, init_model, with_kernels
-from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.families import FamilyConfig
+from jax_dwdp.model import Cache, CausalLM, abstract_model, init_model, with_kernels
+from jax_dwdp.model.cache import LogitsMode
 from jax_dwdp.parallel.backends import ExpertBackend, expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
 from jax_dwdp.parallel.placement import build_placed, model_range
@@ -50,11 +54,12 @@ class StageSpec:
     stage: int
     start_layer: int
     end_layer: int
-    linear_attention_layers: tuple[int, ...]
+    linear_attention_layers: tuple[int, ...]  # the layers with a recurrent state (Gated DeltaNet, Mamba-2)
     full_attention_layers: tuple[int, ...]
+    moe_layers: tuple[int, ...] = ()  # the layers with routed experts
 
 
-def plan_stages(cfg: ModelConfig, pipeline: int, boundaries: list[int] | None = None) -> list[StageSpec]:
+def plan_stages(cfg: FamilyConfig, pipeline: int, boundaries: list[int] | None = None) -> list[StageSpec]:
     """Contiguous layer ranges for `pipeline` stages.
 
     Without boundaries the split is as even as possible, earlier stages taking the remainder (10 layers over 4
@@ -81,12 +86,13 @@ def plan_stages(cfg: ModelConfig, pipeline: int, boundaries: list[int] | None = 
             raise ValueError(f"stage boundary {starts[-1]} is outside the {n} layers")
     ends = [*starts[1:], n]
     return [
-        StageSpec(s, a, b, cfg.layer_ids(LINEAR_ATTENTION, a, b), cfg.layer_ids(FULL_ATTENTION, a, b))
+        StageSpec(s, a, b, cfg.layer_ids(LINEAR_ATTENTION, a, b), cfg.layer_ids(FULL_ATTENTION, a, b),
+                  cfg.moe_layer_ids(a, b))
         for s, (a, b) in enumerate(zip(starts, ends))
     ]
 
 
-def stage_from_model(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: int, device) -> Qwen35MoeForCausalLM:
+def stage_from_model(model: CausalLM, start_layer: int, end_layer: int, device) -> CausalLM:
     """The stage [start_layer, end_layer) of a whole model, its weights copied to `device` (tests, benchmarks)."""
     graphdef, state = nnx.split(model_range(model, start_layer, end_layer))
     return nnx.merge(graphdef, jax.device_put(state, device))
@@ -131,7 +137,7 @@ class Pipeline:
     stage's first device; dwdp.build_placed), each layer placed on the row before the next is made.
     """
 
-    def __init__(self, cfg: ModelConfig, stages: list[StageSpec], mesh, make_range, *, dtype,
+    def __init__(self, cfg: FamilyConfig, stages: list[StageSpec], mesh, make_range, *, dtype,
                  experts: str | ExpertBackend | None = None, owned: bool = True, scan: bool = False):
         """make_range(stage index, a, b) -> the model of layers [a, b) on the stage's first device; `owned`: its
         arrays belong to this pipeline (made for it), so they are freed as soon as they are placed."""
@@ -189,13 +195,14 @@ class Pipeline:
         """Whether this process reports the results: the last stage's first device is its own."""
         return self.mesh.devices[-1, 0].process_index == jax.process_index()
 
-    def _build(self, st: StageSpec, make_range, dtype, owned: bool) -> Qwen35MoeForCausalLM:
+    def _build(self, st: StageSpec, make_range, dtype, owned: bool) -> CausalLM:
         """Stage `st`: as made, on its device (one rank); else placed on its row one layer at a time, where the
         expert backend puts each weight."""
         ranges = functools.partial(make_range, st.stage)
         if self.ranks == 1:
             return ranges(st.start_layer, st.end_layer)
-        placement = self.backend.placement(self.row_meshes[st.stage], self.cfg, st.end_layer - st.start_layer, dtype,
+        placement = self.backend.placement(self.row_meshes[st.stage], self.cfg,
+                                           len(self.cfg.moe_layer_ids(st.start_layer, st.end_layer)), dtype,
                                            owned=owned, stage=st.stage)
         stage = build_placed(self.cfg, st.start_layer, st.end_layer, ranges, placement, dtype=dtype)
         self.backend.built(st.stage)
@@ -203,7 +210,7 @@ class Pipeline:
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def random(cls, cfg: ModelConfig, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
+    def random(cls, cfg: FamilyConfig, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16, seed: int = 0,
                boundaries=None, devices=None, fused_swiglu: bool = False, experts: str | None = None,
                scan: bool = False, kernels=None) -> "Pipeline":
         """Random weights drawn per stage on its own device (no stage ever holds another's weights); they depend
@@ -220,7 +227,7 @@ class Pipeline:
         return cls(cfg, stages, mesh, make_range, dtype=dtype, experts=experts, scan=scan)
 
     @classmethod
-    def from_model(cls, model: Qwen35MoeForCausalLM, pipeline: int, *, dwdp: int = 1, boundaries=None,
+    def from_model(cls, model: CausalLM, pipeline: int, *, dwdp: int = 1, boundaries=None,
                    devices=None, experts: str | None = None, scan: bool = False) -> "Pipeline":
         """Splits a whole model into stages (for comparing with the one-device model); `model` is left as it was."""
         mesh = make_mesh(pipeline, dwdp, devices)
@@ -234,7 +241,7 @@ class Pipeline:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, pipeline: int, *, dwdp: int = 1, dtype=jnp.bfloat16,
-                        boundaries=None, devices=None, cfg: ModelConfig | None = None,
+                        boundaries=None, devices=None, cfg: FamilyConfig | None = None,
                         fused_swiglu: bool = False, experts: str | None = None, scan: bool = False,
                         kernels=None) -> "Pipeline":
         """Each stage loads only its own layers (HF or Orbax folder), straight onto its device (one rank) or one
@@ -445,19 +452,20 @@ def _first_rows(results, batch: int):
                                                     for c in caches]
 
 
-def stage_weight_bytes(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
+def stage_weight_bytes(cfg: FamilyConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
     """Bytes of a stage's weights, from shapes alone (nothing is allocated)."""
     abstract = nnx.state(abstract_model(cfg, dtype=dtype, start_layer=stage.start_layer, end_layer=stage.end_layer))
     return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract)))
 
 
-def cache_bytes_per_token(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
+def cache_bytes_per_token(cfg: FamilyConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
     """K and V bytes one token adds to the stage's full-attention caches."""
     return 2 * len(stage.full_attention_layers) * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def cache_bytes_per_sequence(cfg: ModelConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
-    """Fixed-size state one sequence keeps in the stage's linear-attention layers (conv state + fp32 state)."""
-    per_layer = cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * jnp.dtype(dtype).itemsize
-    per_layer += cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+def cache_bytes_per_sequence(cfg: FamilyConfig, stage: StageSpec, dtype=jnp.bfloat16) -> int:
+    """Fixed-size state one sequence keeps in the stage's recurrent layers (Gated DeltaNet or Mamba-2: conv state +
+    fp32 state)."""
+    per_layer = int(np.prod(cfg.conv_state_shape)) * jnp.dtype(dtype).itemsize
+    per_layer += int(np.prod(cfg.recurrent_state_shape)) * 4
     return len(stage.linear_attention_layers) * per_layer

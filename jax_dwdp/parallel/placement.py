@@ -22,12 +22,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dwdp.config import ModelConfig
 from jax_dwdp.devices import put
-from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model, with_kernels
-from jax_dwdp.model.moe import set_fused_swiglu
+from jax_dwdp.families import FamilyConfig
+from jax_dwdp.model import (CausalLM, abstract_model, expert_weight_index, fused_swiglu_enabled, set_fused_swiglu,
+                            with_kernels)
 from jax_dwdp.parallel.expert_layout import ExpertLayout
-from jax_dwdp.sources import _EXPERT_WEIGHTS, AXIS, is_expert_weight
+from jax_dwdp.sources import AXIS
 
 
 def pad_experts(array, layout: ExpertLayout):
@@ -49,12 +49,14 @@ class Placement:
         self.mesh, self.owned = mesh, owned
         self.split, self.replicated = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
 
-    def __call__(self, path: tuple, value: jax.Array, layer: int, num_experts: int) -> jax.Array:
-        """`value` of the flat state path `path`, of the stage's layer `layer` (position in the stage)."""
-        if not is_expert_weight(path):
+    def __call__(self, path: tuple, value: jax.Array, layer: int | None, num_experts: int) -> jax.Array:
+        """`value` of the flat state path `path`; `layer`: the index of its layer among the stage's layers with
+        routed experts (`model.expert_slots`; every layer for Qwen3.5), None for a layer without."""
+        weight = expert_weight_index(path)
+        if weight is None:
             return put(value, self.replicated)
         layout = ExpertLayout(num_experts, self.mesh.shape[AXIS])
-        return self.experts(value, _EXPERT_WEIGHTS.index(path[-1]), layer, layout)
+        return self.experts(value, weight, layer, layout)
 
     def experts(self, value, weight: int, layer: int, layout: ExpertLayout) -> jax.Array:
         return put(value, self.replicated)
@@ -118,7 +120,7 @@ def own_block(padded, rank: int, slots: int, device) -> tuple[jax.Array, bool]:
     return jax.device_put(padded[rank * slots:(rank + 1) * slots], device), True
 
 
-def place_model(model: Qwen35MoeForCausalLM, mesh: Mesh, *, split_experts: bool = True) -> Qwen35MoeForCausalLM:
+def place_model(model: CausalLM, mesh: Mesh, *, split_experts: bool = True) -> CausalLM:
     """A model (or stage) on a 1-D 'dwdp' mesh: expert weights split by rank (padded to N * ceil(E/N) slots), the
     rest replicated; split_experts=False replicates everything (the no-communication baseline). `model` is left
     as it was (its arrays stay where they are)."""
@@ -127,7 +129,7 @@ def place_model(model: Qwen35MoeForCausalLM, mesh: Mesh, *, split_experts: bool 
                         placement, dtype=model.dtype)
 
 
-def model_range(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: int) -> Qwen35MoeForCausalLM:
+def model_range(model: CausalLM, start_layer: int, end_layer: int) -> CausalLM:
     """Layers [start_layer, end_layer) of `model` (global ids, inside its range) as a model of that range that
     shares `model`'s arrays (nothing is copied), with its embedding / head if the range has them."""
     graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype=model.dtype, start_layer=start_layer,
@@ -142,11 +144,12 @@ def model_range(model: Qwen35MoeForCausalLM, start_layer: int, end_layer: int) -
 
 
 def _interleaved(model) -> bool:
-    return bool(model.layers[0].mlp.experts.gate_up_interleaved) if len(model.layers) else False
+    """Whether the model's SwiGLU experts are in the fused layout (a Nemotron-H model has none: False)."""
+    return fused_swiglu_enabled(model)
 
 
-def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range, placement: Placement, *,
-                 dtype) -> Qwen35MoeForCausalLM:
+def build_placed(cfg: FamilyConfig, start_layer: int, end_layer: int, make_range, placement: Placement, *,
+                 dtype) -> CausalLM:
     """The stage [start_layer, end_layer) with every weight placed by `placement`, built one layer at a time.
 
     make_range(a, b) returns the model of layers [a, b) (weights anywhere, e.g. random or loaded on one device);
@@ -155,6 +158,7 @@ def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range,
     takes the parts' kernel choices."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer))
     wanted = {path for path, _ in nnx.to_flat_state(abstract)}
+    slot = {layer: k for k, layer in enumerate(cfg.moe_layer_ids(start_layer, end_layer))}  # its expert layer
     values: dict = {}
     interleaved, kernels = False, None
     for layer in range(start_layer, end_layer):
@@ -163,7 +167,7 @@ def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range,
         for path, var in nnx.to_flat_state(nnx.state(part)):
             target = ("layers", layer - start_layer, *path[2:]) if path[0] == "layers" else path
             if target in wanted:
-                values[target] = type(var)(placement(target, var.get_value(), layer - start_layer, cfg.num_experts))
+                values[target] = type(var)(placement(target, var.get_value(), slot.get(layer), cfg.num_experts))
         del part, var
         if placement.owned:
             gc.collect()  # flax modules hold reference cycles: their arrays go only with a collection
@@ -173,9 +177,10 @@ def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range,
     return stage if kernels is None or stage.kernels == kernels else with_kernels(stage, kernels)
 
 
-def expert_blocks(model: Qwen35MoeForCausalLM) -> list[tuple[jax.Array, jax.Array]]:
-    """Each layer's (gate_up_proj, down_proj) of a model or stage, in its layer order."""
-    return [(layer.mlp.experts.gate_up_proj[...], layer.mlp.experts.down_proj[...]) for layer in model.layers]
+def expert_blocks(model: CausalLM) -> list[tuple[jax.Array, jax.Array] | None]:
+    """Each layer's two routed-expert weights of a model or stage (Qwen3.5: gate_up_proj, down_proj; Nemotron-H:
+    up_proj, down_proj), in its layer order; None for a layer without experts."""
+    return [layer.expert_weights() for layer in model.layers]
 
 
 def by_rank(array: jax.Array) -> list[jax.Array]:
