@@ -1,5 +1,6 @@
-"""jax-dwdp runs long-context prefill of Qwen3.5-MoE models in JAX: on one device, over pipeline stages, or over DWDP
-ranks that split each layer's experts; it converts Hugging Face checkpoints to Orbax and plans layouts.
+"""jax-dwdp runs long-context prefill of hybrid MoE models (Qwen3.5-MoE, Nemotron-H) in JAX: on one device, over
+pipeline stages, or over DWDP ranks that split each layer's experts; it converts Hugging Face checkpoints to Orbax
+and plans layouts.
 
     jax-dwdp prefill (--checkpoint DIR | --preset NAME) [--tokens FILE.npy | --batch B --seq-len T]
                      [--dtype bfloat16|float32] [--logits-out FILE.npy] [--json]
@@ -40,7 +41,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", type=Path,
                      help="an HF safetensors folder (with config.json) or a jax_dwdp Orbax checkpoint (convert)")
-    src.add_argument("--preset", help="tiny | 35b-a3b | 122b-a10b | 397b-a17b (random weights)")
+    src.add_argument("--preset", help="random weights of a preset: FAMILY:NAME, qwen3.5:{tiny,35b-a3b,122b-a10b,"
+                                      "397b-a17b} (the bare names are these) or nemotron-h:{tiny,nano-30b-a3b,"
+                                      "super-120b-a12b}")
     p.add_argument("--num-layers", type=int, help="keep only the first N layers (of a checkpoint: load only those)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     p.add_argument("--seed", type=int, default=0, help=f"seed of random weights and random tokens, in [0, {MAX_SEED}]")

@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dwdp.config import ConfigError, ModelConfig
+from jax_dwdp.families import FamilyConfig, config_from_preset
 from jax_dwdp.kernels.choices import KernelChoices
 from jax_dwdp.model import init_model, with_kernels
-from jax_dwdp.model.qwen35_moe import LogitsMode
+from jax_dwdp.model.cache import LogitsMode
 from jax_dwdp.outputs import OutputError
 from jax_dwdp.parallel.backends import expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
@@ -52,7 +53,7 @@ class PrefillSpec:
     logits to return ("all" positions or each sequence's "last")."""
 
     checkpoint: str | Path | None = None
-    preset: str | None = None
+    preset: str | None = None  # "FAMILY:NAME" (nemotron-h:tiny) or a bare Qwen3.5-MoE name (families.preset_names)
     num_layers: int | None = None  # keep only the first layers (of a checkpoint: load only those)
     dtype: str = "bfloat16"
     seed: int = 0  # of random weights
@@ -81,9 +82,9 @@ class PrefillSpec:
         """Whether the spec runs through a Pipeline (several stages, microbatches or ranks)."""
         return self.pipeline > 1 or self.microbatches > 1 or self.ranks > 1
 
-    def config(self) -> ModelConfig:
-        """The model's config (a checkpoint's config.json or the preset), cut to `num_layers`."""
-        cfg = load_config(self.checkpoint) if self.checkpoint is not None else ModelConfig.preset(self.preset)
+    def config(self) -> FamilyConfig:
+        """The model's config (a checkpoint's config.json or the preset, of its family), cut to `num_layers`."""
+        cfg = load_config(self.checkpoint) if self.checkpoint is not None else config_from_preset(self.preset)
         if self.num_layers is not None:
             if not 1 <= self.num_layers <= cfg.num_hidden_layers:
                 raise ValueError(f"num_layers must lie in [1, {cfg.num_hidden_layers}], got {self.num_layers}")
@@ -101,7 +102,7 @@ class Driver:
     ahead of time; `description` says what runs; `reports` whether this process reports results (one process per
     device: the last stage's); `close()` (or leaving a `with` block) releases what the driver opened."""
 
-    def __init__(self, spec: PrefillSpec, cfg: ModelConfig, run, compile_fn, description: str, *, close=None,
+    def __init__(self, spec: PrefillSpec, cfg: FamilyConfig, run, compile_fn, description: str, *, close=None,
                  reports: bool = True):
         self.spec, self.cfg, self.run, self.compile = spec, cfg, run, compile_fn
         self.description, self.reports, self._close = description, reports, close
@@ -124,7 +125,7 @@ def preflight(spec: PrefillSpec) -> None:
     expert_backend(spec.experts_word).check(jax.devices()[:spec.pipeline * spec.ranks], spec.ranks)
 
 
-def build_driver(spec: PrefillSpec, cfg: ModelConfig | None = None, *, batch: int | None = None) -> Driver:
+def build_driver(spec: PrefillSpec, cfg: FamilyConfig | None = None, *, batch: int | None = None) -> Driver:
     """The driver of `spec` (`cfg`: its config when already read). `batch` (spread specs): the batch the driver will
     run, for its description of the microbatches."""
     cfg = cfg or spec.config()
@@ -224,7 +225,7 @@ def chunked_prefill(model, logits: LogitsMode, chunk: int, *, mode: str = DEFAUL
     return run
 
 
-def run_prefill(spec: PrefillSpec, cfg: ModelConfig, tokens, lengths, *, iters: int = 3,
+def run_prefill(spec: PrefillSpec, cfg: FamilyConfig, tokens, lengths, *, iters: int = 3,
                 watchdog: Watchdog | None = None, status=None) -> dict | None:
     """What `jax-dwdp prefill` runs once `preflight` and `prefill_inputs` have passed: the spec's driver built
     (`status(text)` told "loading ..." or "making random weights") and `measure`d; a float32 spec with every matmul
@@ -309,7 +310,7 @@ def peak_memory_bytes(devices=None) -> list[int | None]:
     return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.local_devices()[:1])]
 
 
-def prefill_inputs(spec: PrefillSpec, cfg: ModelConfig, tokens=None, lengths=None, *, batch: int = 1,
+def prefill_inputs(spec: PrefillSpec, cfg: FamilyConfig, tokens=None, lengths=None, *, batch: int = 1,
                    seq_len: int = 128) -> tuple[np.ndarray, np.ndarray]:
     """The checked int32 (tokens, lengths) of a prefill of `spec` (`cfg`: its config): `tokens` [B, T] ids,
     right-padded to `lengths` (default: every row full), or None for `batch` x `seq_len` random ids drawn with the
@@ -317,6 +318,8 @@ def prefill_inputs(spec: PrefillSpec, cfg: ModelConfig, tokens=None, lengths=Non
     outside the rows; tokens whose caches, logits and hidden states alone exceed the host's memory (random ids:
     before they are drawn), which would otherwise be a MemoryError or an allocator failure deep in XLA minutes
     later; a layout that cannot take the batch or split the experts over its ranks."""
+    if spec.fused_swiglu and not isinstance(cfg, ModelConfig):
+        raise SpecError("fused_swiglu: this model's experts have no SwiGLU to fuse (Nemotron-H's are relu^2)")
     all_logits = spec.logits == "all"
     drawn = tokens is None
     if drawn:
@@ -349,7 +352,7 @@ def read_tokens(path: str | Path) -> np.ndarray:
         raise InputError(f"{path}: not a readable .npy file ({e})") from None
 
 
-def check_host_memory(cfg: ModelConfig, dtype, batch: int, seq_len: int, *, all_logits: bool) -> None:
+def check_host_memory(cfg: FamilyConfig, dtype, batch: int, seq_len: int, *, all_logits: bool) -> None:
     """An InputError when a prefill's tokens, caches, logits and hidden states alone (`prefill_bytes_lower_bound`)
     exceed this machine's memory (`host_memory_bytes`)."""
     need = prefill_bytes_lower_bound(cfg, dtype, batch, seq_len, all_logits=all_logits)
@@ -360,7 +363,7 @@ def check_host_memory(cfg: ModelConfig, dtype, batch: int, seq_len: int, *, all_
                          f"{need['hidden'] / gib:.1f}), more than this machine's {have / gib:.1f} GiB")
 
 
-def prefill_bytes_lower_bound(cfg: ModelConfig, dtype, batch: int, seq_len: int, *, all_logits: bool) -> dict:
+def prefill_bytes_lower_bound(cfg: FamilyConfig, dtype, batch: int, seq_len: int, *, all_logits: bool) -> dict:
     """What a prefill's tokens, caches, logits and hidden states alone take (a lower bound of what it holds), by
     part: {"caches", "logits", "hidden", "total"} in bytes."""
     whole = plan_stages(cfg, 1)[0]

@@ -13,8 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jax_dwdp.model import set_fused_swiglu
-from jax_dwdp.weights import hf_names
-from jax_dwdp.weights.hf_loader import load_hf_checkpoint
+from jax_dwdp.weights.hf_loader import NAMINGS, load_config, load_hf_checkpoint
 from jax_dwdp.weights.integrity import checksums_checked, verify_checkpoint
 from jax_dwdp.weights.orbax_format import is_orbax_checkpoint, read_marker
 from jax_dwdp.weights.orbax_store import convert_hf_to_orbax, load_orbax_checkpoint
@@ -46,9 +45,10 @@ def stored_dtypes(directory: str | Path) -> dict[str, int]:
         marker = read_marker(Path(directory))
         return marker.get("dtypes") or {marker["dtype"]: marker["tensors"]}  # before per-tensor dtypes: one
     counts: dict[str, int] = {}
+    names = NAMINGS[type(load_config(directory))].names  # the family's name map
     with SafetensorsCheckpoint(directory) as ckpt:
         for name in ckpt.names():
-            target = hf_names.classify(name, 0, 0)
+            target = names.classify(name, 0, 0)
             if target is not None and target.kind != "non_text":
                 dtype = DTYPES[ckpt.info(name).dtype].name
                 counts[dtype] = counts.get(dtype, 0) + 1

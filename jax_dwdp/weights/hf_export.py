@@ -1,7 +1,10 @@
 """A jax_dwdp model written as a Hugging Face folder (config.json and one model.safetensors, the text model's names):
 a small checkpoint to try `jax-dwdp convert`, `verify` and `prefill --checkpoint` on, without downloading one.
 
-    python -m jax_dwdp.weights.hf_export OUT_DIR [--preset tiny] [--seed 0] [--dtype float32|bfloat16]
+    python -m jax_dwdp.weights.hf_export OUT_DIR [--preset tiny | nemotron-h:tiny] [--seed 0] [--dtype float32|bfloat16]
+
+Either family: a Qwen3.5-MoE model under `model.` (fused expert tensors), a Nemotron-H model under `backbone.` (fused
+expert tensors too; the loader also reads the per-expert pieces NVIDIA's releases store).
 """
 
 from __future__ import annotations
@@ -16,16 +19,19 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jax_dwdp.config import ModelConfig
-from jax_dwdp.model import Qwen35MoeForCausalLM, init_model
-from jax_dwdp.weights.hf_names import hf_name
+from jax_dwdp.families import FamilyConfig, config_from_preset, preset_names
+from jax_dwdp.model import CausalLM, init_model
+from jax_dwdp.weights.hf_loader import NAMINGS
+
+PREFIX = {"Qwen3.5-MoE": "model.", "Nemotron-H": "backbone."}  # the text model's names in each family's folders
 
 
-def save_hf_checkpoint(model: Qwen35MoeForCausalLM, cfg: ModelConfig, directory: str | Path) -> Path:
-    """Writes `model` (all of its layers) to `directory`, which must not exist yet; returns it."""
+def save_hf_checkpoint(model: CausalLM, cfg: FamilyConfig, directory: str | Path) -> Path:
+    """Writes `model` (all of its layers, of either family) to `directory`, which must not exist yet; returns it."""
+    naming = NAMINGS[type(cfg)]
     directory = Path(directory)
     directory.mkdir(parents=True)  # (an existing folder is refused: nothing of the user's is overwritten)
-    tensors = {hf_name(path, 0, "model."): np.asarray(var.get_value())
+    tensors = {naming.names.hf_name(path, 0, PREFIX[naming.family]): np.asarray(var.get_value())
                for path, var in nnx.to_flat_state(nnx.state(model))}
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
@@ -35,7 +41,7 @@ def save_hf_checkpoint(model: Qwen35MoeForCausalLM, cfg: ModelConfig, directory:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_dwdp.weights.hf_export", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the HF folder to write (must not exist)")
-    ap.add_argument("--preset", default="tiny", help="tiny (default) | 35b-a3b | 122b-a10b | 397b-a17b")
+    ap.add_argument("--preset", default="tiny", help=f"tiny (default) | {' | '.join(preset_names())}")
     ap.add_argument("--num-layers", type=int, help="keep only the first N layers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -43,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_dir.exists():
         print(f"error: {args.out_dir} exists; give a new folder", file=sys.stderr)
         return 2
-    cfg = ModelConfig.preset(args.preset)
+    cfg = config_from_preset(args.preset)
     if args.num_layers is not None:
         cfg = cfg.first_layers(args.num_layers)
     model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=args.seed)

@@ -68,12 +68,9 @@ def cast_line(cast: dict[str, int]) -> str:
     return "cast " + ", ".join(f"{n} tensors {key.replace('->', ' to ')}" for key, n in sorted(cast.items()))
 
 
-def load_config(checkpoint_dir: str | Path) -> ModelConfig:
-    return ModelConfig.from_json_file(_config_path(checkpoint_dir))
-
-
-def load_family_config(checkpoint_dir: str | Path) -> ModelConfig | NemotronHConfig:
-    """The checkpoint's config, of the family its model_type names."""
+def load_config(checkpoint_dir: str | Path) -> ModelConfig | NemotronHConfig:
+    """The config of an HF or jax_dwdp Orbax checkpoint folder, of the family its model_type names (Qwen3.5-MoE:
+    `ModelConfig`, Nemotron-H: `NemotronHConfig`)."""
     return config_from_json_file(_config_path(checkpoint_dir))
 
 
@@ -232,7 +229,7 @@ def load_hf_checkpoint(
         opened, checkpoint_dir = checkpoint_dir, checkpoint_dir.directory
     else:
         opened, checkpoint_dir = None, Path(checkpoint_dir)
-    stored = (load_family_config(checkpoint_dir) if cfg is None or (Path(checkpoint_dir) / "config.json").is_file()
+    stored = (load_config(checkpoint_dir) if cfg is None or (Path(checkpoint_dir) / "config.json").is_file()
               else cfg)
     cfg = cfg or stored
     if type(stored) is not type(cfg):

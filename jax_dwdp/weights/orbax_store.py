@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_dwdp.config import ModelConfig
-from jax_dwdp.model import abstract_model
-from jax_dwdp.weights import hf_names, integrity, publish
-from jax_dwdp.weights.hf_loader import LoadReport, load_config, load_hf_checkpoint
+from jax_dwdp.families import FamilyConfig, config_from_json_file
+from jax_dwdp.model import abstract_model, is_expert_weight
+from jax_dwdp.weights import integrity, publish
+from jax_dwdp.weights.hf_loader import NAMINGS, LoadReport, load_config, load_hf_checkpoint
 from jax_dwdp.weights.orbax_format import (FORMAT, FORMAT_VERSION, MARKER, checkpointer, describe, layer_dir,
                                            read_marker, restore_error, silence_orbax_leftover_reads,
                                            silence_orbax_leftover_writes, to_tree)
@@ -90,11 +90,11 @@ class _KeepFreedMemory:
 
 
 def _save_args(path: tuple, value):
-    """Expert tensors are chunked one expert per chunk, so that a DWDP rank restoring its block of experts reads
-    only those experts' chunks; other arrays keep Orbax's default chunking."""
+    """Expert tensors (`path` inside a layer's item) are chunked one expert per chunk, so that a DWDP rank restoring
+    its block of experts reads only those experts' chunks; other arrays keep Orbax's default chunking."""
     import orbax.checkpoint as ocp  # imported here: orbax pulls in a lot at import time
 
-    if path[-3:-1] == ("mlp", "experts"):
+    if is_expert_weight(("layers", 0, *path)):
         return ocp.SaveArgs(chunk_byte_size=value.nbytes // value.shape[0], shard_axes=(0,))
     return ocp.SaveArgs()
 
@@ -163,7 +163,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, 
                              sys.stderr if progress == "stderr" else progress, interrupt)
 
 
-def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dtype, progress,
+def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: FamilyConfig, dtype, progress,
                   interrupt: publish.DeferInterrupt) -> dict:
     """Writes the checkpoint into dest.partial and publishes it; dest removes the partial folder when this fails."""
     bar_open = False  # a progress line without its newline yet
@@ -173,6 +173,8 @@ def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dty
     # they are, with a warning: a user may want the checkpoint anyway; `verify` refuses it).
     summary = {"tensors": 0, "bytes": 0, "skipped_non_text": 0, "dtypes": {}, "cast": {}, "non_finite": []}
     files: dict[str, list[int]] = {}  # every file's [size, crc32], for the marker
+    naming = NAMINGS[type(cfg)]
+    embedding = naming.embedding[0]  # the embed item's top-level name; the head item holds the other top-level ones
     crc_seconds = 0.0
     source = ckpt = None
     keep = _KeepFreedMemory()
@@ -211,15 +213,15 @@ def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dty
                 summary["cast"][key] = summary["cast"].get(key, 0) + count
             summary["skipped_non_text"] = report.skipped_non_text
             for p, counts in integrity.nonfinite({p: v.get_value() for p, v in flat}).items():
-                item = f"layers/{layer_id:03d}" if p[0] == "layers" else "embed" if p[0] == "embed_tokens" else "head"
+                item = f"layers/{layer_id:03d}" if p[0] == "layers" else "embed" if p[0] == embedding else "head"
                 summary["non_finite"].append([item, ".".join(map(str, p[2:] if p[0] == "layers" else p)), *counts])
             layer = [(p[2:], v.get_value()) for p, v in flat if p[0] == "layers"]
             save(layer_dir(tmp, layer_id), to_tree(layer), save_args=to_tree(
                 [(p, _save_args(p, v)) for p, v in layer]))
             if layer_id == 0:
-                save(tmp / "embed", to_tree([(p, v.get_value()) for p, v in flat if p[0] == "embed_tokens"]))
+                save(tmp / "embed", to_tree([(p, v.get_value()) for p, v in flat if p[0] == embedding]))
             if layer_id == n - 1:
-                save(tmp / "head", to_tree([(p, v.get_value()) for p, v in flat if p[0] in ("norm", "lm_head")]))
+                save(tmp / "head", to_tree([(p, v.get_value()) for p, v in flat if p[0] not in ("layers", embedding)]))
             del model, flat, layer
             if progress is not None:
                 _progress(layer_id + 1, n, summary["bytes"], t0, progress)
@@ -245,7 +247,8 @@ def _convert_into(hf_dir: Path, dest: publish.Destination, cfg: ModelConfig, dty
         if bar_open:  # end the bar's line, so that the caller's error message gets a line of its own
             progress.write("\n")
             progress.flush()
-        message = None if isinstance(e, CheckpointError) else _write_error(e, tmp, out_dir, writing, source, dtype)
+        message = None if isinstance(e, CheckpointError) else _write_error(e, tmp, out_dir, writing, source, dtype,
+                                                                           naming.names)
         if message is not None:
             raise CheckpointError(message) from None
         raise
@@ -272,7 +275,8 @@ def _item_name(relpath: str) -> str:
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _write_error(error: BaseException, tmp: Path, out_dir: Path, writing: str, source, dtype) -> str | None:
+def _write_error(error: BaseException, tmp: Path, out_dir: Path, writing: str, source, dtype,
+                 names) -> str | None:
     """One line for a conversion that failed writing its output: the disk full (an OSError, or tensorstore's
     RESOURCE_EXHAUSTED from inside Orbax) or another OS error, with the item being written (the layer, tensor and
     file when tensorstore names it). None for any other failure."""
@@ -300,7 +304,7 @@ def _write_error(error: BaseException, tmp: Path, out_dir: Path, writing: str, s
             tensor = desc.split(", ", 1)[1] + ", " if ", tensor " in desc else ""
             where = f" ({tensor}file {rel})" if rel not in (".", writing) else ""
     if code in _NO_SPACE:
-        need = _needed_bytes(source, dtype)
+        need = _needed_bytes(source, dtype, names)
         size = f" (the checkpoint needs about {need / 1e9:.3g} GB)" if need else ""
         return (f"{out_dir}: no space left on device while writing {writing}{where}; the partial checkpoint was "
                 f"removed; free space in {out_dir.parent}{size} and convert again")
@@ -310,13 +314,14 @@ def _write_error(error: BaseException, tmp: Path, out_dir: Path, writing: str, s
             "checkpoint was removed")
 
 
-def _needed_bytes(source, dtype) -> int:
-    """About the bytes of the converted text model (from the source's headers): for the message of a full disk."""
+def _needed_bytes(source, dtype, names) -> int:
+    """About the bytes of the converted text model (from the source's headers; `names`: its family's name map):
+    for the message of a full disk."""
     if source is None:
         return 0
     total = 0
     for name in source.names():
-        target = hf_names.classify(name, 0, 0)
+        target = names.classify(name, 0, 0)
         if target is None or target.kind == "non_text":
             continue
         info = source.info(name)
@@ -337,9 +342,9 @@ def _snapshot(directory: Path) -> tuple | None:
 
 def load_orbax_checkpoint(directory: str | Path, *, dtype=jnp.bfloat16, start_layer: int = 0,
                           end_layer: int | None = None, placement=None, verify: bool | None = None,
-                          cfg: ModelConfig | None = None):
+                          cfg: FamilyConfig | None = None):
     """Restores layers [start_layer, end_layer) (and the embedding / head if the range has them) of the stored
-    model, or of `cfg` when it is the stored model cut to its first layers (ModelConfig.first_layers).
+    model, or of `cfg` when it is the stored model cut to its first layers (`first_layers`).
 
     placement(path, shape, dtype) -> Sharding decides where each array lands (default: the first device); with a
     sharded placement, each device reads only its slice. verify: check the files about to be read against the
@@ -371,14 +376,15 @@ def _changed(directory: Path) -> str:
 
 
 def _load_orbax(directory: Path, *, dtype, start_layer: int, end_layer: int | None, placement, verify: bool | None,
-                cfg: ModelConfig | None = None):
+                cfg: FamilyConfig | None = None):
     import orbax.checkpoint as ocp  # imported here: orbax pulls in a lot at import time
 
     t0 = time.perf_counter()
     marker = read_marker(directory)
     files, crc = marker.get("files"), integrity.checksums_wanted(verify)
-    stored = ModelConfig.from_json_file(directory / "config.json")
-    cfg = cfg if cfg is not None and cfg.cuts(stored) else stored
+    stored = config_from_json_file(directory / "config.json")
+    cfg = cfg if cfg is not None and type(cfg) is type(stored) and cfg.cuts(stored) else stored
+    embedding = NAMINGS[type(cfg)].embedding[0]
     end_layer = cfg.num_hidden_layers if end_layer is None else end_layer
     dtype = jnp.dtype(dtype)
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer))
@@ -399,7 +405,7 @@ def _load_orbax(directory: Path, *, dtype, start_layer: int, end_layer: int | No
         if files is not None:
             rows = {}
             for p, mp, v in entries:
-                if mp[-3:-1] == ("mlp", "experts"):
+                if is_expert_weight(mp):
                     indices = placement(mp, tuple(v.shape), v.dtype).addressable_devices_indices_map(tuple(v.shape))
                     rows[".".join(map(str, p))] = {e for index in indices.values()
                                                    for e in range(*index[0].indices(v.shape[0]))}
@@ -421,7 +427,7 @@ def _load_orbax(directory: Path, *, dtype, start_layer: int, end_layer: int | No
     for path, var in expected:
         if path[0] == "layers":
             item, inner = layer_dir(directory, int(path[1]) + start_layer), path[2:]
-        elif path[0] == "embed_tokens":
+        elif path[0] == embedding:
             item, inner = directory / "embed", path
         else:
             item, inner = directory / "head", path
