@@ -1,6 +1,6 @@
-"""jax-dwdp runs long-context prefill of hybrid MoE models (Qwen3.5-MoE, Nemotron-H) in JAX: on one device, over
-pipeline stages, or over DWDP ranks that split each layer's experts; it converts Hugging Face checkpoints to Orbax
-and plans layouts.
+"""jax-dwdp runs long-context prefill of Qwen3.5-MoE and Nemotron-H models in JAX: on one device, over pipeline
+stages, or over DWDP ranks that split each layer's experts; it converts Hugging Face checkpoints to Orbax and plans
+layouts.
 
     jax-dwdp prefill (--checkpoint DIR | --preset NAME) [--tokens FILE.npy | --batch B --seq-len T]
                      [--dtype bfloat16|float32] [--logits-out FILE.npy] [--json]
