@@ -374,6 +374,18 @@ def test_orbax_convert_verify_and_restore_per_stage_and_rank(checkpoints, tmp_pa
         assert array.storage.chunk_shape == (1, *array.shape[1:]), array.storage
 
 
+def test_hf_export_writes_the_family(tmp_path):
+    """`python -m jax_dwdp.weights.hf_export --preset nemotron-h:tiny` writes an HF folder (`backbone.` names, fused
+    experts) that loads back bit for bit as the family's model."""
+    from jax_dwdp.weights.hf_export import main as export
+
+    assert export([str(tmp_path / "hf"), "--preset", "nemotron-h:tiny", "--seed", "3"]) == 0
+    assert load_config(tmp_path / "hf") == CFG
+    loaded, _ = load_hf_checkpoint(tmp_path / "hf", dtype=jnp.float32)
+    a, b = _flat(init_model(CFG, dtype=jnp.float32, seed=3)), _flat(loaded)
+    assert a.keys() == b.keys() and all(np.array_equal(a[p], b[p]) for p in a)
+
+
 @pytest.mark.devices(4)
 def test_a_pipeline_of_dwdp_ranks_loads_its_layers_from_orbax(checkpoints, setup):
     """Each stage restores only its layers (the report's tensors) and places its experts on its ranks: the logits
