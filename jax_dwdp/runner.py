@@ -39,9 +39,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dwdp.model import Cache, CausalLM
+from jax_dwdp.model import Cache, CausalLM, is_expert_weight
 from jax_dwdp.model.cache import LogitsMode
-from jax_dwdp.sources import AXIS, ExpertSource, LocalSource, is_expert_weight
+from jax_dwdp.sources import AXIS, ExpertSource, LocalSource
 from jax_dwdp.devices import place, put
 from jax_dwdp.programs import (StaticGraph, canonical_graphs, embed_body, head_body, layer_body, precision_scope,
                                run_embed, run_head, run_layer, shell_of)

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_dwdp.model import is_expert_weight  # noqa: F401 (the placements' and runners' test of a weight)
 from jax_dwdp.model.moe import routed_experts
 
 AXIS = "dwdp"

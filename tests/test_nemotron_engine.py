@@ -152,6 +152,23 @@ def test_dep_exchange_runs_the_relu2_experts(rng):
 
 
 @pytest.mark.devices(2)
+def test_dep_profile_splits_each_block_at_its_experts(setup):
+    """StageRunner.profile (DEP's per-layer wait) over the family's blocks: a MoE block is all experts (nothing
+    before them), every other block all mixer (nothing after); the split blocks give the layers' own outputs."""
+    model, tokens, lengths, _ = setup
+    pipe = Pipeline.from_model(model, 1, dwdp=2, experts="dep")
+    report = pipe.runners[0].profile(tokens[:2], lengths[:2], cache_len=T)
+    assert len(report["mixer_ms"]) == len(report["moe_ms"]) == len(report["wait_ms"]) == CFG.num_hidden_layers
+    assert all(len(ranks) == 2 for ranks in report["mixer_ms"])
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, CFG.hidden_size)), jnp.float32)
+    n = jnp.array([5, 3])
+    for layer in model.layers:
+        x, cache = layer.mix(h, None, n)
+        np.testing.assert_allclose(np.asarray(layer.moe(x)), np.asarray(layer(h, None, n)[0]), **TOL)
+        assert (x is h) == layer.has_experts and (cache is None) == (layer.layer_type not in (MAMBA, ATTENTION))
+
+
+@pytest.mark.devices(2)
 def test_independent_ranks_run_their_own_batches(setup):
     """Independent DWDP ranks (peer blocks copied device to device, MoE layers only): each rank's own batch and
     length equal those sequences on one device."""

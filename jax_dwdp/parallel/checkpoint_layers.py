@@ -8,9 +8,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dwdp.families import FamilyConfig
-from jax_dwdp.model import CausalLM, with_kernels
+from jax_dwdp.model import CausalLM, is_expert_weight, with_kernels
 from jax_dwdp.model.moe import set_fused_swiglu
-from jax_dwdp.sources import AXIS, is_expert_weight
+from jax_dwdp.sources import AXIS
 from jax_dwdp.weights import is_orbax_checkpoint, load_checkpoint
 from jax_dwdp.weights.hf_loader import LoadReport, _name_index, load_hf_checkpoint
 from jax_dwdp.weights.safetensors_reader import SafetensorsCheckpoint
