@@ -125,7 +125,7 @@ def h200() -> dict:
         "code": "016d3db (layers); ea0b9bd (copy under compute, two GPUs)",
         "machine": "nvidia-h200 (143,771 MiB) and nvidia-h200-x2 (NV18), driver 580.159.04, jax 0.11.2",
         "model": {"name": MODEL, "config": model_config(MODEL)}, "dtype": "bfloat16",
-        "memory_gib": {"value": round(143771 / 1024, 1), "source": "RESULTS.md, Machines: H200 143,771 MiB"},
+        "memory_gib": {"value": round(143771 / 1024, 1), "source": "RESULTS.md (read 2026-12-07), Machines: H200, nvidia-h200, 143,771 MiB"},
         "layers": layer_points({4096: (1.560, 1.441, 0.778), 16384: (5.124, 7.374, 2.198),
                                 32768: (9.963, 21.234, 4.255)}, src),
         "gemm": {
@@ -161,7 +161,7 @@ def h100() -> dict:
         "code": "5930a00 (layers)",
         "machine": "nvidia-h100-x1 (81,559 MiB), driver 580.159.04, jax 0.11.2",
         "model": {"name": MODEL, "config": model_config(MODEL)}, "dtype": "bfloat16",
-        "memory_gib": {"value": round(81559 / 1024, 1), "source": "RESULTS.md, Machines: H100 81,559 MiB"},
+        "memory_gib": {"value": round(81559 / 1024, 1), "source": "RESULTS.md (read 2026-12-07), Machines: H100 80GB HBM3, nvidia-h100-x1, 81,559 MiB"},
         "layers": layer_points({1024: (0.988, 0.897, 0.725), 4096: (1.741, 1.588, 0.913),
                                 16384: (5.018, 7.111, 2.145), 32768: (9.891, 20.646, 4.087)}, src),
         "gemm": {

@@ -207,13 +207,13 @@ def load_link(spec: str | None, profile: "GpuProfile") -> Link:
     """A link by name (`nvlink4`, `nvlink5`, `profile`: the profile's own) or from a JSON file (Link's fields)."""
     if spec is None or spec == "profile":
         if profile.link is None:
-            raise PlannerError(f"profile {profile.name!r} has no measured link: choose one with --link "
-                               f"({', '.join(LINKS)} or a JSON file)")
+            raise PlannerError(f"the profile {profile.name!r} has no measured link: choose one ({', '.join(LINKS)} or a "
+                               "JSON file)")
         return profile.link
     if spec in LINKS:
         return LINKS[spec]
     if not spec.endswith(".json") and not Path(spec).exists():
-        raise PlannerError(f"link {spec!r}: choose one of profile, {', '.join(LINKS)}, or a JSON file")
+        raise PlannerError(f"{spec!r}: choose one of profile, {', '.join(LINKS)}, or a JSON file")
     return Link.parse(read_json_file(spec, PlannerError), spec)
 
 
@@ -342,7 +342,7 @@ def load_profile(spec: str | Path) -> GpuProfile:
     if str(spec) in profile_names():
         path = PROFILES_DIR / f"{spec}.json"
     elif not str(spec).endswith(".json") and not path.exists():
-        raise PlannerError(f"profile {str(spec)!r}: choose one of {', '.join(profile_names())} or a JSON file")
+        raise PlannerError(f"{str(spec)!r}: neither a committed profile ({', '.join(profile_names())}) nor a JSON file")
     return GpuProfile.from_json(read_json_file(path, PlannerError), str(spec))
 
 
@@ -374,13 +374,12 @@ class RequestStream:
                 raise PlannerError(f"{self.source or 'stream'}: prompt lengths must be >= 1, got {bad[0]}")
             return
         if self.mean < 1:
-            raise PlannerError(f"stream mean must be >= 1 token, got {self.mean}")
+            raise PlannerError(f"the mean prompt length must be >= 1 token, got {self.mean}")
         if self.kind == "normal":
             if self.std < 0:
-                raise PlannerError(f"stream deviation must be >= 0, got {self.std:g}")
+                raise PlannerError(f"the deviation must be >= 0, got {self.std:g}")
             if not 1 <= self.lo <= self.mean <= self.hi:
-                raise PlannerError(f"stream clip [{self.lo}, {self.hi}] must hold the mean {self.mean} and start at "
-                                   ">= 1")
+                raise PlannerError(f"the clip [{self.lo}, {self.hi}] must hold the mean {self.mean} and start at >= 1")
 
     @staticmethod
     def fixed(tokens: int) -> "RequestStream":
@@ -424,18 +423,21 @@ class RequestStream:
             try:
                 parts = [float(x) for x in spec[7:].split(",")]
             except ValueError:
-                raise PlannerError(f"--stream {spec!r}: expected normal:MEAN,STD[,LO,HI] (numbers)") from None
+                raise PlannerError(f"{spec!r}: expected normal:MEAN,STD[,LO,HI] (numbers)") from None
             if len(parts) not in (2, 4):
-                raise PlannerError(f"--stream {spec!r}: expected normal:MEAN,STD[,LO,HI]")
+                raise PlannerError(f"{spec!r}: expected normal:MEAN,STD[,LO,HI]")
             if any(p < 0 for p in parts):
-                raise PlannerError(f"--stream {spec!r}: lengths and deviation must not be negative")
-            return RequestStream.normal(int(parts[0]), parts[1], *(int(p) for p in parts[2:]))
+                raise PlannerError(f"{spec!r}: lengths and deviation must not be negative")
+            try:
+                return RequestStream.normal(int(parts[0]), parts[1], *(int(p) for p in parts[2:]))
+            except PlannerError as e:
+                raise PlannerError(f"{spec!r}: {e}") from None
         try:
             tokens = int(spec.removeprefix("fixed:"))
         except ValueError:
-            raise PlannerError(f"--stream {spec!r}: expected TOKENS, normal:MEAN,STD[,LO,HI] or file:PATH") from None
+            raise PlannerError(f"{spec!r}: expected TOKENS, normal:MEAN,STD[,LO,HI] or file:PATH") from None
         if tokens < 1:
-            raise PlannerError(f"--stream {spec!r}: prompt length must be >= 1 token, got {tokens}")
+            raise PlannerError(f"{spec!r}: prompt length must be >= 1 token, got {tokens}")
         return RequestStream.fixed(tokens)
 
     def queues(self, ranks: int, requests: int, seed: int = 0) -> list[list[int]]:
@@ -839,8 +841,8 @@ def weight_bytes(cfg: ModelConfig, start: int, end: int, itemsize: int) -> tuple
         total += e * 3 * h * i * itemsize
     if start == 0:
         non_expert += cfg.vocab_size * h * itemsize
-    if end == cfg.num_hidden_layers:
-        non_expert += (h + (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)) * itemsize
+    if end == cfg.num_hidden_layers:  # the head is its own array, tied or not
+        non_expert += (h + cfg.vocab_size * h) * itemsize
     return total + non_expert, non_expert
 
 
