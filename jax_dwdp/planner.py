@@ -37,8 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, REQUIRED_KEYS, ModelConfig, read_json_file
-from jax_dwdp.parallel.expert_layout import (VMM_GRANULARITY, ExpertLayout, expert_bytes_per_layer, rank_memory,
-                                             store_reads_in_place)
+from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
 from jax_dwdp.parallel.pipeline import plan_stages
 
 PROFILE_FORMAT = "jax_dwdp.gpu_profile/1"
@@ -974,7 +973,7 @@ IMBALANCE_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 RANK_GRID = (2, 4, 8, 16, 32, 64, 72, 128, 256)
 
 
-def _crossing(xs, ys, log: bool) -> float | None:
+def crossing(xs, ys, log: bool) -> float | None:
     """The first x where y - 1 changes sign (linear interpolation, in log x if `log`)."""
     for (x0, y0), (x1, y1) in zip(zip(xs, ys), list(zip(xs, ys))[1:]):
         if (y0 - 1) * (y1 - 1) < 0 or (y0 != 1 and y1 == 1):
@@ -992,24 +991,15 @@ def crossovers(layout: Layout, profile: GpuProfile, link: Link, stream: RequestS
     out = {}
     lengths = [x for x in LENGTH_GRID]
     r = [ratio(layout, profile, link, stream.scaled(mean=x), **kw) for x in lengths]
-    out["prompt_tokens"] = {"grid": lengths, "dwdp_over_dep": r, "crossing": _crossing(lengths, r, True)}
+    out["prompt_tokens"] = {"grid": lengths, "dwdp_over_dep": r, "crossing": crossing(lengths, r, True)}
     mean = int(round(stream.mean_length))
     base = RequestStream.fixed(mean) if stream.kind == "file" else stream
     imb = list(IMBALANCE_GRID)
     r = [ratio(layout, profile, link, base.scaled(std=f * mean) if f else RequestStream.fixed(mean), **kw)
          for f in imb]
-    out["imbalance"] = {"grid": imb, "dwdp_over_dep": r, "crossing": _crossing(imb, r, False)}
+    out["imbalance"] = {"grid": imb, "dwdp_over_dep": r, "crossing": crossing(imb, r, False)}
     ranks = [n for n in RANK_GRID if n <= layout.cfg.num_experts]
     r = [ratio(layout.with_ranks(n), profile, link, stream, **kw) for n in ranks]
-    out["ranks"] = {"grid": ranks, "dwdp_over_dep": r, "crossing": _crossing(ranks, r, True)}
+    out["ranks"] = {"grid": ranks, "dwdp_over_dep": r, "crossing": crossing(ranks, r, True)}
     return out
 
-
-def granularity_note(cfg: ModelConfig, ranks: int, itemsize: int) -> str:
-    """Whether DWDP's store reads its experts in place at this layout (every rank block a multiple of 2 MiB)."""
-    if ranks == 1:
-        return "one rank: nothing moves"
-    if store_reads_in_place(cfg, ExpertLayout(cfg.num_experts, ranks), itemsize):
-        return "read in place: only the peers' (N-1)/N of each layer's experts cross the link"
-    return (f"the rank blocks are not multiples of the {VMM_GRANULARITY >> 20} MiB VMM granularity: the store copies "
-            "its own block too (HBM to HBM), besides the peers'")

@@ -200,9 +200,9 @@ def test_memory_per_rank_uses_rank_memory():
 
 
 def test_crossing():
-    assert planner._crossing([1, 2, 4], [0.5, 0.9, 1.3], True) == pytest.approx(2 ** 1.25)
-    assert planner._crossing([0, 1], [1.2, 0.8], False) == pytest.approx(0.5)
-    assert planner._crossing([1, 2], [1.1, 1.2], True) is None
+    assert planner.crossing([1, 2, 4], [0.5, 0.9, 1.3], True) == pytest.approx(2 ** 1.25)
+    assert planner.crossing([0, 1], [1.2, 0.8], False) == pytest.approx(0.5)
+    assert planner.crossing([1, 2], [1.1, 1.2], True) is None
 
 
 def test_crossover_moves_the_way_the_physics_says(h200):
