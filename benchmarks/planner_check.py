@@ -26,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jax_dwdp.config import ModelConfig  # noqa: E402
-from jax_dwdp.planner import (LayerCompute, Layout, Predictor, RequestStream, dwdp_timeline,  # noqa: E402
-                              load_profile)
+from jax_dwdp.planner import LayerCompute, Layout, Predictor, load_profile  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TOLERANCE = 0.15

@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> dict:
     gemm_flops = 2 * t * k * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     grouped_tflops = gemm_flops / (gemm_ms * 1e-3) / 1e12
     print(f"dense {dense_tflops:.1f} TFLOP/s ({n}^3), grouped {grouped_tflops:.1f} TFLOP/s ({t} tokens)", flush=True)
-    del model, a, b
+    del model
 
     # The copy, alone and under compute.
     copy_cfg = cfg.first_layers(min(args.copy_layers, cfg.num_hidden_layers))
-    copy = (gpu_copy if gpu else cpu_copy)(copy_cfg, dtype, dev, args, jnp)
+    copy = (gpu_copy if gpu else cpu_copy)(copy_cfg, dtype, dev, args)
     per_layer = {t: measured[t] for t in args.tokens}
     under = []
     for t in args.tokens:
@@ -217,7 +217,7 @@ def _prefill_ms(runner, tokens, lengths, reps: int) -> float:
     return float(np.median(times))
 
 
-def gpu_copy(cfg, dtype, dev, args, jnp) -> dict:
+def gpu_copy(cfg, dtype, dev, args) -> dict:
     """The store's copy on one GPU (ranks 0 and 1 of one store on this device), idle and under a layer-wise prefill
     that reads the store in place, against the same prefill with the layers' own experts."""
     from bench_dwdp import copy_only, store_pair
@@ -250,7 +250,7 @@ def gpu_copy(cfg, dtype, dev, args, jnp) -> dict:
     return out
 
 
-def cpu_copy(cfg, dtype, dev, args, jnp) -> dict:
+def cpu_copy(cfg, dtype, dev, args) -> dict:
     """CPU stand-in: a host thread copying a layer's peer bytes over and over (numpy) while a layer-wise prefill
     runs, against the copies alone and the prefill alone."""
     from jax_dwdp.model import init_model

@@ -790,7 +790,7 @@ class Predictor:
 
         out = {}
         for scheme in ("dwdp", "replicated"):
-            spans, copy, hidden_num = [], 0.0, 0.0
+            spans, copy = [], 0.0
             for q in queues:
                 units = []
                 for t in q:

@@ -99,7 +99,6 @@ def _print_performance(perf: dict) -> None:
     if perf["compute_scaled_from_profile_model"]:
         print(f"compute: the profile measured {prof['model']}; this model's layer times are scaled by FLOPs (not "
               "measured)")
-    limit = perf["memory"]
     print("| scheme | tokens/s per GPU | vs replicated | makespan ms | memory per rank GiB | fits |")
     print("|---|---:|---:|---:|---:|---|")
     for key, name in SCHEMES:
