@@ -6,6 +6,7 @@ ranks that split each layer's experts; it converts Hugging Face checkpoints to O
     jax-dwdp convert HF_DIR OUT_DIR [--dtype bfloat16|float32] [--overwrite] [--json]
     jax-dwdp verify DIR
     jax-dwdp plan (--checkpoint DIR | --preset NAME) [--pipeline P] [--dwdp N | --dep N]
+                  [--profile h200|h100|FILE [--link NAME|FILE] [--stream SPEC] [--requests K]]
 
 Bad input ends with one line on stderr starting with "error:" and exit status 2 (a device failure: 1; Ctrl-C:
 130), never a traceback (pass --debug to see one).
@@ -29,7 +30,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 DEFAULT_BATCH, DEFAULT_SEQ_LEN = 1, 128
 DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
-BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError")
+BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError", "PlannerError")
 
 
 class UsageError(ValueError):
@@ -113,6 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dep", type=int, default=1, help="DEP ranks per stage (default 1; instead of --dwdp)")
     q.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated")
     q.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    m = q.add_argument_group("performance model (DWDP vs DEP vs replicated weights; a prediction, not a measurement)")
+    m.add_argument("--profile", metavar="NAME|FILE",
+                   help="a GPU profile: h200 or h100 (committed, from benchmarks/RESULTS.md) or a JSON file written by "
+                        "benchmarks/profile_gpu.py; predicts each scheme's time and tokens/s per GPU")
+    m.add_argument("--link", metavar="NAME|FILE", help="the link between the GPUs: profile (default: the profile's "
+                   "own), nvlink4, nvlink5 (spec sheet, derated as measured on two H200s) or a JSON file")
+    m.add_argument("--stream", metavar="SPEC",
+                   help="prompt lengths: TOKENS (every prompt; default 16384), normal:MEAN,STD[,LO,HI] (clipped, "
+                        "default [MEAN/8, 2*MEAN]) or file:PATH (integers, or a JSON list)")
+    m.add_argument("--requests", type=int, metavar="K", help="requests per rank drawn from the stream "
+                   "(default 8; a file gives its own)")
+    m.add_argument("--stream-seed", type=int, metavar="S", help="seed of the stream's lengths (default 0)")
+    m.add_argument("--bucket", type=int, metavar="T",
+                   help="prompts are computed padded to a multiple of T tokens (default 256; real tokens count)")
+    m.add_argument("--dep-exchange", choices=("gather", "routed"),
+                   help="DEP's token exchange: gather (jax_dwdp's: every token to every rank; default) or routed "
+                        "(each token to the ranks of its experts, as a dispatch kernel sends)")
     return parser
 
 
@@ -294,14 +312,63 @@ def cmd_plan(args) -> dict:
     _dtype(args.dtype)
     if min(args.dwdp, args.dep) < 1:
         raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
+    model_inputs = _model_inputs(args)
     spec, cfg = _spec(args)
     try:
         stages = plan_layout(cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
                              dep=args.dep > 1)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
-            "dwdp": args.dwdp, "dep": args.dep, "stages": stages}
+    out = {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
+           "dwdp": args.dwdp, "dep": args.dep, "stages": stages}
+    if model_inputs is not None:
+        from jax_dwdp.planner import predict
+
+        profile, link, stream = model_inputs
+        out["performance"] = predict(cfg, profile, link, stream, pipeline=args.pipeline, ranks=spec.ranks,
+                                     requests=args.requests, seed=args.stream_seed, bucket=args.bucket,
+                                     itemsize=2 if args.dtype == "bfloat16" else 4,
+                                     boundaries=spec.stage_boundaries, dep_exchange=args.dep_exchange)
+    return out
+
+
+def _model_inputs(args):
+    """The performance model's inputs (profile, link, stream), checked before the plan's slower work; None without
+    --profile (and its options refused then: they would do nothing)."""
+    from jax_dwdp.planner import PlannerError, RequestStream, load_link, load_profile
+
+    options = {"--link": args.link, "--stream": args.stream, "--requests": args.requests,
+               "--stream-seed": args.stream_seed, "--bucket": args.bucket, "--dep-exchange": args.dep_exchange}
+    if args.profile is None:
+        given = [flag for flag, value in options.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: "
+                             "add --profile h200|h100|FILE")
+        return None
+    args.stream = "16384" if args.stream is None else args.stream
+    args.requests = 8 if args.requests is None else args.requests
+    args.stream_seed = 0 if args.stream_seed is None else args.stream_seed
+    args.bucket = 256 if args.bucket is None else args.bucket
+    args.dep_exchange = args.dep_exchange or "gather"
+    if args.requests < 1:
+        raise UsageError(f"--requests must be >= 1, got {args.requests}")
+    if args.bucket < 1:
+        raise UsageError(f"--bucket must be >= 1 token, got {args.bucket}")
+    if not 0 <= args.stream_seed <= MAX_SEED:
+        raise UsageError(f"--stream-seed must lie in [0, {MAX_SEED}], got {args.stream_seed}")
+    inputs = {}
+    for flag, read in (("--profile", lambda: load_profile(args.profile)),
+                       ("--link", lambda: load_link(args.link, inputs["--profile"])),
+                       ("--stream", lambda: RequestStream.parse(args.stream))):
+        try:
+            inputs[flag] = read()
+        except PlannerError as e:
+            raise UsageError(f"{flag} {e}") from None
+    profile = inputs["--profile"]
+    if args.dtype != profile.dtype:
+        raise UsageError(f"--profile {args.profile} was measured in {profile.dtype}; --dtype {args.dtype} has no "
+                         "measured layer times")
+    return profile, inputs["--link"], inputs["--stream"]
 
 
 def cmd_convert(args) -> dict:
