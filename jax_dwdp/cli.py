@@ -30,7 +30,8 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 DEFAULT_BATCH, DEFAULT_SEQ_LEN = 1, 128
 DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
-BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError", "PlannerError")
+BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError", "PlannerError",
+             "TextError")
 
 
 class UsageError(ValueError):
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--json", action="store_true", help="print one JSON object")
     a("--no-verify", action="store_true",
       help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
+    t = p.add_argument_group("text in, text out (a --checkpoint with its tokenizer.json)").add_argument
+    t("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch of prompts of any lengths)")
+    t("--prompt-file", type=Path, metavar="FILE", help="prompts, one per line, or a JSON list of strings")
+    t("--chat", action="store_true", help="each prompt as a user turn of the checkpoint's chat template")
+    t("--top-k", type=int, default=5, metavar="K", help="the K most likely next tokens of each prompt (default 5)")
+    t("--generate", type=int, default=0, metavar="N", help="N greedy tokens continuing each sequence, with the "
+      "model's reference decode step on one device (correctness, not speed)")
     c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint")
     c.add_argument("hf_dir", type=Path, metavar="HF_DIR",
                    help="HF folder: config.json and model.safetensors, or shards with model.safetensors.index.json")
@@ -236,6 +244,30 @@ def _check_options(args) -> None:
                          "--prefill-chunk")
 
 
+def _prompts(args) -> list[str] | None:
+    """The text options checked on their own; the prompts (None: token ids or random tokens)."""
+    from jax_dwdp.text import read_prompt_file
+
+    if args.top_k < 1 or args.generate < 0:
+        raise UsageError(f"--top-k must be >= 1 and --generate >= 0, got {args.top_k} and {args.generate}")
+    if args.generate and (args.prefill_chunk is not None or args.num_processes > 1):
+        raise UsageError("--generate continues one prefill's cache in one process: not with --prefill-chunk or "
+                         "--num-processes")
+    if not args.prompt and args.prompt_file is None:
+        if args.chat:
+            raise UsageError("--chat renders --prompt / --prompt-file text: give a prompt")
+        return None
+    if args.checkpoint is None:
+        raise UsageError("--prompt needs --checkpoint DIR with the model's tokenizer.json (a --preset has random "
+                         "weights and no tokenizer; give token ids with --tokens FILE.npy)")
+    if args.tokens is not None or args.batch is not None or args.seq_len is not None:
+        raise UsageError("the prompts are the batch: --prompt / --prompt-file do not combine with --tokens, --batch "
+                         "or --seq-len")
+    if args.num_processes > 1:
+        raise UsageError("--prompt runs in one process: not with --num-processes")
+    return list(args.prompt or []) + (read_prompt_file(args.prompt_file) if args.prompt_file is not None else [])
+
+
 def _check_processes(args) -> None:
     """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
     try:
@@ -260,20 +292,31 @@ def _prefill_inputs(args):
     from jax_dwdp.outputs import output_file
 
     _check_options(args)
-    _token_shape(args)
+    prompts = _prompts(args)
+    tokenizer = None
+    if prompts is None:
+        _token_shape(args)
     _dtype(args.dtype)
     if args.logits_out is not None:
         args.logits_out = output_file(args.logits_out, "--logits-out")
     spec, cfg = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
                       fused_swiglu=args.fused_swiglu, logits="all" if args.logits_out is not None else "last")
+    lengths = None
+    if prompts is not None:
+        from jax_dwdp.text import Tokenizer
+
+        tokenizer = Tokenizer.from_checkpoint(args.checkpoint)
+        tokens, lengths = tokenizer.batch(prompts, chat=args.chat)
+    else:
+        try:
+            tokens = None if args.tokens is None else driver.read_tokens(args.tokens)
+        except ValueError as e:
+            raise UsageError(f"--tokens {e}") from None
     try:
-        tokens = None if args.tokens is None else driver.read_tokens(args.tokens)
-    except ValueError as e:
-        raise UsageError(f"--tokens {e}") from None
-    try:
-        return spec, cfg, *driver.prefill_inputs(spec, cfg, tokens, batch=args.batch, seq_len=args.seq_len)
+        inputs = driver.prefill_inputs(spec, cfg, tokens, lengths, batch=args.batch or 1, seq_len=args.seq_len or 1)
     except ValueError as e:  # the batch the memory check names is what --batch (or the file) gives
         raise UsageError(str(e).replace("a batch of ", "--batch ", 1)) from None
+    return spec, cfg, *inputs, prompts, tokenizer
 
 
 def cmd_prefill(args) -> dict:
@@ -283,7 +326,7 @@ def cmd_prefill(args) -> dict:
     from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable
     from jax_dwdp.weights import checksums_checked, precision_notice
 
-    spec, cfg, tokens, lengths = _prefill_inputs(args)
+    spec, cfg, tokens, lengths, prompts, tokenizer = _prefill_inputs(args)
     notice = precision_notice(args.checkpoint, args.dtype) if args.checkpoint is not None else None
     if notice is not None and not args.process_id:  # once per launch: process 0 says it
         print(f"notice: {notice}", file=sys.stderr)
@@ -293,7 +336,8 @@ def cmd_prefill(args) -> dict:
         raise UsageError(f"--experts ffi: {e}") from None
     with checksums_checked(not args.no_verify):
         result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters,
-                                    watchdog=Watchdog(args.stall_timeout), status=lambda text: _status(args, text))
+                                    watchdog=Watchdog(args.stall_timeout), status=lambda text: _status(args, text),
+                                    generate=args.generate)
     if result is None:  # one process per device: the last stage's (first) process reports
         return {"reporter": False}
     logits, caches = result.pop("logits"), result.pop("caches")
@@ -302,8 +346,28 @@ def cmd_prefill(args) -> dict:
         print(f"warning: {warning}", file=sys.stderr)
     if args.logits_out is not None:
         save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
+    generated = result.pop("generated", None)
+    if prompts is not None:
+        result["text"] = _text_out(prompts, tokenizer, driver.last_logits(logits, lengths), generated, args.top_k)
+    elif generated is not None:
+        result["generated_ids"] = np.asarray(generated).tolist()
     return {"command": "prefill", **result, "logits_out": str(args.logits_out) if args.logits_out else None,
             "logits_finite": warning is None, "ffi_libraries": build_status()}
+
+
+def _text_out(prompts, tokenizer, last, generated, k: int) -> list[dict]:
+    """Per prompt: its k most likely next tokens (id, text, probability) and the generated continuation."""
+    from jax_dwdp.generate import top_k
+
+    out = []
+    for row, (prompt, best) in enumerate(zip(prompts, top_k(last, k))):
+        item = {"prompt": prompt, "next_tokens": [{"id": i, "text": tokenizer.decode([i]), "p": round(p, 6)}
+                                                  for i, p in best]}
+        if generated is not None:
+            ids = [int(i) for i in np.asarray(generated)[row]]
+            item.update(generated_ids=ids, generated_text=tokenizer.decode(ids))
+        out.append(item)
+    return out
 
 
 def cmd_plan(args) -> dict:

@@ -40,6 +40,13 @@ def _print_human(result: dict) -> None:
     print(f"peak device memory: {peak_s}")
     if result.get("logits_out"):
         print(f"logits written to {result['logits_out']}")
+    for i, item in enumerate(result.get("text") or []):
+        print(f"prompt {i + 1}: {item['prompt']!r}")
+        print("  next: " + ", ".join(f"{t['text']!r} {t['p']:.3f}" for t in item["next_tokens"]))
+        if "generated_text" in item:
+            print(f"  generated: {item['generated_text']!r}")
+    for i, ids in enumerate(result.get("generated_ids") or []):
+        print(f"sequence {i + 1} generated ids: {ids}")
     print(result["ffi_libraries"])
 
 

@@ -5,9 +5,8 @@
   [B, T] tokens (right-padded) and the lengths a prefill takes; `chat=True` first renders each prompt as one user
   turn through the checkpoint's chat template (Jinja, sandboxed, as transformers renders it).
 - `read_prompt_file(path)`: one prompt per line, or a JSON list of strings.
-- `top_k(last_logits, k)`: each sequence's k most likely next tokens with their probabilities.
-- `greedy(decode, last_logits, cache, n)`: n greedy tokens continuing from a prefill's caches with the model's
-  decode step (the reference step: correctness, not speed).
+Ids to text and back only: the next tokens themselves come from jax_dwdp.generate (top_k, greedy), which needs
+neither `tokenizers` nor Jinja (a prefill from token ids never imports this module).
 
 Bad input (no tokenizer, an unreadable file, an empty prompt) raises `TextError` naming the file or prompt.
 """
@@ -15,7 +14,7 @@ Bad input (no tokenizer, an unreadable file, an empty prompt) raises `TextError`
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
-__all__ = ["TextError", "Tokenizer", "read_prompt_file", "top_k", "greedy"]
+__all__ = ["TextError", "Tokenizer", "read_prompt_file"]
 
 
 class TextError(ValueError):
@@ -145,33 +144,3 @@ def read_prompt_file(path: str | Path) -> list[str]:
     if not prompts:
         raise TextError(f"{path} holds no prompt")
     return prompts
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def top_k(last_logits, k: int) -> list[list[tuple[int, float]]]:
-    """Per sequence, the k most likely next tokens (id, probability), most likely first; last_logits [B, V]."""
-    logits = np.asarray(last_logits, np.float32)
-    if logits.ndim != 2:
-        raise ValueError(f"top_k: logits of shape {logits.shape}, expected [B, V]")
-    k = max(1, min(k, logits.shape[1]))
-    probs = _softmax(logits)
-    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
-    return [[(int(i), float(probs[b, i])) for i in order[b]] for b in range(logits.shape[0])]
-
-
-def greedy(decode: Callable, last_logits, cache, n: int) -> np.ndarray:
-    """n greedy tokens per sequence [B, n]: the argmax of the prefill's last logits, then each decode step's
-    (`decode(tokens [B], cache) -> (logits [B, V], cache)`, e.g. prefill.jit_decode_step(model)). The cache must have
-    room for n - 1 more positions past every sequence's length."""
-    if n < 1:
-        return np.zeros((np.asarray(last_logits).shape[0], 0), np.int32)
-    out = [np.argmax(np.asarray(last_logits, np.float32), axis=-1).astype(np.int32)]
-    for _ in range(n - 1):
-        logits, cache = decode(out[-1], cache)
-        out.append(np.argmax(np.asarray(logits, np.float32), axis=-1).astype(np.int32))
-    return np.stack(out, axis=1)

@@ -26,7 +26,8 @@ from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import Cache
 from jax_dwdp.parallel import Pipeline
 from jax_dwdp.prefill import jit_decode_step, jit_prefill
-from jax_dwdp.text import TextError, Tokenizer, greedy, read_prompt_file, top_k
+from jax_dwdp.generate import greedy, top_k
+from jax_dwdp.text import TextError, Tokenizer, read_prompt_file
 from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 from tests.hf_reference import random_hf_model, save_hf
 
@@ -176,3 +177,54 @@ def test_prompt_files_and_missing_tokenizers_are_clear_errors(tmp_path, checkpoi
     tok.chat_template = None
     with pytest.raises(TextError, match="has no chat_template"):
         tok.render_chat("hi")
+
+
+def _cli(capsys, *argv):
+    from jax_dwdp.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("layout", [(), pytest.param(("--pipeline", "2"), marks=pytest.mark.devices(2)),
+                                    pytest.param(("--dwdp", "2"), marks=pytest.mark.devices(2))],
+                         ids=["one device", "2 stages", "2 dwdp ranks"])
+def test_the_cli_takes_text_and_returns_transformers_tokens(checkpoint, capsys, tmp_path, layout):
+    folder, hf = checkpoint
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS[1:]))
+    code, out, err = _cli(capsys, "prefill", "--checkpoint", str(folder), "--dtype", "float32", "--prompt", PROMPTS[0],
+                          "--prompt-file", str(prompts), "--generate", str(NEW), "--top-k", "3", "--iters", "1",
+                          "--json", *layout)
+    assert code == 0, err
+    text = json.loads(out)["text"]
+    tok = Tokenizer.from_checkpoint(folder)
+    assert [t["prompt"] for t in text] == PROMPTS
+    for item in text:
+        ids = tok.encode(item["prompt"])
+        assert item["generated_ids"] == _hf_greedy(hf, ids), (layout, item["prompt"])
+        assert item["generated_text"] == tok.decode(item["generated_ids"])
+        assert item["next_tokens"][0]["id"] == item["generated_ids"][0] and len(item["next_tokens"]) == 3
+        assert 1 >= item["next_tokens"][0]["p"] >= item["next_tokens"][1]["p"] >= item["next_tokens"][2]["p"] > 0
+
+
+def test_the_cli_refuses_text_it_cannot_take(checkpoint, capsys, tmp_path):
+    folder, _ = checkpoint
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((folder / name).read_bytes())
+    cases = [
+        (("--preset", "tiny", "--prompt", "hi"), "--prompt needs --checkpoint DIR with the model's tokenizer.json"),
+        (("--checkpoint", str(folder), "--prompt", "hi", "--batch", "2"), "the prompts are the batch"),
+        (("--checkpoint", str(folder), "--chat"), "--chat renders --prompt / --prompt-file text"),
+        (("--checkpoint", str(folder), "--prompt", "hi", "--generate", "2", "--prefill-chunk", "4"),
+         "--generate continues one prefill's cache in one process"),
+        (("--checkpoint", str(folder), "--prompt", "hi", "--top-k", "0"), "--top-k must be >= 1"),
+        (("--checkpoint", str(bare), "--prompt", "hi"), "has no tokenizer.json"),
+        (("--checkpoint", str(folder), "--prompt-file", str(tmp_path / "none.txt")), "none.txt: no such file"),
+    ]
+    for argv, message in cases:
+        code, out, err = _cli(capsys, "prefill", "--dtype", "float32", "--iters", "1", *argv)
+        assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
