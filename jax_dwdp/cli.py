@@ -337,7 +337,7 @@ def cmd_prefill(args) -> dict:
     with checksums_checked(not args.no_verify):
         result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters,
                                     watchdog=Watchdog(args.stall_timeout), status=lambda text: _status(args, text),
-                                    generate=args.generate)
+                                    generate=args.generate, progress=None if args.json else sys.stderr)
     if result is None:  # one process per device: the last stage's (first) process reports
         return {"reporter": False}
     logits, caches = result.pop("logits"), result.pop("caches")

@@ -41,6 +41,7 @@ from jax_dwdp.prefill import InputError, check_tokens, jit_decode_step, jit_pref
 from jax_dwdp.runner import DEFAULT_MODE, execution_mode
 from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
 from jax_dwdp.generate import greedy
+from jax_dwdp.progress import shown_on
 from jax_dwdp.watchdog import Watchdog
 from jax_dwdp.weights import CheckpointError, load_checkpoint
 from jax_dwdp.weights.hf_loader import load_config
@@ -260,14 +261,15 @@ def chunked_prefill(model, logits: LogitsMode, chunk: int, *, mode: str = DEFAUL
 
 
 def run_prefill(spec: PrefillSpec, cfg: ModelConfig, tokens, lengths, *, iters: int = 3,
-                watchdog: Watchdog | None = None, status=None, generate: int = 0) -> dict | None:
+                watchdog: Watchdog | None = None, status=None, generate: int = 0, progress=None) -> dict | None:
     """What `jax-dwdp prefill` runs once `preflight` and `prefill_inputs` have passed: the spec's driver built
     (`status(text)` told "loading ..." or "making random weights") and `measure`d; a float32 spec with every matmul
     at full precision (a reference run), set for the process so that a pipeline's stage threads use it too, and
     restored after. Returns measure's dict, None in a process of a launch that does not report (`Driver.reports`).
     A spec that cannot be built raises SpecError; the library's own errors of its inputs pass as they are.
     `generate` N > 0: also N greedy tokens per sequence continuing the warm-up prefill ("generated" [B, N]; the
-    caches get room for them)."""
+    caches get room for them). `progress`: a stream for the loading and building progress lines (jax_dwdp.progress;
+    None: none)."""
     say = status or (lambda text: None)
     if generate > 0:
         if spec.prefill_chunk is not None:
@@ -279,7 +281,8 @@ def run_prefill(spec: PrefillSpec, cfg: ModelConfig, tokens, lengths, *, iters: 
     try:
         say(f"loading {spec.checkpoint}" if spec.checkpoint is not None else "making random weights")
         try:
-            built = build_driver(spec, cfg, batch=tokens.shape[0])
+            with shown_on(progress):
+                built = build_driver(spec, cfg, batch=tokens.shape[0])
         except ValueError as e:
             if isinstance(e, (ConfigError, InputError, CheckpointError, OutputError)):
                 raise

@@ -27,6 +27,7 @@ from jax_dwdp.devices import put
 from jax_dwdp.model import Qwen35MoeForCausalLM, abstract_model, with_kernels
 from jax_dwdp.model.moe import set_fused_swiglu
 from jax_dwdp.parallel.expert_layout import ExpertLayout
+from jax_dwdp.progress import layers
 from jax_dwdp.sources import _EXPERT_WEIGHTS, AXIS, is_expert_weight
 
 
@@ -157,16 +158,21 @@ def build_placed(cfg: ModelConfig, start_layer: int, end_layer: int, make_range,
     wanted = {path for path, _ in nnx.to_flat_state(abstract)}
     values: dict = {}
     interleaved, kernels = False, None
-    for layer in range(start_layer, end_layer):
-        part = make_range(layer, layer + 1)
-        interleaved, kernels = _interleaved(part), part.kernels
-        for path, var in nnx.to_flat_state(nnx.state(part)):
-            target = ("layers", layer - start_layer, *path[2:]) if path[0] == "layers" else path
-            if target in wanted:
-                values[target] = type(var)(placement(target, var.get_value(), layer - start_layer, cfg.num_experts))
-        del part, var
-        if placement.owned:
-            gc.collect()  # flax modules hold reference cycles: their arrays go only with a collection
+    with layers(f"building layers [{start_layer}, {end_layer})", end_layer - start_layer) as bar:
+        for layer in range(start_layer, end_layer):
+            part = make_range(layer, layer + 1)
+            interleaved, kernels = _interleaved(part), part.kernels
+            nbytes = 0
+            for path, var in nnx.to_flat_state(nnx.state(part)):
+                target = ("layers", layer - start_layer, *path[2:]) if path[0] == "layers" else path
+                if target in wanted:
+                    value = var.get_value()
+                    nbytes += value.nbytes
+                    values[target] = type(var)(placement(target, value, layer - start_layer, cfg.num_experts))
+            del part, var
+            if placement.owned:
+                gc.collect()  # flax modules hold reference cycles: their arrays go only with a collection
+            bar.advance(nbytes)
     stage = nnx.merge(graphdef, nnx.from_flat_state([(path, values[path]) for path, _ in
                                                      nnx.to_flat_state(abstract)]))
     stage = set_fused_swiglu(stage, interleaved, permute=False)
