@@ -21,8 +21,16 @@ import numpy as np
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
-__all__ = ["TextError", "Tokenizer", "read_prompt_file"]
+__all__ = ["TextError", "Tokenizer", "read_prompt_file", "write_small_tokenizer"]
+
+# A ChatML template (the form Qwen's checkpoints use), for the small tokenizer below.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ("The quick brown fox jumps over the lazy dog. A prefill reads the whole prompt at once; the decode step "
+          "then writes one token at a time. Each GPU keeps part of every layer's experts and copies the rest from "
+          "its peers while the layer before computes. Hello world, how are you today?").split(". ")
 
 
 class TextError(ValueError):
@@ -144,3 +152,22 @@ def read_prompt_file(path: str | Path) -> list[str]:
     if not prompts:
         raise TextError(f"{path} holds no prompt")
     return prompts
+
+
+def write_small_tokenizer(folder: str | Path, vocab_size: int, corpus: Sequence[str] = CORPUS) -> Path:
+    """Writes a byte-level BPE tokenizer (the 256 bytes, <|im_start|> / <|im_end|> / <unk>, and merges learnt from
+    `corpus` up to `vocab_size` ids) as `tokenizer.json` and a ChatML `tokenizer_config.json` into `folder`: text in
+    and out for a small random checkpoint (weights/hf_export.py), not a real model's vocabulary."""
+    if vocab_size < 259:
+        raise ValueError(f"a byte-level tokenizer needs at least 259 ids (256 bytes, 3 special), got {vocab_size}")
+    folder = Path(folder)
+    tok = HfTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(corpus), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
+    return folder

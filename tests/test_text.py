@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer as HfTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import Cache
 from jax_dwdp.parallel import Pipeline
 from jax_dwdp.prefill import jit_decode_step, jit_prefill
 from jax_dwdp.generate import greedy, top_k
-from jax_dwdp.text import TextError, Tokenizer, read_prompt_file
+from jax_dwdp.text import CHATML, TextError, Tokenizer, read_prompt_file, write_small_tokenizer
 from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 from tests.hf_reference import random_hf_model, save_hf
 
@@ -37,25 +36,15 @@ CFG = ModelConfig(vocab_size=320, hidden_size=48, num_hidden_layers=4, num_atten
                   shared_expert_intermediate_size=24)
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a prefill reads the whole prompt at once",
           "experts live on every rank and move while the layer before computes", "hello world, how are you?"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = CHATML
 PROMPTS = ["the quick brown fox", "hello world, how are you? a prefill reads the whole prompt", "experts move"]
 NEW = 6
 
 
 def write_tokenizer(folder) -> None:
-    """A byte-level BPE (256 bytes and some merges) of at most CFG.vocab_size tokens, trained on CORPUS, with a chat
-    template."""
-    tok = HfTokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=CFG.vocab_size, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    assert tok.get_vocab_size() <= CFG.vocab_size
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": TEMPLATE, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    """The small byte-level tokenizer hf_export writes, trained on CORPUS, with a ChatML template."""
+    write_small_tokenizer(folder, CFG.vocab_size, CORPUS)
+    assert HfTokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size() <= CFG.vocab_size
 
 
 @pytest.fixture(scope="module")
