@@ -7,6 +7,7 @@ layouts.
     jax-dwdp convert HF_DIR OUT_DIR [--dtype bfloat16|float32] [--overwrite] [--json]
     jax-dwdp verify DIR
     jax-dwdp plan (--checkpoint DIR | --preset NAME) [--pipeline P] [--dwdp N | --dep N]
+                  [--profile h200|h100|FILE [--link NAME|FILE] [--stream SPEC] [--requests K]]
 
 Bad input ends with one line on stderr starting with "error:" and exit status 2 (a device failure: 1; Ctrl-C:
 130), never a traceback (pass --debug to see one).
@@ -30,7 +31,8 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 DEFAULT_BATCH, DEFAULT_SEQ_LEN = 1, 128
 DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
-BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError")
+BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError", "PlannerError",
+             "TextError")
 
 
 class UsageError(ValueError):
@@ -97,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--json", action="store_true", help="print one JSON object")
     a("--no-verify", action="store_true",
       help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
+    t = p.add_argument_group("text in, text out (a --checkpoint with its tokenizer.json)").add_argument
+    t("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch of prompts of any lengths)")
+    t("--prompt-file", type=Path, metavar="FILE", help="prompts, one per line, or a JSON list of strings")
+    t("--chat", action="store_true", help="each prompt as a user turn of the checkpoint's chat template")
+    t("--top-k", type=int, default=5, metavar="K", help="the K most likely next tokens of each prompt (default 5)")
+    t("--generate", type=int, default=0, metavar="N", help="N greedy tokens continuing each sequence, with the "
+      "model's reference decode step on one device (correctness, not speed)")
     c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint")
     c.add_argument("hf_dir", type=Path, metavar="HF_DIR",
                    help="HF folder: config.json and model.safetensors, or shards with model.safetensors.index.json")
@@ -116,6 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dep", type=int, default=1, help="DEP ranks per stage (default 1; instead of --dwdp)")
     q.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated")
     q.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    m = q.add_argument_group("performance model (DWDP vs DEP vs replicated weights; a prediction, not a measurement)")
+    m.add_argument("--profile", metavar="NAME|FILE",
+                   help="a GPU profile: h200 or h100 (committed, from benchmarks/RESULTS.md) or a JSON file written by "
+                        "benchmarks/profile_gpu.py; predicts each scheme's time and tokens/s per GPU")
+    m.add_argument("--link", metavar="NAME|FILE", help="the link between the GPUs: profile (default: the profile's "
+                   "own), nvlink4, nvlink5 (spec sheet, derated as measured on two H200s) or a JSON file")
+    m.add_argument("--stream", metavar="SPEC",
+                   help="prompt lengths: TOKENS (every prompt; default 16384), normal:MEAN,STD[,LO,HI] (clipped, "
+                        "default [MEAN/8, 2*MEAN]) or file:PATH (integers, or a JSON list)")
+    m.add_argument("--requests", type=int, metavar="K", help="requests per rank drawn from the stream "
+                   "(default 8; a file gives its own)")
+    m.add_argument("--stream-seed", type=int, metavar="S", help="seed of the stream's lengths (default 0)")
+    m.add_argument("--bucket", type=int, metavar="T",
+                   help="prompts are computed padded to a multiple of T tokens (default 256; real tokens count)")
+    m.add_argument("--dep-exchange", choices=("gather", "routed"),
+                   help="DEP's token exchange: gather (jax_dwdp's: every token to every rank; default) or routed "
+                        "(each token to the ranks of its experts, as a dispatch kernel sends)")
     return parser
 
 
@@ -221,6 +247,30 @@ def _check_options(args) -> None:
                          "--prefill-chunk")
 
 
+def _prompts(args) -> list[str] | None:
+    """The text options checked on their own; the prompts (None: token ids or random tokens)."""
+    from jax_dwdp.text import read_prompt_file
+
+    if args.top_k < 1 or args.generate < 0:
+        raise UsageError(f"--top-k must be >= 1 and --generate >= 0, got {args.top_k} and {args.generate}")
+    if args.generate and (args.prefill_chunk is not None or args.num_processes > 1):
+        raise UsageError("--generate continues one prefill's cache in one process: not with --prefill-chunk or "
+                         "--num-processes")
+    if not args.prompt and args.prompt_file is None:
+        if args.chat:
+            raise UsageError("--chat renders --prompt / --prompt-file text: give a prompt")
+        return None
+    if args.checkpoint is None:
+        raise UsageError("--prompt needs --checkpoint DIR with the model's tokenizer.json (a --preset has random "
+                         "weights and no tokenizer; give token ids with --tokens FILE.npy)")
+    if args.tokens is not None or args.batch is not None or args.seq_len is not None:
+        raise UsageError("the prompts are the batch: --prompt / --prompt-file do not combine with --tokens, --batch "
+                         "or --seq-len")
+    if args.num_processes > 1:
+        raise UsageError("--prompt runs in one process: not with --num-processes")
+    return list(args.prompt or []) + (read_prompt_file(args.prompt_file) if args.prompt_file is not None else [])
+
+
 def _check_processes(args) -> None:
     """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
     try:
@@ -245,20 +295,31 @@ def _prefill_inputs(args):
     from jax_dwdp.outputs import output_file
 
     _check_options(args)
-    _token_shape(args)
+    prompts = _prompts(args)
+    tokenizer = None
+    if prompts is None:
+        _token_shape(args)
     _dtype(args.dtype)
     if args.logits_out is not None:
         args.logits_out = output_file(args.logits_out, "--logits-out")
     spec, cfg = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
                       fused_swiglu=args.fused_swiglu, logits="all" if args.logits_out is not None else "last")
+    lengths = None
+    if prompts is not None:
+        from jax_dwdp.text import Tokenizer
+
+        tokenizer = Tokenizer.from_checkpoint(args.checkpoint)
+        tokens, lengths = tokenizer.batch(prompts, chat=args.chat)
+    else:
+        try:
+            tokens = None if args.tokens is None else driver.read_tokens(args.tokens)
+        except ValueError as e:
+            raise UsageError(f"--tokens {e}") from None
     try:
-        tokens = None if args.tokens is None else driver.read_tokens(args.tokens)
-    except ValueError as e:
-        raise UsageError(f"--tokens {e}") from None
-    try:
-        return spec, cfg, *driver.prefill_inputs(spec, cfg, tokens, batch=args.batch, seq_len=args.seq_len)
+        inputs = driver.prefill_inputs(spec, cfg, tokens, lengths, batch=args.batch or 1, seq_len=args.seq_len or 1)
     except ValueError as e:  # the batch the memory check names is what --batch (or the file) gives
         raise UsageError(str(e).replace("a batch of ", "--batch ", 1)) from None
+    return spec, cfg, *inputs, prompts, tokenizer
 
 
 def cmd_prefill(args) -> dict:
@@ -268,7 +329,7 @@ def cmd_prefill(args) -> dict:
     from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable
     from jax_dwdp.weights import checksums_checked, precision_notice
 
-    spec, cfg, tokens, lengths = _prefill_inputs(args)
+    spec, cfg, tokens, lengths, prompts, tokenizer = _prefill_inputs(args)
     notice = precision_notice(args.checkpoint, args.dtype) if args.checkpoint is not None else None
     if notice is not None and not args.process_id:  # once per launch: process 0 says it
         print(f"notice: {notice}", file=sys.stderr)
@@ -278,7 +339,8 @@ def cmd_prefill(args) -> dict:
         raise UsageError(f"--experts ffi: {e}") from None
     with checksums_checked(not args.no_verify):
         result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters,
-                                    watchdog=Watchdog(args.stall_timeout), status=lambda text: _status(args, text))
+                                    watchdog=Watchdog(args.stall_timeout), status=lambda text: _status(args, text),
+                                    generate=args.generate, progress=None if args.json else sys.stderr)
     if result is None:  # one process per device: the last stage's (first) process reports
         return {"reporter": False}
     logits, caches = result.pop("logits"), result.pop("caches")
@@ -287,8 +349,28 @@ def cmd_prefill(args) -> dict:
         print(f"warning: {warning}", file=sys.stderr)
     if args.logits_out is not None:
         save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
+    generated = result.pop("generated", None)
+    if prompts is not None:
+        result["text"] = _text_out(prompts, tokenizer, driver.last_logits(logits, lengths), generated, args.top_k)
+    elif generated is not None:
+        result["generated_ids"] = np.asarray(generated).tolist()
     return {"command": "prefill", **result, "logits_out": str(args.logits_out) if args.logits_out else None,
             "logits_finite": warning is None, "ffi_libraries": build_status()}
+
+
+def _text_out(prompts, tokenizer, last, generated, k: int) -> list[dict]:
+    """Per prompt: its k most likely next tokens (id, text, probability) and the generated continuation."""
+    from jax_dwdp.generate import top_k
+
+    out = []
+    for row, (prompt, best) in enumerate(zip(prompts, top_k(last, k))):
+        item = {"prompt": prompt, "next_tokens": [{"id": i, "text": tokenizer.decode([i]), "p": round(p, 6)}
+                                                  for i, p in best]}
+        if generated is not None:
+            ids = [int(i) for i in np.asarray(generated)[row]]
+            item.update(generated_ids=ids, generated_text=tokenizer.decode(ids))
+        out.append(item)
+    return out
 
 
 def cmd_plan(args) -> dict:
@@ -297,14 +379,63 @@ def cmd_plan(args) -> dict:
     _dtype(args.dtype)
     if min(args.dwdp, args.dep) < 1:
         raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
+    model_inputs = _model_inputs(args)
     spec, cfg = _spec(args)
     try:
         stages = plan_layout(cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
                              dep=args.dep > 1)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
-            "dwdp": args.dwdp, "dep": args.dep, "stages": stages}
+    out = {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
+           "dwdp": args.dwdp, "dep": args.dep, "stages": stages}
+    if model_inputs is not None:
+        from jax_dwdp.planner import predict
+
+        profile, link, stream = model_inputs
+        out["performance"] = predict(cfg, profile, link, stream, pipeline=args.pipeline, ranks=spec.ranks,
+                                     requests=args.requests, seed=args.stream_seed, bucket=args.bucket,
+                                     itemsize=2 if args.dtype == "bfloat16" else 4,
+                                     boundaries=spec.stage_boundaries, dep_exchange=args.dep_exchange)
+    return out
+
+
+def _model_inputs(args):
+    """The performance model's inputs (profile, link, stream), checked before the plan's slower work; None without
+    --profile (and its options refused then: they would do nothing)."""
+    from jax_dwdp.planner import PlannerError, RequestStream, load_link, load_profile
+
+    options = {"--link": args.link, "--stream": args.stream, "--requests": args.requests,
+               "--stream-seed": args.stream_seed, "--bucket": args.bucket, "--dep-exchange": args.dep_exchange}
+    if args.profile is None:
+        given = [flag for flag, value in options.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: "
+                             "add --profile h200|h100|FILE")
+        return None
+    args.stream = "16384" if args.stream is None else args.stream
+    args.requests = 8 if args.requests is None else args.requests
+    args.stream_seed = 0 if args.stream_seed is None else args.stream_seed
+    args.bucket = 256 if args.bucket is None else args.bucket
+    args.dep_exchange = args.dep_exchange or "gather"
+    if args.requests < 1:
+        raise UsageError(f"--requests must be >= 1, got {args.requests}")
+    if args.bucket < 1:
+        raise UsageError(f"--bucket must be >= 1 token, got {args.bucket}")
+    if not 0 <= args.stream_seed <= MAX_SEED:
+        raise UsageError(f"--stream-seed must lie in [0, {MAX_SEED}], got {args.stream_seed}")
+    inputs = {}
+    for flag, read in (("--profile", lambda: load_profile(args.profile)),
+                       ("--link", lambda: load_link(args.link, inputs["--profile"])),
+                       ("--stream", lambda: RequestStream.parse(args.stream))):
+        try:
+            inputs[flag] = read()
+        except PlannerError as e:
+            raise UsageError(f"{flag} {e}") from None
+    profile = inputs["--profile"]
+    if args.dtype != profile.dtype:
+        raise UsageError(f"--profile {args.profile} was measured in {profile.dtype}; --dtype {args.dtype} has no "
+                         "measured layer times")
+    return profile, inputs["--link"], inputs["--stream"]
 
 
 def cmd_convert(args) -> dict:

@@ -31,16 +31,18 @@ from jax_dwdp.config import ConfigError, ModelConfig
 from jax_dwdp.families import FamilyConfig, config_from_preset
 from jax_dwdp.kernels.choices import KernelChoices
 from jax_dwdp.model import init_model, with_kernels
-from jax_dwdp.model.cache import LogitsMode
+from jax_dwdp.model.cache import Cache, LogitsMode
 from jax_dwdp.outputs import OutputError
 from jax_dwdp.parallel.backends import expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.pipeline import Pipeline, cache_bytes_per_sequence, cache_bytes_per_token, microbatch_rows
 from jax_dwdp.parallel.pipeline import check_layout, plan_stages
-from jax_dwdp.prefill import InputError, check_tokens, jit_prefill
+from jax_dwdp.prefill import InputError, check_tokens, jit_decode_step, jit_prefill
 from jax_dwdp.runner import DEFAULT_MODE, execution_mode
 from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
+from jax_dwdp.generate import greedy
+from jax_dwdp.progress import shown_on
 from jax_dwdp.watchdog import Watchdog
 from jax_dwdp.weights import CheckpointError, load_checkpoint
 from jax_dwdp.weights.hf_loader import load_config
@@ -67,6 +69,7 @@ class PrefillSpec:
     fused_swiglu: bool = False
     logits: LogitsMode = "last"
     kernels: KernelChoices | None = None  # the kernel choices (default: the process's, from the environment)
+    cache_len: int | None = None  # positions each cache holds (default the prompt's; more leaves room to decode)
 
     def __post_init__(self):
         if (self.checkpoint is None) == (self.preset is None):
@@ -103,9 +106,24 @@ class Driver:
     device: the last stage's); `close()` (or leaving a `with` block) releases what the driver opened."""
 
     def __init__(self, spec: PrefillSpec, cfg: FamilyConfig, run, compile_fn, description: str, *, close=None,
-                 reports: bool = True):
+                 reports: bool = True, model=None):
         self.spec, self.cfg, self.run, self.compile = spec, cfg, run, compile_fn
         self.description, self.reports, self._close = description, reports, close
+        self._model = model  # the whole model on one device, when the driver runs one (else made for decoding)
+
+    def generate(self, last_logits, caches, n: int, lengths=None):
+        """n greedy tokens per sequence [B, n] continuing the prefill whose last-position logits [B, V] and caches
+        (one per stage) are given, with the model's reference decode step on one device (correctness, not speed:
+        a driver over stages or ranks builds the whole model there once for it). The caches need room for n - 1
+        more positions (`PrefillSpec.cache_len`). `lengths` [B]: the prompt lengths (rows past them are padding)."""
+        batch = np.asarray(last_logits).shape[0]
+        device = jax.devices()[0]
+        cache = Cache.concat_layers(list(caches), device) if len(caches) > 1 else jax.device_put(caches[0], device)
+        if cache.lengths.shape[0] > batch:  # microbatch padding rows
+            cache = jax.tree.map(lambda x: x[:batch] if x.ndim == 1 else x[:, :batch], cache)
+        if self._model is None:
+            self._model = _whole_model(self.spec, self.cfg)
+        return greedy(jit_decode_step(self._model), last_logits, cache, n)
 
     def close(self, exc: BaseException | None = None) -> None:
         if self._close is not None:
@@ -137,7 +155,7 @@ def build_driver(spec: PrefillSpec, cfg: FamilyConfig | None = None, *, batch: i
         raise ValueError("a chunked prefill continues a cache layer by layer: mode 'scanned' does not apply")
     if mode == "scanned":
         scanned, source = _scanned_model(spec, cfg, dtype)
-        prefill = jit_prefill_scanned(scanned, logits=spec.logits)
+        prefill = jit_prefill_scanned(scanned, logits=spec.logits, cache_len=spec.cache_len)
         return Driver(spec, cfg, _one_device(prefill), prefill.compile, f"{source}, {scanned.describe()}")
     if spec.checkpoint is not None:
         model, report = load_checkpoint(spec.checkpoint, cfg=cfg, dtype=dtype, fused_swiglu=spec.fused_swiglu)
@@ -149,8 +167,8 @@ def build_driver(spec: PrefillSpec, cfg: FamilyConfig | None = None, *, batch: i
     if spec.prefill_chunk is not None:
         run = chunked_prefill(model, spec.logits, spec.prefill_chunk, mode=mode)
         return Driver(spec, cfg, run, run, f"{source}, prefill in pieces of {spec.prefill_chunk} tokens")
-    prefill = jit_prefill(model, logits=spec.logits, mode=mode)
-    return Driver(spec, cfg, _one_device(prefill), prefill.compile, source)
+    prefill = jit_prefill(model, logits=spec.logits, mode=mode, cache_len=spec.cache_len)
+    return Driver(spec, cfg, _one_device(prefill), prefill.compile, source, model=model)
 
 
 def _pipeline_driver(spec, cfg, dtype, mode, batch) -> Driver:
@@ -164,7 +182,7 @@ def _pipeline_driver(spec, cfg, dtype, mode, batch) -> Driver:
 
     def run(tokens, lengths):
         return pipe.prefill(tokens, lengths, microbatches=spec.microbatches, logits=spec.logits,
-                            mode=mode)
+                            mode=mode, cache_len=spec.cache_len)
 
     stages = ", ".join(f"[{s.start_layer},{s.end_layer})" for s in pipe.stages)
     scheme = "dep" if backend.name == "dep" else f"dwdp ({backend.name})" if spec.ranks > 1 else "dwdp"
@@ -176,6 +194,24 @@ def _pipeline_driver(spec, cfg, dtype, mode, batch) -> Driver:
         text += f", {used} microbatches of {size} sequences{padding}"
     text += ", each stage scanned" if mode == "scanned" else ""
     return Driver(spec, cfg, run, run, text, close=pipe.close, reports=pipe.reports)
+
+
+def _whole_model(spec: PrefillSpec, cfg: FamilyConfig):
+    """The spec's whole model on the default device (the weights its drivers build: a checkpoint's, or the preset's
+    random weights of `seed`, which depend on the global layer only)."""
+    dtype = jnp.dtype(spec.dtype)
+    if spec.checkpoint is not None:
+        model, _ = load_checkpoint(spec.checkpoint, cfg=cfg, dtype=dtype, fused_swiglu=spec.fused_swiglu)
+        return model if spec.kernels is None else with_kernels(model, spec.kernels)
+    return init_model(cfg, dtype=dtype, seed=spec.seed, fused_swiglu=spec.fused_swiglu, kernels=spec.kernels)
+
+
+def last_logits(logits, lengths) -> np.ndarray:
+    """Each sequence's last-position logits [B, V] from a prefill's "last" ([B, V]) or "all" ([B, T, V]) logits."""
+    logits = np.asarray(logits, np.float32)
+    if logits.ndim == 2:
+        return logits
+    return np.take_along_axis(logits, (np.asarray(lengths) - 1)[:, None, None], axis=1)[:, 0]
 
 
 def _one_device(prefill):
@@ -226,27 +262,41 @@ def chunked_prefill(model, logits: LogitsMode, chunk: int, *, mode: str = DEFAUL
 
 
 def run_prefill(spec: PrefillSpec, cfg: FamilyConfig, tokens, lengths, *, iters: int = 3,
-                watchdog: Watchdog | None = None, status=None) -> dict | None:
+                watchdog: Watchdog | None = None, status=None, generate: int = 0, progress=None) -> dict | None:
     """What `jax-dwdp prefill` runs once `preflight` and `prefill_inputs` have passed: the spec's driver built
     (`status(text)` told "loading ..." or "making random weights") and `measure`d; a float32 spec with every matmul
     at full precision (a reference run), set for the process so that a pipeline's stage threads use it too, and
     restored after. Returns measure's dict, None in a process of a launch that does not report (`Driver.reports`).
-    A spec that cannot be built raises SpecError; the library's own errors of its inputs pass as they are."""
+    A spec that cannot be built raises SpecError; the library's own errors of its inputs pass as they are.
+    `generate` N > 0: also N greedy tokens per sequence continuing the warm-up prefill ("generated" [B, N]; the
+    caches get room for them). `progress`: a stream for the loading and building progress lines (jax_dwdp.progress;
+    None: none)."""
     say = status or (lambda text: None)
+    if generate > 0:
+        if spec.prefill_chunk is not None:
+            raise SpecError("generating continues one prefill's cache: not a prefill in pieces")
+        spec = dataclasses.replace(spec, cache_len=tokens.shape[1] + generate - 1)
     precision = jax.config.jax_default_matmul_precision
     if spec.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
     try:
         say(f"loading {spec.checkpoint}" if spec.checkpoint is not None else "making random weights")
         try:
-            built = build_driver(spec, cfg, batch=tokens.shape[0])
+            with shown_on(progress):
+                built = build_driver(spec, cfg, batch=tokens.shape[0])
         except ValueError as e:
             if isinstance(e, (ConfigError, InputError, CheckpointError, OutputError)):
                 raise
             raise SpecError(str(e)) from None  # layout and mesh problems (too many stages, too few devices)
         with built:
             result = measure(built, tokens, lengths, iters=iters, watchdog=watchdog, status=status)
-            return result if built.reports else None
+            if not built.reports:
+                return None
+            if generate > 0:
+                say(f"generating {generate} tokens per sequence (the reference decode step)")
+                result["generated"] = built.generate(last_logits(result["logits"], lengths), result["caches"],
+                                                     generate)
+            return result
     finally:
         jax.config.update("jax_default_matmul_precision", precision)
 

@@ -40,6 +40,13 @@ def _print_human(result: dict) -> None:
     print(f"peak device memory: {peak_s}")
     if result.get("logits_out"):
         print(f"logits written to {result['logits_out']}")
+    for i, item in enumerate(result.get("text") or []):
+        print(f"prompt {i + 1}: {item['prompt']!r}")
+        print("  next: " + ", ".join(f"{t['text']!r} {t['p']:.3f}" for t in item["next_tokens"]))
+        if "generated_text" in item:
+            print(f"  generated: {item['generated_text']!r}")
+    for i, ids in enumerate(result.get("generated_ids") or []):
+        print(f"sequence {i + 1} generated ids: {ids}")
     print(result["ffi_libraries"])
 
 
@@ -69,3 +76,71 @@ def _print_plan(result: dict) -> None:
             print("buffers: two layers' full expert sets for the FFI store's prefetch (its blocks are not multiples of "
                   "the 2 MiB VMM granularity, so it copies them out); the XLA all-gather's, with padding slots, in "
                   "--json as xla_gather_buffer_bytes")
+    if "performance" in result:
+        _print_performance(result["performance"])
+
+
+SCHEMES = (("dwdp", "DWDP"), ("dep", "DEP"), ("replicated", "replicated"))
+
+
+def _crossing_line(name: str, c: dict, unit, suffix: str = "") -> str:
+    grid, r = c["grid"], c["dwdp_over_dep"]
+    span = f"{unit(grid[0])}-{unit(grid[-1])}{suffix}"
+    if c["crossing"] is None:
+        who = "DWDP" if r[0] > 1 else "DEP"
+        return f"{name}: {who} ahead at every value tried ({span}; DWDP / DEP {min(r):.2f}-{max(r):.2f})"
+    above = "DWDP" if r[-1] > 1 else "DEP"
+    return f"{name}: DWDP / DEP = 1 at {unit(c['crossing'])}{suffix} ({above} ahead above it; tried {span})"
+
+
+def _print_performance(perf: dict) -> None:
+    gib = 2**30
+    prof, link, stream = perf["profile"], perf["link"], perf["stream"]
+    print()
+    print(f"prediction (a model, not a measurement): profile {prof['name']} ({prof['device']}, {prof['date']}, "
+          f"model {prof['model']}); link {link['name']} ({link['kind']}: peer copy {link['peer_gib_s']:.1f} GiB/s, "
+          f"collective {link['collective_gib_s']:.1f} GiB/s, {link['latency_us']:g} us per collective)")
+    print(f"stream: {stream['description']}; {perf['requests_per_rank']} request(s) per rank (seed {perf['seed']}), "
+          f"computed padded to {perf['bucket']} tokens; {perf['pipeline']} stage(s) x {perf['ranks']} rank(s); DEP "
+          f"exchange: {perf['dep_exchange']}")
+    if perf["compute_scaled_from_profile_model"]:
+        print(f"compute: the profile measured {prof['model']}; this model's layer times are scaled by FLOPs (not "
+              "measured)")
+    print("| scheme | tokens/s per GPU | vs replicated | makespan ms | memory per rank GiB | fits |")
+    print("|---|---:|---:|---:|---:|---|")
+    for key, name in SCHEMES:
+        s = perf["schemes"][key]
+        print(f"| {name} | {s['tokens_per_s_per_gpu']:,.0f} | {s['vs_replicated']:.3f} | {s['makespan_ms']:.1f} "
+              f"| {s['memory_bytes'] / gib:.1f} | {'yes' if s['fits'] else 'no'} |")
+    print(f"DWDP / DEP: {perf['dwdp_over_dep']:.3f} (tokens/s per GPU)")
+    copy = perf["dwdp_copy"]
+    hidden = perf["schemes"]["dwdp"]["hidden_fraction"]
+    if copy["peer_bytes_per_layer"]:
+        how = ("read in place: the rank's own experts never move" if copy["store_mode"] == "in_place" else
+               f"its own block copied too, {copy['own_bytes_per_layer'] / gib:.3f} GiB HBM to HBM")
+        print(f"DWDP copies {copy['peer_bytes_per_layer'] / gib:.3f} GiB per layer from its peers ((N-1)/N of the "
+              f"layer's experts; {how}): {copy['idle_ms_per_layer']:.2f} ms on an idle GPU; "
+              f"{'' if hidden is None else f'{hidden:.0%} of the copy time hidden (1 - DWDP over replicated / copy time)'}")
+    rows = perf["per_layer"]
+    print("per layer (stage 0, the stream's first step; layer 0 alone, then the mean per kind):")
+    print("| layers | mixer ms | MoE ms | DWDP copy ms | DWDP stall ms | DWDP contention ms | DEP exchange ms (MiB) "
+          "| DEP wait ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    groups = [("layer 0 (" + rows[0]["kind"] + ")", rows[:1])]
+    for kind in ("linear_attention", "full_attention"):
+        same = [r for r in rows[1:] if r["kind"] == kind]
+        if same:
+            groups.append((f"{len(same)} {kind}", same))
+    for label, group in groups:
+        m = lambda key: sum(r[key] for r in group) / len(group)  # noqa: E731
+        print(f"| {label} | {m('mixer_ms'):.3f} | {m('moe_ms'):.3f} | {m('dwdp_copy_ms'):.3f} | "
+              f"{m('dwdp_stall_ms'):.3f} | {m('dwdp_contention_ms'):.3f} | {m('dep_exchange_ms'):.3f} "
+              f"({m('dep_exchange_bytes') / 2**20:.0f}) | {m('dep_wait_ms'):.3f} |")
+    print(f"the first layer's exposed prefetch: {rows[0]['dwdp_stall_ms']:.3f} ms")
+    if "crossover" in perf:
+        c = perf["crossover"]
+        print("crossover (DWDP / DEP = 1, the rest of the stream's shape kept):")
+        print("  " + _crossing_line("prompt length", c["prompt_tokens"], lambda x: f"{x:,.0f}", " tokens"))
+        print("  " + _crossing_line("imbalance (deviation / mean)", c["imbalance"], lambda x: f"{x:.2f}"))
+        print("  " + _crossing_line("ranks N", c["ranks"], lambda x: f"{x:.0f}"))
+    print("leaves out: " + "; ".join(perf["leaves_out"]))

@@ -51,6 +51,7 @@ from jax_dwdp.model.cache import LogitsMode, cache_length, kv_entry
 from jax_dwdp.devices import place
 from jax_dwdp.prefill import check_tokens
 from jax_dwdp.programs import StaticGraph, canonical_graphs, precision_scope, shell_of
+from jax_dwdp.progress import layers
 
 
 def period_of(layer_types: tuple[str, ...], interval: int) -> tuple[tuple[str, ...], int]:
@@ -158,29 +159,32 @@ class ScannedModel:
         p = len(period)
         stacks: list = [None] * p  # per position in the period: (treedef, [stacked leaf])
         tail, graphs, shell, device, dtype = [], {}, {}, None, None
-        for i, layer_id in enumerate(range(start_layer, end_layer)):
-            piece = make_range(layer_id, layer_id + 1)
-            devices = {d for leaf in jax.tree.leaves(nnx.state(piece)) for d in leaf.devices()}
-            if len(devices) != 1:
-                raise ValueError(f"ScannedModel needs its layers on one device; layer {layer_id} is on {len(devices)}")
-            if device is not None and devices != {device}:
-                raise ValueError(f"ScannedModel needs its layers on one device; layer {layer_id} is on "
-                                 f"{devices.pop()}, the layers before it on {device}")
-            device, dtype = devices.pop(), piece.dtype
-            layer = piece.layers[0]
-            graphs.setdefault(layer.layer_type, StaticGraph.of(nnx.graphdef(layer)))
-            shell.update(nnx.to_flat_state(shell_of(piece)[1]))  # the embedding (layer 0), the head (the last)
-            b, j = divmod(i, p)
-            if b >= blocks:
-                tail.append((layer.layer_type, nnx.state(layer)))
-                continue
-            leaves, treedef = jax.tree.flatten(nnx.state(layer))
-            if stacks[j] is None:
-                stacks[j] = (treedef, [jnp.zeros((blocks, *x.shape), x.dtype, device=device) for x in leaves])
-            for k, x in enumerate(leaves):
-                stacks[j][1][k] = _put(stacks[j][1][k], x, b)
-                if consume:
-                    x.delete()
+        with layers(f"stacking layers [{start_layer}, {end_layer})", end_layer - start_layer) as bar:
+            for i, layer_id in enumerate(range(start_layer, end_layer)):
+                piece = make_range(layer_id, layer_id + 1)
+                devices = {d for leaf in jax.tree.leaves(nnx.state(piece)) for d in leaf.devices()}
+                if len(devices) != 1:
+                    raise ValueError(f"ScannedModel needs its layers on one device; layer {layer_id} is on "
+                                     f"{len(devices)}")
+                if device is not None and devices != {device}:
+                    raise ValueError(f"ScannedModel needs its layers on one device; layer {layer_id} is on "
+                                     f"{devices.pop()}, the layers before it on {device}")
+                device, dtype = devices.pop(), piece.dtype
+                layer = piece.layers[0]
+                graphs.setdefault(layer.layer_type, StaticGraph.of(nnx.graphdef(layer)))
+                shell.update(nnx.to_flat_state(shell_of(piece)[1]))  # the embedding (layer 0), the head (the last)
+                b, j = divmod(i, p)
+                bar.advance(sum(x.nbytes for x in jax.tree.leaves(nnx.state(layer))))
+                if b >= blocks:
+                    tail.append((layer.layer_type, nnx.state(layer)))
+                    continue
+                leaves, treedef = jax.tree.flatten(nnx.state(layer))
+                if stacks[j] is None:
+                    stacks[j] = (treedef, [jnp.zeros((blocks, *x.shape), x.dtype, device=device) for x in leaves])
+                for k, x in enumerate(leaves):
+                    stacks[j][1][k] = _put(stacks[j][1][k], x, b)
+                    if consume:
+                        x.delete()
         shell_graph, _ = shell_of(abstract_model(cfg, dtype=dtype, start_layer=start_layer, end_layer=end_layer,
                                                  kernels=piece.kernels))
         return cls(model_graph=StaticGraph.of(shell_graph), model_state=nnx.from_flat_state(sorted(shell.items())),

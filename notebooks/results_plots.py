@@ -378,3 +378,104 @@ def plot_gdn(current: list[dict], before: list[dict], title: str):
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+# ---- 7. the planner's predictions (notebook 05) ------------------------------------------------------------------
+
+N_COLORS = {2: "tab:blue", 4: "tab:orange", 8: "tab:green", 72: "tab:red"}
+EXCHANGE_STYLE = {"gather": "-", "routed": "--"}
+
+
+def plot_planner_ratio(panels: list[tuple[str, dict]], xlabel: str, title: str, log_x: bool = True):
+    """DWDP / DEP (tokens/s per GPU, predicted) per panel (one link each): one line per (ranks N, DEP exchange),
+    `panels` = [(panel title, {(n, exchange): (xs, ratios)})]. Above 1: DWDP ahead."""
+    fig, axes = figure(ncols=len(panels), width=5.0 * len(panels), height=3.4)
+    for ax, (name, series) in zip(axes, panels):
+        xs_all = []
+        for (n, exchange), (xs, ys) in sorted(series.items()):
+            ax.plot(xs, ys, color=N_COLORS.get(n, "black"), linestyle=EXCHANGE_STYLE[exchange], marker=".",
+                    label=f"N={n}, DEP {exchange}")
+            xs_all += list(xs)
+        ax.axhline(1.0, color="gray", linewidth=1)
+        if log_x:
+            tokens_axis(ax, xs_all, xlabel)
+        else:
+            ax.set_xlabel(xlabel)
+        plain_log_y(ax)
+        ys_all = [y for _, ys in series.values() for y in ys]
+        ax.set_yticks([t for t in (0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 8) if min(ys_all) * 0.9 <= t <= max(ys_all) * 1.1])
+        ax.set_title(name, fontsize=8)
+        ax.set_ylabel("DWDP / DEP (predicted, log)")
+    axes[0].legend(fontsize=6, ncol=2)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_planner_memory(rows: list[dict], limits: dict, title: str):
+    """Bytes per rank (predicted: weights, expert buffers, DEP's exchange buffers, the caches of one prompt) against
+    ranks N, one panel per model; `rows`: {"model", "ranks", "scheme", "gib"}; `limits`: {label: GiB} drawn as
+    horizontal lines (the GPUs' memory)."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = figure(ncols=len(models), width=4.5 * len(models), height=3.2)
+    styles = {"DWDP": ("tab:red", "o"), "DEP (gather)": ("tab:purple", "s"), "DEP (routed)": ("tab:purple", "^"),
+              "replicated": ("gray", "D")}
+    for ax, model in zip(axes, models):
+        mine = [r for r in rows if r["model"] == model]
+        for scheme, (color, marker) in styles.items():
+            pts = sorted((r["ranks"], r["gib"]) for r in mine if r["scheme"] == scheme)
+            if pts:
+                ax.plot(*zip(*pts), color=color, marker=marker, label=scheme)
+        for label, gib in limits.items():
+            ax.axhline(gib, color="black", linewidth=0.8, linestyle=":")
+            ax.text(2, gib, label, fontsize=6, va="bottom")
+        ax.set_xscale("log", base=2)
+        ranks = sorted({r["ranks"] for r in mine})
+        ax.set_xticks(ranks, [str(n) for n in ranks])
+        ax.minorticks_off()
+        plain_log_y(ax)
+        ax.set_xlabel("ranks N")
+        ax.set_ylabel("GiB per rank")
+        ax.set_title(model, fontsize=8)
+    axes[0].legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_planner_checks(curve: dict, measured: list[dict], checks: list[dict], title: str):
+    """Left: predicted DWDP / replicated against tokens per rank (two ranks, each measured run's own compute; `curve`:
+    {label: (xs, ys, color)}) with the measured points on top (`measured`: {"tokens", "measured", "label", "marker",
+    "color"}). Right: every expressible measurement, predicted against measured (the line: equal; the band: 15%),
+    calibration rows hollow."""
+    fig, (ax, ax2) = figure(ncols=2, width=10.0, height=3.6)
+    for label, (xs, ys, color) in curve.items():
+        ax.plot(xs, ys, linestyle="-", marker="", color=color, label=f"predicted: {label}")
+    for m in measured:
+        ax.plot([m["tokens"]], [m["measured"]], marker=m.get("marker", "o"), color=m.get("color", "black"),
+                linestyle="", markersize=7, label=m["label"])
+    ax.axhline(1.0, color="gray", linewidth=1)
+    tokens_axis(ax, [m["tokens"] for m in measured], "tokens per rank")
+    ax.set_ylabel("DWDP (FFI) / replicated")
+    handles, labels = ax.get_legend_handles_labels()
+    keep = dict(zip(labels, handles))
+    ax.legend(keep.values(), keep.keys(), fontsize=6)
+    groups = {"DWDP, two GPUs": "tab:red", "pipeline": "tab:blue", "link": "tab:green", "one GPU": "tab:orange"}
+    lo = min(min(r["measured"], r["predicted"]) for r in checks)
+    hi = max(max(r["measured"], r["predicted"]) for r in checks)
+    ax2.plot([lo, hi], [lo, hi], color="gray", linewidth=1)
+    ax2.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="gray", alpha=0.15)
+    for group, color in groups.items():
+        for role, face in (("calibration", "none"), ("validation", color), ("scaling", color)):
+            pts = [(r["measured"], r["predicted"]) for r in checks if r["group"] == group and r["role"] == role]
+            if pts:
+                ax2.scatter(*zip(*pts), edgecolors=color, facecolors=face, s=18,
+                            label=f"{group} ({role})")
+    ax2.set_xscale("log")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("measured (ms, ratio or GiB/s)")
+    ax2.set_ylabel("predicted")
+    ax2.legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig

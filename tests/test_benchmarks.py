@@ -655,3 +655,26 @@ ENTRY %main (x: f32[4], y: f32[4]) -> (f32[4], f32[4]) {
 }
 """
     assert mod.fusion_ops(text) == {"loop_fusion.3": "-> (f32[4]{0}, f32[4]{0}); root tuple; add x1, multiply x1, tuple x1"}
+
+
+def test_gpu_profile_runs_on_the_cpu_and_plan_reads_what_it_writes(tmp_path, capsys):
+    """benchmarks/profile_gpu.py is meant for a GPU; on the CPU it runs at tiny sizes with a host thread standing in
+    for the copy stream, every source saying so, and `jax-dwdp plan --profile FILE` predicts from the file."""
+    from jax_dwdp.cli import main as cli
+    from jax_dwdp.planner import load_profile
+
+    out = tmp_path / "cpu_profile.json"
+    written = load("profile_gpu").main(["--preset", "tiny", "--tokens", "32", "64", "--gemm-size", "64",
+                                        "--copy-layers", "2", "--calls", "1", "--reps", "1", "--link", "nvlink4",
+                                        "--out", str(out)])
+    profile = load_profile(out)
+    assert profile.model_name == "tiny" and profile.link.kind == "spec sheet"
+    assert [t for t, *_ in profile.moe.points] == [32, 64] and len(profile.contention.tokens) == 2
+    sources = [p["source"] for pts in written["layers"].values() for p in pts]
+    sources += [p["source"] for p in written["copy"]["under_compute"]] + [written["copy"]["alone_gib_s"]["source"]]
+    assert all("cpu stand-in" in s and "profile_gpu.py" in s for s in sources), sources
+    capsys.readouterr()
+    assert cli(["plan", "--preset", "tiny", "--dwdp", "2", "--profile", str(out), "--stream", "normal:48,8,16,64",
+                "--bucket", "16", "--requests", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "prediction (a model, not a measurement): profile cpu" in text and "DWDP / DEP:" in text

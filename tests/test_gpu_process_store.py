@@ -209,17 +209,23 @@ def _cycles_worker(job: str, rank: int, world: int, cycles: int, queue) -> None:
                 for layer in range(layers)]
 
         def cycle(n: int) -> None:
+            in_place = n % 2 == 1  # the blocks are 2 MiB multiples: odd cycles read in place, even ones copy out
             with FdExchange(f"{job}-{n}", rank, world, timeout_s=120) as fx:
                 store = FaultyProcessExpertStore(dev, rank, world, layers, 2 * world, CYCLE_SHAPES, jnp.bfloat16,
-                                                 poison=True)
+                                                 poison=True, in_place=in_place)
                 try:
+                    assert store.in_place == in_place, store.info()
                     for layer in range(layers):
                         for w in range(2):
                             store.fill(layer, w, rank, jax.device_put(block(rank, layer, w), dev))
                     store.connect(fx)
+                    dep = jnp.ones((4,), jnp.float32)
                     for layer in range(layers):
-                        got = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(
-                            jnp.ones((4,), jnp.float32))
+                        if in_place:
+                            jax.jit(lambda d, layer=layer: store.prefetch_in_place(d, layer))(dep)
+                            got = jax.jit(lambda g, w, d: store.wait((g, w), d))(*store.layer_experts(layer), dep)
+                        else:
+                            got = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(dep)
                         for w in range(2):
                             np.testing.assert_array_equal(np.asarray(got[w]), want[layer][w])
                 finally:
@@ -244,9 +250,9 @@ def _cycles_worker(job: str, rank: int, world: int, cycles: int, queue) -> None:
 
 def test_twenty_cycles_across_processes_release_everything():
     """Two processes, 20 store lifetimes each after a warm-up (each: 3 layers, a rank's blocks of 4 and 2 MiB, the
-    peer's imported): every prefetch into NaN-poisoned buffers returns both ranks' experts exactly, no CUDA object of
-    a store is left alive, and the driver's free memory (both processes' together, on the shared GPU) comes back:
-    360 MiB of VMM memory were allocated and imported over the cycles."""
+    peer's imported; every other one read in place, with its slots and views): every prefetch into NaN-poisoned
+    buffers or slots returns both ranks' experts exactly, no CUDA object of a store is left alive, and the driver's
+    free memory (both processes' together, on the shared GPU) comes back."""
     ctx = multiprocessing.get_context("spawn")
     job, queue = secrets.token_hex(6), ctx.Queue()
     procs = [ctx.Process(target=_cycles_worker, args=(job, r, 2, 20, queue)) for r in range(2)]

@@ -464,6 +464,8 @@ def test_plan_counts_the_moe_layers_of_each_stage(capsys):
     assert sum(s["weight_bytes"] for s in plan["stages"]) == 2 * nano.param_counts()["total"] + 2 * fp32
     code, out, err = run_cli(capsys, "plan", "--preset", "nemotron-h:tiny", "--pipeline", "2")
     assert code == 0 and "2 Mamba-2, 1 attention, 2 MoE, 1 MLP" in out, err
+    code, out, err = run_cli(capsys, "plan", "--preset", "nemotron-h:tiny", "--dwdp", "2", "--profile", "h200")
+    assert code == 2 and "Nemotron-H has no GPU profile yet" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_prefill_of_the_preset_equals_the_python_api(tmp_path, capsys):

@@ -41,12 +41,12 @@ class _ManagedTensor(ctypes.Structure):
     _fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
 
 
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_capsule_unused = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_unused.restype = ctypes.c_int
-_capsule_unused.argtypes = [ctypes.py_object, ctypes.c_char_p]
+# Prototypes of our own: ctypes.pythonapi's function objects are shared by every library in the process, and
+# others set their argtypes too (a destructor typed as a CFUNCTYPE refuses our None).
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+_capsule_unused = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
 _libc = ctypes.CDLL(None)
 _malloc, _free = _libc.malloc, _libc.free
 _malloc.restype, _malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

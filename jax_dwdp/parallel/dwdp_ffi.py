@@ -234,8 +234,9 @@ class ExpertStore:
             raise StoreError(f"expert store {self.id} copies its experts out ({self.vmm.not_in_place}): "
                              "prefetch(dep, layer)")
         attributes = self.prefetch_attributes(layer)
-        call = jax.ffi.ffi_call(self.prefetch_in_place_target, jax.ShapeDtypeStruct((1,), jnp.int32),
-                                has_side_effect=True)
+        # Not a side effect to JAX: the token is the program's output, so the call runs on every execution, and a
+        # failed prefetch raises once, where it ran (a side effect's runtime token would raise it again at exit).
+        call = jax.ffi.ffi_call(self.prefetch_in_place_target, jax.ShapeDtypeStruct((1,), jnp.int32))
         return call(dep, **attributes)
 
     def layer_experts(self, layer: int, device=None) -> tuple[jax.Array, jax.Array]:

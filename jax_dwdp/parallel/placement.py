@@ -27,6 +27,7 @@ from jax_dwdp.families import FamilyConfig
 from jax_dwdp.model import (CausalLM, abstract_model, expert_weight_index, fused_swiglu_enabled, set_fused_swiglu,
                             with_kernels)
 from jax_dwdp.parallel.expert_layout import ExpertLayout
+from jax_dwdp.progress import layers
 from jax_dwdp.sources import AXIS
 
 
@@ -161,16 +162,21 @@ def build_placed(cfg: FamilyConfig, start_layer: int, end_layer: int, make_range
     slot = {layer: k for k, layer in enumerate(cfg.moe_layer_ids(start_layer, end_layer))}  # its expert layer
     values: dict = {}
     interleaved, kernels = False, None
-    for layer in range(start_layer, end_layer):
-        part = make_range(layer, layer + 1)
-        interleaved, kernels = _interleaved(part), part.kernels
-        for path, var in nnx.to_flat_state(nnx.state(part)):
-            target = ("layers", layer - start_layer, *path[2:]) if path[0] == "layers" else path
-            if target in wanted:
-                values[target] = type(var)(placement(target, var.get_value(), slot.get(layer), cfg.num_experts))
-        del part, var
-        if placement.owned:
-            gc.collect()  # flax modules hold reference cycles: their arrays go only with a collection
+    with layers(f"building layers [{start_layer}, {end_layer})", end_layer - start_layer) as bar:
+        for layer in range(start_layer, end_layer):
+            part = make_range(layer, layer + 1)
+            interleaved, kernels = _interleaved(part), part.kernels
+            nbytes = 0
+            for path, var in nnx.to_flat_state(nnx.state(part)):
+                target = ("layers", layer - start_layer, *path[2:]) if path[0] == "layers" else path
+                if target in wanted:
+                    value = var.get_value()
+                    nbytes += value.nbytes
+                    values[target] = type(var)(placement(target, value, slot.get(layer), cfg.num_experts))
+            del part, var
+            if placement.owned:
+                gc.collect()  # flax modules hold reference cycles: their arrays go only with a collection
+            bar.advance(nbytes)
     stage = nnx.merge(graphdef, nnx.from_flat_state([(path, values[path]) for path, _ in
                                                      nnx.to_flat_state(abstract)]))
     stage = set_fused_swiglu(stage, interleaved, permute=False)

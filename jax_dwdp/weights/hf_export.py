@@ -1,5 +1,7 @@
 """A jax_dwdp model written as a Hugging Face folder (config.json and one model.safetensors, the text model's names):
-a small checkpoint to try `jax-dwdp convert`, `verify` and `prefill --checkpoint` on, without downloading one.
+a small checkpoint to try `jax-dwdp convert`, `verify` and `prefill --checkpoint` on, without downloading one. With
+a small byte-level tokenizer (tokenizer.json, a ChatML tokenizer_config.json) unless --no-tokenizer, so that
+`prefill --prompt TEXT --generate N` runs too (random weights: the text it writes is noise).
 
     python -m jax_dwdp.weights.hf_export OUT_DIR [--preset tiny | nemotron-h:tiny] [--seed 0] [--dtype float32|bfloat16]
 
@@ -21,6 +23,7 @@ from safetensors.numpy import save_file
 
 from jax_dwdp.families import FamilyConfig, config_from_preset, preset_names
 from jax_dwdp.model import CausalLM, init_model
+from jax_dwdp.text import write_small_tokenizer
 from jax_dwdp.weights.hf_loader import NAMINGS
 
 PREFIX = {"Qwen3.5-MoE": "model.", "Nemotron-H": "backbone."}  # the text model's names in each family's folders
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-layers", type=int, help="keep only the first N layers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     args = ap.parse_args(argv)
     if args.out_dir.exists():
         print(f"error: {args.out_dir} exists; give a new folder", file=sys.stderr)
@@ -54,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.first_layers(args.num_layers)
     model = init_model(cfg, dtype=jnp.dtype(args.dtype), seed=args.seed)
     save_hf_checkpoint(model, cfg, args.out_dir)
-    print(f"wrote {args.out_dir}: {cfg.summary()}, random weights (seed {args.seed}), {args.dtype}")
+    tokenizer = ""
+    if not args.no_tokenizer:
+        write_small_tokenizer(args.out_dir, min(cfg.vocab_size, 512))
+        tokenizer = ", a small byte-level tokenizer"
+    print(f"wrote {args.out_dir}: {cfg.summary()}, random weights (seed {args.seed}), {args.dtype}{tokenizer}")
     return 0
 
 

@@ -25,6 +25,7 @@ from jax_dwdp.devices import put
 from jax_dwdp.families import config_from_json_file
 from jax_dwdp.model import NemotronHForCausalLM, Qwen35MoeForCausalLM, abstract_model
 from jax_dwdp.nemotron_h_config import NemotronHConfig
+from jax_dwdp.progress import layers
 from jax_dwdp.weights import hf_names, nemotron_h_names
 from jax_dwdp.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint, orbax_without_marker
 
@@ -279,35 +280,40 @@ def load_hf_checkpoint(
                 f"{cfg.num_hidden_layers} layers"
             )
         report.skipped_other_layers += sum(len(index.by_layer[layer]) for layer in outside)
-        for name in inside:
-            info = ckpt.info(name)
-            target = naming.names.classify(name, start_layer, end_layer)
-            if target is None:
-                raise CheckpointError(f"{info.file}: unexpected tensor {name} (not part of the {naming.family} text "
-                                      "model)")
-            if target.kind == "non_text":
-                report.skipped_non_text += 1
-            elif target.kind == "expert_piece":
-                var = expected.get(target.path)
-                if var is None:
-                    raise CheckpointError(f"{info.file}: unexpected tensor {name}")
-                fused = assembler.add(target, ckpt.read(name), tuple(var.shape), None if keep else var.dtype, name,
-                                      info.file)
-                if fused is not None:
-                    place(target.path, fused, name, info.file, assembled=True)
-            else:
-                path = target.path
-                if path == naming.embedding and cfg.tie_word_embeddings and ("lm_head", "weight") in expected:
-                    place(("lm_head", "weight"), ckpt.read(name), name, info.file)
-                if path not in expected:
-                    if path in (naming.embedding, naming.final_norm, ("lm_head", "weight")):
-                        report.skipped_other_layers += 1  # belongs to another pipeline stage
-                        continue
-                    raise CheckpointError(
-                        f"{info.file}: unexpected tensor {name} (no parameter {'.'.join(map(str, path))} in "
-                        f"layer type {cfg.layer_types[target.layer] if target.layer is not None else 'model'})"
-                    )
-                place(path, ckpt.read(name), name, info.file)
+        read_so_far = ckpt.bytes_read
+        with layers(f"loading {Path(checkpoint_dir).name}", len(inside), unit="tensors") as bar:
+            for name in inside:
+                info = ckpt.info(name)
+                target = naming.names.classify(name, start_layer, end_layer)
+                if target is None:
+                    raise CheckpointError(f"{info.file}: unexpected tensor {name} (not part of the {naming.family} "
+                                          "text model)")
+                if target.kind == "non_text":
+                    report.skipped_non_text += 1
+                elif target.kind == "expert_piece":
+                    var = expected.get(target.path)
+                    if var is None:
+                        raise CheckpointError(f"{info.file}: unexpected tensor {name}")
+                    fused = assembler.add(target, ckpt.read(name), tuple(var.shape), None if keep else var.dtype,
+                                          name, info.file)
+                    if fused is not None:
+                        place(target.path, fused, name, info.file, assembled=True)
+                else:
+                    path = target.path
+                    if path == naming.embedding and cfg.tie_word_embeddings and ("lm_head", "weight") in expected:
+                        place(("lm_head", "weight"), ckpt.read(name), name, info.file)
+                    if path not in expected:
+                        if path in (naming.embedding, naming.final_norm, ("lm_head", "weight")):
+                            report.skipped_other_layers += 1  # belongs to another pipeline stage
+                            bar.advance()
+                            continue
+                        raise CheckpointError(
+                            f"{info.file}: unexpected tensor {name} (no parameter {'.'.join(map(str, path))} in "
+                            f"layer type {cfg.layer_types[target.layer] if target.layer is not None else 'model'})"
+                        )
+                    place(path, ckpt.read(name), name, info.file)
+                bar.advance(ckpt.bytes_read - read_so_far)
+                read_so_far = ckpt.bytes_read
         report.bytes_read = ckpt.bytes_read - bytes_before
         missing_piece = assembler.missing(start_layer, index.prefix)
         if missing_piece is not None:

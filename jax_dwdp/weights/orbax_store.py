@@ -31,6 +31,7 @@ from flax import nnx
 
 from jax_dwdp.families import FamilyConfig, config_from_json_file
 from jax_dwdp.model import abstract_model, is_expert_weight
+from jax_dwdp.progress import bar_line, layers
 from jax_dwdp.weights import integrity, publish
 from jax_dwdp.weights.hf_loader import NAMINGS, LoadReport, load_config, load_hf_checkpoint
 from jax_dwdp.weights.orbax_format import (FORMAT, FORMAT_VERSION, MARKER, checkpointer, describe, layer_dir,
@@ -106,11 +107,7 @@ def _host_cpu_placement():
 
 
 def _progress(done: int, total: int, nbytes: int, t0: float, stream) -> None:
-    elapsed = max(time.perf_counter() - t0, 1e-9)
-    width = 30
-    filled = int(width * done / total)
-    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} layers, "
-                 f"{nbytes / 1e9:.2f} GB, {nbytes / 1e9 / elapsed:.2f} GB/s")
+    stream.write("\r" + bar_line(done, total, nbytes, time.perf_counter() - t0))
     stream.flush()
 
 
@@ -432,10 +429,12 @@ def _load_orbax(directory: Path, *, dtype, start_layer: int, end_layer: int | No
         else:
             item, inner = directory / "head", path
         groups.setdefault(item, []).append((inner, path, var))
-    for item, entries in groups.items():
-        restored = restore(item, entries)
-        for inner, path, _ in entries:
-            values[path] = lookup(restored, inner)
+    with layers(f"restoring {directory.name}", len(groups), unit="parts") as bar:
+        for item, entries in groups.items():
+            restored = restore(item, entries)
+            for inner, path, _ in entries:
+                values[path] = lookup(restored, inner)
+            bar.advance(sum(int(v.nbytes) for v in (values[path] for _, path, _ in entries)))
     state = nnx.from_flat_state([(path, type(var)(values[path])) for path, var in expected])
     report = LoadReport(tensors_loaded=len(expected), bytes_read=int(sum(v.nbytes for v in values.values())),
                         seconds=time.perf_counter() - t0)
