@@ -47,14 +47,7 @@ _LOG2E = 1.4426950408889634
 
 def causal_conv_silu_xla(x: jax.Array, weight: jax.Array, history: jax.Array | None = None) -> jax.Array:
     """x [B, T, C]; weight [C, 1, K]; history [B, K-1, C] or None (zeros). Returns silu(conv) in x's dtype."""
-    kernel = weight.shape[-1]
-    b, t, c = x.shape
-    if history is None:
-        history = jnp.zeros((b, kernel - 1, c), x.dtype)
-    padded = jnp.concatenate([history.astype(x.dtype), x], axis=1).astype(_F32)
-    w = weight[:, 0, :].astype(_F32)  # [C, K]
-    out = sum(padded[:, j : j + t, :] * w[:, j] for j in range(kernel))
-    return jax.nn.silu(out).astype(x.dtype)
+    return causal_conv_bias_silu_xla(x, weight, None, history)
 
 
 def causal_conv_bias_silu_xla(x: jax.Array, weight: jax.Array, bias: jax.Array | None,
