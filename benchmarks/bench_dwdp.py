@@ -49,7 +49,8 @@ in-place: ONE GPU, rank 0 of a two-rank store whose rank 1 lives in the same pro
   "peer" copy is HBM to HBM): the layer-wise prefill of one sequence with the layers' own experts (local), through
   the store read in place with its copy stream recording events but copying nothing (in-place-nolink: the store's
   cost with the link hop taken away; slots filled by one earlier prefill), read in place with the peer copy
-  (in-place), and copied out as the store did before it read in place (copy-out: both blocks copied into XLA
+  (in-place: each layer's prefetch inside the program of the layer before; in-place-own-program: each a program
+  of its own, launched before the layer before is enqueued), and copied out as the store did before it read in place (copy-out: both blocks copied into XLA
   buffers, the own one HBM to HBM). Per row ms and ratios to local, the copy time per layer, and the device memory:
   each store's bytes (the driver's) and XLA's peak after the in-place variants and after copy-out.
 
@@ -115,7 +116,7 @@ def copy_only(runner: StageRunner, store, tokens) -> None:
     """Every layer's prefetch with no compute around it; store.copy_ms() then holds the copy times of an idle GPU."""
     h = runner.program("embed")(runner.shell_state, *runner.place(tokens))
     for i in range(store.num_layers):
-        jax.block_until_ready(runner.source.prefetch(i, h))
+        jax.block_until_ready(runner.source.fetch_now(i, h))
         store.sync()  # nobody waits for these copies: finish them before their outputs are freed
 
 
@@ -132,8 +133,8 @@ class NoWait(FfiStoreSource):
         super().__init__(store, mesh)
         self.held = []
 
-    def prefetch(self, index, h):
-        out = super().prefetch(index, h)
+    def fetch_now(self, index, h):
+        out = super().fetch_now(index, h)
         self.held.append(out)
         return out
 
@@ -163,20 +164,21 @@ class Ahead(FfiStoreSource):
     """ffi-depth2: prefetch depth `depth`. The runner asks for layer l+1 right before enqueuing layer l; this
     source then starts layer l + depth's copy and hands over layer l+1's, started depth - 1 layers earlier. Each
     copy still waits (the write-after-read guard) for everything enqueued before it, and the MoE waits for its copy
-    as in `FfiStoreSource`; depth + 1 layers' experts are in buffers at a time. Needs no change to the runner."""
+    as in `FfiStoreSource`; depth + 1 layers' experts are in slots at a time. Each prefetch is a program of its own
+    (not inside the layer before's). Needs no change to the runner."""
 
     def __init__(self, store, mesh=None, depth: int = 2):
         super().__init__(store, mesh)
-        self.depth, self.started = depth, {}
+        self.depth, self.started, self.gathers = depth, {}, False
 
     def first(self, h):
-        self.started = {i: super(Ahead, self).prefetch(i, h) for i in range(min(self.depth, self.store.num_layers))}
+        self.started = {i: self.fetch_now(i, h) for i in range(min(self.depth, self.store.num_layers))}
         return self.started.pop(0)
 
     def prefetch(self, index, h):
         start = index + self.depth - 1
         if start < self.store.num_layers:
-            self.started[start] = super().prefetch(start, h)
+            self.started[start] = self.fetch_now(start, h)
         return self.started.pop(index)
 
     def abort(self):
@@ -568,6 +570,9 @@ def bench_in_place(cfg, args) -> list[dict]:
     stores, memory["in_place_store_bytes"] = store_pair(model, cfg, dtype, in_place=True)
     try:
         measure("in_place", StageRunner(model, FfiStoreSource(stores[0]), device=dev), stores[0])
+        own = FfiStoreSource(stores[0])
+        own.gathers = False  # every layer's prefetch a one-call program of its own (fetch_now)
+        measure("in_place_own_program", StageRunner(model, own, device=dev), stores[0])
         # The same store, its prefetch now copying nothing (slots keep the experts the runs above copied).
         stores[0].skip_peers = True
         measure("in_place_nolink", StageRunner(model, FfiStoreSource(stores[0]), device=dev), stores[0])
@@ -586,16 +591,18 @@ def bench_in_place(cfg, args) -> list[dict]:
     memory["plan"] = {k: plan[k] for k in ("resident_expert_bytes", "store_slot_bytes", "prefetch_buffer_bytes")}
     out = []
     for row in rows.values():
-        for name in ("in_place_nolink", "in_place", "copy_out"):
+        for name in ("in_place_nolink", "in_place", "in_place_own_program", "copy_out"):
             row[f"{name}_vs_local"] = round(row[f"{name}_ms"] / row["local_ms"], 4)
         row["memory"] = memory
         out.append(row)
     gib = 2**30
-    print(f"| tokens | local ms | in place, no link | in place | copy out | copy ms/layer in place / copy out |")
-    print("|---|---|---|---|---|---|")
+    print(f"| tokens | local ms | in place, no link | in place | in place, own programs | copy out | "
+          f"copy ms/layer in place / copy out |")
+    print("|---|---|---|---|---|---|---|")
     for r in out:
         print(f"| {r['seq_len']} | {r['local_ms']} | {r['in_place_nolink_ms']} ({r['in_place_nolink_vs_local']}x) | "
-              f"{r['in_place_ms']} ({r['in_place_vs_local']}x) | {r['copy_out_ms']} ({r['copy_out_vs_local']}x) | "
+              f"{r['in_place_ms']} ({r['in_place_vs_local']}x) | {r['in_place_own_program_ms']} "
+              f"({r['in_place_own_program_vs_local']}x) | {r['copy_out_ms']} ({r['copy_out_vs_local']}x) | "
               f"{r['in_place_copy_ms_per_layer']} / {r['copy_out_copy_ms_per_layer']} |")
     print(f"store bytes per rank (GiB): in place {[round(b / gib, 3) for b in memory['in_place_store_bytes']]}, "
           f"copy out {[round(b / gib, 3) for b in memory['copy_out_store_bytes']]}; plan: blocks "

@@ -107,7 +107,7 @@ class StageRunner:
             ahead = source.prefetch(i + 1, h) if i < last else None
             (h, out), fetched = ops.layer(i, layer, h, positions, lens, pending, ahead if source.gathers else None,
                                           layer_cache)
-            pending = fetched if source.gathers else ahead
+            pending = source.delivered(ahead, fetched)
             return h, out
 
         try:
@@ -156,9 +156,7 @@ class StageRunner:
         Returns {"mixer_ms": [layers][ranks] each rank's mixer, "moe_ms": [layers] from the last rank's mixer end
         to the last rank's MoE end, "wait_ms": [layers][ranks] how long each rank waits at the MoE for the slowest
         rank (max over ranks of the mixer end minus its own), "layer_ms": [layers]}. Sources that fetch inside the
-        previous layer's program (`XlaGatherSource`) have no MoE of their own to split off and are refused."""
-        if self.source.gathers:
-            raise ValueError(f"{type(self.source).__name__} experts cannot be profiled layer by layer")
+        previous layer's program (`gathers`) issue that fetch in the mixer's program."""
         batch = x.shape[0]
         x, lengths = pad_batch(x, lengths, padded_rows(batch, self.ranks))
         ops = _Profiled(self)
@@ -219,7 +217,8 @@ class StageRunner:
         elif kind == "head":
             fn, static, specs, out = head_body, (self.shell_graph, *key), (P(), b, b), b
         elif kind == "mixer":
-            fn, static, specs, out = mixer_body, (self.canonical[key[0]],), (P(), b, b, b, P()), (b, b)
+            fn, static, specs, out = (mixer_body, (self.canonical[key[0]], self.source), (P(), b, b, b, P(), b),
+                                      ((b, b), b))
         elif kind == "moe":
             fn, static, specs, out = moe_body, (self.canonical[key[0]], self.source), (P(), b, b), b
         else:
@@ -292,14 +291,15 @@ class _Profiled(_Programs):
         runner = self.runner
         state = runner.layer_states[i]
         t0 = time.perf_counter()
-        x, out = runner.program("mixer", layer.layer_type)(state, h, positions, lengths, layer_cache)
+        (x, out), fetched = runner.program("mixer", layer.layer_type)(state, h, positions, lengths, layer_cache,
+                                                                      ahead)
         mixer = self._ready_ms(x, t0)
         h = runner.program("moe", layer.layer_type)(state, x, pending)
         end = max(self._ready_ms(h, t0))
         self.mixer_ms.append(mixer)
         self.moe_ms.append(end - max(mixer))
         self.layer_ms.append(end)
-        return (h, out), None
+        return (h, out), fetched
 
     def close(self):
         if self._pool is not None:
@@ -312,10 +312,14 @@ class _Profiled(_Programs):
                 "wait_ms": wait.round(3).tolist(), "layer_ms": np.round(self.layer_ms, 3).tolist()}
 
 
-def mixer_body(graph: StaticGraph, state, h, positions, lengths, layer_cache=None):
-    """A decoder layer's first half (DecoderLayer.mix)."""
+def mixer_body(graph: StaticGraph, source, state, h, positions, lengths, layer_cache=None, ahead=None):
+    """A decoder layer's first half (DecoderLayer.mix), and the next layer's fetch for sources that fetch inside
+    a program (`ahead`, see layer_body). Returns ((x, cache), the next layer's experts or None)."""
+    fetched = None
+    if ahead is not None:
+        h, fetched = source.overlap(h, ahead)
     with precision_scope(h.dtype):
-        return nnx.merge(graph.value, state).mix(h, positions, lengths, layer_cache)
+        return nnx.merge(graph.value, state).mix(h, positions, lengths, layer_cache), fetched
 
 
 def moe_body(graph: StaticGraph, source, state, x, pending):
@@ -324,7 +328,7 @@ def moe_body(graph: StaticGraph, source, state, x, pending):
         return nnx.merge(graph.value, state).moe(x, source.experts(pending))
 
 
-run_mixer = jax.jit(mixer_body, static_argnums=(0,))
+run_mixer = jax.jit(mixer_body, static_argnums=(0, 1))
 run_moe = jax.jit(moe_body, static_argnums=(0, 1))
 
 

@@ -9,8 +9,9 @@ move (just before layer l is enqueued, so that they move while layer l computes)
   all-gathers layer l+1's blocks (a collective overlaps compute only inside one program).
 - `XlaPeerCopySource`: independent ranks (one device each, no collective): the peers' blocks of layer l+1 are copied
   device-to-device with jax.device_put.
-- `FfiStoreSource`: the CUDA VMM expert store (jax_dwdp.parallel.dwdp_ffi): a one-call program starts layer l+1's copy on
-  the store's copy stream; layer l+1's MoE waits for it. The store is made, owned and closed by whoever chose it.
+- `FfiStoreSource`: the CUDA VMM expert store (jax_dwdp.parallel.dwdp_ffi): a custom call starts layer l+1's copy on
+  the store's copy stream (in place: inside layer l's program; copying out: a program of its own); layer l+1's MoE
+  waits for it. The store is made, owned and closed by whoever chose it.
 - `DepDispatchSource`: DEP, what DWDP replaces. Each rank of a 'dwdp' mesh holds its block of every layer, as with `XlaGatherSource`,
   but nothing moves ahead of time: inside each MoE the tokens travel to the ranks that hold their experts and
   their partial outputs come back (`DispatchedExperts`), and every rank waits for every other there.
@@ -19,6 +20,9 @@ A source answers, for the runner:
   first(h)             the first layer's experts (or what its program needs to get them), host side;
   prefetch(index, h)   start fetching layer `index` (called right before layer index - 1 is enqueued);
   overlap(h, ahead)    (traced, sources with `gathers`) issue that fetch inside layer index - 1's program;
+  delivered(ahead, fetched)
+                       what layer `index` gets: `ahead` (prefetch's answer) or `fetched` (what the program of layer
+                       index - 1 returned for it, sources with `gathers`);
   experts(pending)     (traced) the experts for the layer's MoE: arrays, a function of the MoE input, or None
                        for the layer's own weights;
   abort()              after a failed prefill: make sure no copy still writes into a buffer the failure dropped.
@@ -64,6 +68,9 @@ class ExpertSource:
 
     def overlap(self, h, ahead):
         raise NotImplementedError
+
+    def delivered(self, ahead, fetched):
+        return fetched if self.gathers else ahead
 
     def experts(self, pending):
         return pending
@@ -161,11 +168,16 @@ class FfiStoreSource(ExpertSource):
     """The CUDA VMM expert store (an open dwdp_ffi.ExpertStore, owned by the caller).
 
     With `mesh`, the programs run over the mesh's ranks (inside shard_map); without, each runs on the device of
-    its input (independent ranks). A prefetch program is one custom call that forks the copy of a layer's peer
-    experts onto the device's copy stream after everything enqueued before it: in place, into the slots of the
-    layer's view of the store, and the layer then gets the views (`ExpertStore.layer_experts`) as its experts; copying
-    out, into XLA buffers that the layer gets. `experts` hands the MoE a function of its input that makes XLA's
-    stream wait for that copy (the input orders the wait after the layer's attention).
+    its input (independent ranks). The prefetch is one custom call that forks the copy of a layer's peer experts
+    onto the device's copy stream after everything enqueued before it.
+    - In place (the store's views): layer l+1's call sits inside layer l's program (`gathers`), ahead of the layer's
+      work, given layer l+1's views as an operand (the call finds the layer from their address, so one compiled
+      layer program still serves every layer); layer l+1 then gets those views (`ExpertStore.layer_experts`) as its
+      experts. Only the first layer's prefetch is a program of its own.
+    - Copying out: a one-call program per layer, launched before layer l is enqueued, into XLA buffers that layer
+      l+1 gets.
+    `experts` hands the MoE a function of its input that makes XLA's stream wait for that copy (the input orders the
+    wait after the layer's attention).
 
     `layers` (a stage whose layers do not all have experts): per layer of the stage, its layer in the store (the
     stage's expert layers in order, `model.expert_slots`) or None; default: layer i is the store's layer i.
@@ -173,33 +185,62 @@ class FfiStoreSource(ExpertSource):
 
     def __init__(self, store, mesh=None, layers: tuple[int | None, ...] | None = None):
         self.store, self.mesh, self.layers = store, mesh, layers
-        self._programs: dict[int, object] = {}
+        self.gathers = store.in_place
+        self._programs: dict[int | str, object] = {}
         self._lock = threading.Lock()  # independent ranks' threads may ask for the same program at once
 
-    def prefetch(self, index, h):
-        layer = index if self.layers is None else self.layers[index]
-        if layer is None:  # a layer without experts: nothing to copy
-            return None
-        self.store.check_open()  # the compiled programs would still call into a closed store
-        in_place = self.store.in_place
+    def _program(self, key, fetch):
         with self._lock:
-            if layer not in self._programs:
-                def fetch(h):
-                    if in_place:
-                        return self.store.prefetch_in_place(h, layer)
-                    return self.store.prefetch(h, layer)
+            if key not in self._programs:
                 if self.mesh is not None:
-                    fetch = jax.shard_map(fetch, mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(AXIS),
-                                          check_vma=False)
-                self._programs[layer] = jax.jit(fetch)
-            program = self._programs[layer]
-        fetched = program(h)
-        if not in_place:
-            return fetched
+                    fetch = jax.shard_map(fetch, mesh=self.mesh, in_specs=(P(AXIS),) * (1 + (key == "in_place")),
+                                          out_specs=P(AXIS), check_vma=False)
+                self._programs[key] = jax.jit(fetch)
+            return self._programs[key]
+
+    def _views(self, layer, h):
         if self.mesh is not None:
             return self.store.sharded_layer_experts(layer, self.mesh)
         device, = h.devices()
         return self.store.layer_experts(layer, device)
+
+    def _store_layer(self, index):
+        layer = index if self.layers is None else self.layers[index]
+        if layer is not None:
+            self.store.check_open()  # the compiled programs would still call into a closed store
+        return layer
+
+    def fetch_now(self, index, h):
+        """Layer `index`'s prefetch as a program of its own, launched now; returns what the layer gets (None: a
+        layer without experts). The first layer's prefetch (no layer before it to issue it in), and every layer's
+        when the store copies out."""
+        layer = self._store_layer(index)
+        if layer is None:
+            return None
+        if self.store.in_place:
+            views = self._views(layer, h)
+            self._program("in_place", self.store.prefetch_in_place)(h, views)
+            return views
+        return self._program(layer, lambda h: self.store.prefetch(h, layer))(h)
+
+    def first(self, h):
+        return self.fetch_now(0, h)
+
+    def prefetch(self, index, h):
+        if not self.gathers:
+            return self.fetch_now(index, h)
+        layer = self._store_layer(index)
+        return None if layer is None else self._views(layer, h)  # copied by `overlap`, in the layer before's program
+
+    def overlap(self, h, ahead):
+        """In place: the next layer's prefetch, ahead of this layer's work (the barrier makes the layer's input
+        wait for the call, so the copy starts under this layer, not after it)."""
+        token = self.store.prefetch_in_place(h, ahead)
+        h, token = jax.lax.optimization_barrier((h, token))
+        return h, token
+
+    def delivered(self, ahead, fetched):
+        return ahead  # in place, the views: the layer program's token output only keeps the call in it
 
     def experts(self, pending):
         if pending is None:

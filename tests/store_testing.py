@@ -56,12 +56,15 @@ class Faulty:
         self.check_open()
         self._inject[0] = code
 
+    def _faults(self) -> dict:
+        return {"poison": np.int64(self.poison), "delay_ms": np.int64(self.delay_ms),
+                "inject": np.int64(self._inject.ctypes.data)}
+
     def prefetch_attributes(self, layer: int) -> dict:
-        faults = {"poison": np.int64(self.poison), "delay_ms": np.int64(self.delay_ms),
-                  "inject": np.int64(self._inject.ctypes.data)}
-        if self.in_place:
-            faults["skip_peers"] = np.int64(self.skip_peers)
-        return {**super().prefetch_attributes(layer), **faults}
+        return {**super().prefetch_attributes(layer), **self._faults()}
+
+    def in_place_attributes(self) -> dict:
+        return {**super().in_place_attributes(), **self._faults(), "skip_peers": np.int64(self.skip_peers)}
 
 
 class FaultyExpertStore(Faulty, ExpertStore):

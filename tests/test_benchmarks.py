@@ -156,8 +156,9 @@ def test_dwdp_stage_probe_sources_order_and_results(monkeypatch):
     want = np.asarray(reference(tokens, lengths, logits="all")[0])
 
     events = []
-    issue = FfiStoreSource.prefetch
-    monkeypatch.setattr(FfiStoreSource, "prefetch", lambda self, i, h: (events.append(("fetch", i)), issue(self, i, h))[1])
+    issue = FfiStoreSource.fetch_now
+    monkeypatch.setattr(FfiStoreSource, "fetch_now",
+                        lambda self, i, h: (events.append(("fetch", i)), issue(self, i, h))[1])
     for variant in ("ffi-depth2", "ffi-nowait", "ffi-unused"):
         runner, store = bench.stage_program(cfg, variant, mesh, jnp.float32)
         source = runner.source
@@ -171,8 +172,7 @@ def test_dwdp_stage_probe_sources_order_and_results(monkeypatch):
             assert events == [("fetch", 0), ("fetch", 1), ("layer", 0), ("fetch", 2), ("layer", 1)]
             assert source.started == {}
         else:
-            # (first() asks for layer 0 through prefetch: the "layer -1" entry)
-            assert events == [("layer", -1), ("fetch", 0), ("layer", 0), ("fetch", 1), ("layer", 1), ("fetch", 2)]
+            assert events == [("fetch", 0), ("layer", 0), ("fetch", 1), ("layer", 1), ("fetch", 2)]
             assert len(source.held) == 3 and store.syncs == 0
             source.settle()
             assert source.held == [] and store.syncs == 1

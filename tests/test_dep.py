@@ -175,7 +175,8 @@ def test_no_token_dropped_when_every_token_goes_to_one_rank(setup):
 def test_profile_splits_each_layer_and_keeps_the_numbers(setup):
     """StageRunner.profile (DEP's per-layer wait): one row per layer with each rank's mixer time, the wait at the
     MoE = max over ranks of the mixer end minus the rank's own (so >= 0, and 0 for the last rank to arrive), and
-    the split layers compute the same cache as the layer programs. `XlaGatherSource` cannot be split: one clear error."""
+    the split layers compute the same cache as the layer programs, also for a source that fetches the next layer
+    inside the program (`XlaGatherSource`: its gather moves into the mixer's program)."""
     model, tokens, lengths = setup
     mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
     placed = place_model(model, mesh)
@@ -188,16 +189,17 @@ def test_profile_splits_each_layer_and_keeps_the_numbers(setup):
     assert (wait >= 0).all() and (wait.min(axis=1) == 0).all()
     assert all(t > 0 for t in profile["layer_ms"])
     # the profiled loop's cache (mixer + MoE programs) equals the layer programs' cache
-    ops_cache = runner._run(_profiled(runner), *runner.place(tokens, lengths), "none", T, True)[1]
-    _, want = runner(tokens, lengths, logits="none", cache_len=T, mode="layerwise")
-    for f in FIELDS:
-        err = rel_err(getattr(ops_cache, f), getattr(want, f))
-        print(f"profiled split layers vs layer programs, {f}: {err:.1e}")
-        assert err <= 1e-6, f
     from jax_dwdp.sources import XlaGatherSource
 
-    with pytest.raises(ValueError, match="XlaGatherSource experts cannot be profiled"):
-        StageRunner(placed, XlaGatherSource(expert_blocks(placed), mesh), mesh=mesh).profile(tokens, lengths)
+    gather = StageRunner(placed, XlaGatherSource(expert_blocks(placed), mesh), mesh=mesh)
+    assert len(gather.profile(tokens, lengths, cache_len=T)["layer_ms"]) == layers
+    for name, r in (("dep", runner), ("xla gather", gather)):
+        ops_cache = r._run(_profiled(r), *r.place(tokens, lengths), "none", T, True)[1]
+        _, want = r(tokens, lengths, logits="none", cache_len=T, mode="layerwise")
+        for f in FIELDS:
+            err = rel_err(getattr(ops_cache, f), getattr(want, f))
+            print(f"{name}: profiled split layers vs layer programs, {f}: {err:.1e}")
+            assert err <= 1e-6, f
 
 
 def _profiled(runner):

@@ -222,7 +222,7 @@ def _cycles_worker(job: str, rank: int, world: int, cycles: int, queue) -> None:
                     dep = jnp.ones((4,), jnp.float32)
                     for layer in range(layers):
                         if in_place:
-                            jax.jit(lambda d, layer=layer: store.prefetch_in_place(d, layer))(dep)
+                            jax.jit(store.prefetch_in_place)(dep, store.layer_experts(layer))
                             got = jax.jit(lambda g, w, d: store.wait((g, w), d))(*store.layer_experts(layer), dep)
                         else:
                             got = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(dep)

@@ -72,7 +72,14 @@ def _close(stores):
 
 
 def _prefetch(store, layer, dep):
-    return jax.jit(lambda d: store.prefetch_in_place(d, layer))(dep)
+    """Layer `layer`'s prefetch: the call finds the layer from the views it is given (one program for all)."""
+    return _prefetch_program(store)(dep, store.layer_experts(layer))
+
+
+def _prefetch_program(store):
+    if not hasattr(store, "_test_prefetch"):
+        store._test_prefetch = jax.jit(store.prefetch_in_place)
+    return store._test_prefetch
 
 
 def _waited(store, layer, dep):
@@ -173,6 +180,12 @@ def test_a_prefetch_into_a_set_not_yet_read_is_refused():
         store.sync()  # forgets the unwaited prefetches (their copies finished)
         _prefetch(store, 2, dep)
         assert np.array_equal(np.asarray(_waited(store, 2, dep)[1]), _experts(model, 2)[1])
+        # A target that is no view of this store on this device (an XLA array; the other rank's store's view):
+        # refused by name, nothing copied.
+        fresh = jnp.zeros_like(store.layer_experts(0)[0]), jnp.zeros_like(store.layer_experts(0)[1])
+        for target in (fresh, stores[1].layer_experts(1)):
+            with pytest.raises(Exception, match="its target is not a layer's gate_up view of the store on device"):
+                jax.block_until_ready(_prefetch_program(store)(dep, target))
     finally:
         _close(stores)
     # Depth 2 (three layers in flight) needs three slot sets.

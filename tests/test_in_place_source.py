@@ -1,6 +1,7 @@
 """The runner reading experts in place (`FfiStoreSource` over a store whose `in_place` is true), on the CPU: a
-stand-in store hands each layer's experts as device_view views of host memory it owns (as the CUDA store hands
-views of its composite ranges), its prefetch is a custom-call-free token and its wait the identity. The runner's
+stand-in store (tests/host_views.py) hands each layer's experts as device_view views of host memory it owns (as the
+CUDA store hands views of its composite ranges), poisoned until a prefetch given those views as operands fills
+them (a host callback), and its wait is the identity. The runner's
 logits and caches equal the layers' own experts, on one device (independent ranks) and over a 2-device 'dwdp' mesh
 (each device's shard its own view)."""
 
@@ -14,63 +15,26 @@ from jax.sharding import Mesh
 
 from jax_dwdp.config import ModelConfig
 from jax_dwdp.model import init_model
-from jax_dwdp.parallel.device_view import view
-from jax_dwdp.parallel.dwdp_ffi import ExpertStore
 from jax_dwdp.parallel.placement import place_model
 from jax_dwdp.runner import StageRunner
 from jax_dwdp.sources import FfiStoreSource, LocalSource
 from tests.hf_reference import rel_err
+from tests.host_views import HostViews
 
 CFG = ModelConfig.preset("tiny").replace(num_hidden_layers=3, vocab_size=200)
 
 
-class HostViewStore:
-    """In place over host memory: per device and layer, the layer's full experts in a 256-byte aligned buffer this
-    object owns, handed out as views; the views are poisoned (NaN) until a prefetch of their layer, so a layer that
-    reads experts it did not prefetch fails."""
-
-    in_place = True
+class HostViewStore(HostViews):
+    """In place over host memory (tests/host_views.py): per device and layer, the layer's full experts."""
 
     def __init__(self, model, devices):
-        self.devices, self.num_experts = list(devices), model.cfg.num_experts
-        self.closed, self.prefetched = False, []
-        experts = [(np.asarray(layer.mlp.experts.gate_up_proj[...]), np.asarray(layer.mlp.experts.down_proj[...]))
-                   for layer in model.layers]
-        self.shapes = tuple(w.shape[1:] for w in experts[0])
-        self.experts, self._owners, self._windows, self._views = experts, [], {}, {}
-        for d, device in enumerate(self.devices):
-            for layer, weights in enumerate(experts):
-                for w, weight in enumerate(weights):
-                    owner = np.empty(weight.nbytes + 256, np.uint8)
-                    start = (-owner.ctypes.data) % 256
-                    window = owner[start:start + weight.nbytes].view(weight.dtype).reshape(weight.shape)
-                    window[...] = np.nan
-                    self._owners.append(owner)
-                    self._windows[d, layer, w] = window
-                    self._views[d, layer, w] = view(window.ctypes.data, weight.shape, weight.dtype, device)
+        self.experts = [(np.asarray(layer.mlp.experts.gate_up_proj[...]), np.asarray(layer.mlp.experts.down_proj[...]))
+                        for layer in model.layers]
+        super().__init__(devices, len(self.experts), model.cfg.num_experts, [w.shape[1:] for w in self.experts[0]],
+                         self.experts[0][0].dtype)
 
-    def check_open(self):
-        assert not self.closed
-
-    def prefetch_in_place(self, dep, layer):
-        # The CUDA store's copy runs on its copy stream; here the host fills the memory before the program runs.
-        self.prefetched.append(layer)
-        for (d, l, w), window in self._windows.items():
-            if l == layer:
-                window[...] = self.experts[layer][w]
-        return jnp.zeros((1,), jnp.int32)
-
-    def layer_experts(self, layer, device=None):
-        return tuple(self._views[self.devices.index(device or self.devices[0]), layer, w] for w in range(2))
-
-    sharded_layer_experts = ExpertStore.sharded_layer_experts
-    rank_of = ExpertStore.rank_of
-
-    def wait(self, experts, after):
-        return experts
-
-    def sync(self):
-        pass
+    def layer_data(self, layer, w):
+        return self.experts[layer][w]
 
 
 def _inputs(rng):
@@ -86,10 +50,16 @@ def test_a_runner_reads_the_views_on_one_device():
     want, want_cache = StageRunner(model, LocalSource(), device=device)(tokens, lengths, cache_len=40,
                                                                         mode="layerwise")
     store = HostViewStore(model, [device])
-    got, cache = StageRunner(model, FfiStoreSource(store), device=device)(tokens, lengths, cache_len=40,
-                                                                         mode="layerwise")
-    assert store.prefetched == [0, 1, 2]
-    assert rel_err(got, want) <= 1e-6 and rel_err(cache.recurrent, want_cache.recurrent) <= 1e-6
+    source = FfiStoreSource(store)
+    runner = StageRunner(model, source, device=device)
+    for run in range(2):  # the second run: every view poisoned again, the same compiled programs
+        got, cache = runner(tokens, lengths, cache_len=40, mode="layerwise")
+        assert store.prefetched == [0, 1, 2] * (run + 1)
+        assert rel_err(got, want) <= 1e-6 and rel_err(cache.recurrent, want_cache.recurrent) <= 1e-6
+        store.repoison()
+    # Layer l+1's prefetch ran inside layer l's program (the one layer program serves all three layers): the only
+    # program of the source's own is the first layer's prefetch.
+    assert list(source._programs) == ["in_place"]
 
 
 @pytest.mark.devices(2)
@@ -108,5 +78,6 @@ def test_a_runner_reads_each_devices_views_over_a_mesh():
                                                                           mode="layerwise")
     # Rank r prefills sequence r (one per rank) against the full experts of its own device's views.
     assert rel_err(np.asarray(got), np.asarray(want)) <= 1e-6
+    assert sorted(store.prefetched) == [0, 0, 1, 1, 2, 2]  # each layer once per device
     with pytest.raises(ValueError, match="are not the store's ranks"):
         store.sharded_layer_experts(0, Mesh(np.array(devices[::-1]), ("dwdp",)))

@@ -26,9 +26,7 @@ from jax_dwdp.model.nemotron_moe import routed_relu2_experts
 from jax_dwdp.nemotron_h_config import ATTENTION, MAMBA, NemotronHConfig, parse_pattern
 from jax_dwdp.parallel import Pipeline
 from jax_dwdp.parallel.backends import FfiBackend
-from jax_dwdp.parallel.device_view import view
 from jax_dwdp.parallel.dwdp import IndependentRanks
-from jax_dwdp.parallel.dwdp_ffi import ExpertStore
 from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer
 from jax_dwdp.parallel.pipeline import cache_bytes_per_sequence, cache_bytes_per_token
 from jax_dwdp.prefill import jit_prefill
@@ -37,6 +35,7 @@ from jax_dwdp.sources import AXIS, DispatchedExperts, XlaGatherSource
 from jax_dwdp.weights import convert_hf_to_orbax, load_checkpoint, load_orbax_checkpoint, verify_checkpoint
 from jax_dwdp.weights.hf_loader import load_config, load_hf_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
+from tests.host_views import HostViews
 
 CFG = NemotronHConfig.preset("tiny")  # M E * - M E: 8 experts top-2 in 2 groups, SSD chunks of 16 tokens
 T = 24
@@ -186,31 +185,18 @@ def test_independent_ranks_run_their_own_batches(setup):
 # ---- the FFI backend's interfaces, over a stand-in store ------------------------------------------------------------
 
 
-class HostStore:
-    """What FfiBackend needs of an expert store, over host memory (no CUDA): blocks filled per (layer, weight, rank),
-    each device's in-place view of a layer poisoned (NaN) until that layer is prefetched, a wait that is the
-    identity. Its layers are the stage's expert layers only."""
+class HostStore(HostViews):
+    """What FfiBackend needs of an expert store, over host memory (no CUDA; tests/host_views.py): blocks filled per
+    (layer, weight, rank), each device's in-place view of a layer poisoned until that layer is prefetched, a wait
+    that is the identity. Its layers are the stage's expert layers only."""
 
-    in_place, connected = True, True
+    connected = True
 
     def __init__(self, devices, num_layers, num_experts, shapes, dtype):
-        self.devices, self.num_layers, self.num_experts = list(devices), num_layers, num_experts
-        self.num_ranks, self.shapes, self.dtype = len(self.devices), tuple(shapes), np.dtype(dtype)
+        devices = list(devices)
+        self.num_ranks, self.blocks = len(devices), {}
         self.layout = ExpertLayout(num_experts, self.num_ranks)
-        self.blocks, self.prefetched, self.closed, self._owners, self._windows = {}, [], False, [], {}
-        self._views = {}
-        for d, device in enumerate(self.devices):
-            for layer in range(num_layers):
-                for w, shape in enumerate(self.shapes):
-                    full = (self.layout.padded_experts, *shape)
-                    nbytes = int(np.prod(full)) * self.dtype.itemsize
-                    owner = np.empty(nbytes + 256, np.uint8)
-                    start = (-owner.ctypes.data) % 256
-                    window = owner[start:start + nbytes].view(self.dtype).reshape(full)
-                    window[...] = np.nan
-                    self._owners.append(owner)
-                    self._windows[d, layer, w] = window
-                    self._views[d, layer, w] = view(window.ctypes.data, (num_experts, *shape), self.dtype, device)
+        super().__init__(devices, num_layers, num_experts, shapes, dtype, rows=self.layout.padded_experts)
 
     def own_ranks(self):
         return list(enumerate(self.devices))
@@ -219,32 +205,8 @@ class HostStore:
         assert 0 <= layer < self.num_layers and block.devices() == {self.devices[rank]}
         self.blocks[layer, weight, rank] = np.asarray(block)
 
-    def check_open(self):
-        assert not self.closed
-
-    def prefetch_in_place(self, dep, layer):
-        self.prefetched.append(layer)
-        s = self.layout.slots_per_rank
-        for (d, l, w), window in self._windows.items():
-            if l == layer:
-                for rank in range(self.num_ranks):
-                    window[rank * s:(rank + 1) * s] = self.blocks[layer, w, rank]
-        return jnp.zeros((1,), jnp.int32)
-
-    def layer_experts(self, layer, device=None):
-        return tuple(self._views[self.devices.index(device), layer, w] for w in range(2))
-
-    sharded_layer_experts = ExpertStore.sharded_layer_experts
-    rank_of = ExpertStore.rank_of
-
-    def wait(self, experts, after):
-        return experts
-
-    def sync(self):
-        pass
-
-    def close(self):
-        self.closed = True
+    def layer_data(self, layer, w):
+        return np.concatenate([self.blocks[layer, w, rank] for rank in range(self.num_ranks)])
 
 
 class HostStoreBackend(FfiBackend):
@@ -271,7 +233,7 @@ def test_the_ffi_backend_stores_the_moe_layers_only(setup):
         assert sorted(store.blocks) == [(layer, w, r) for layer in range(2) for w in range(2) for r in range(2)]
         assert pipe.runners[1].source.layers == (0, None, None, None, 1)
         logits, caches = pipe.prefill(tokens, lengths, logits="all", cache_len=T)
-        assert store.prefetched == [0, 1]
+        assert sorted(store.prefetched) == [0, 0, 1, 1]  # each layer once on each of the row's devices
         _compare(logits, caches, want)
     assert store.closed
 

@@ -51,7 +51,7 @@ store.close()
 
 store = VmmStore.build([0, 1], **sizes, in_place=True)  # the views: second mappings of the blocks, slots
 assert store.in_place and store.slot_bytes() == 2 * ((6 << 20) + (2 << 20)), store.info()
-assert len(store.prefetch_attributes(1)["views"]) == 4
+assert len(store.in_place_attributes()["view_layout"]) == 5  # sets, bytes, layers, two rows
 print("one process in place:", cuda_vmm.live_objects())
 store.close()
 

@@ -191,14 +191,28 @@ def test_in_place_views_map_the_own_block_and_the_slots(fake):
             for w in range(2):
                 assert slots[row, 0, w] == slots[row, 2, w] != slots[row, 1, w]  # sets alternate by layer
         assert len(set(slots.values())) == 8  # no slot shared between rows or weights
-        attrs = store.prefetch_attributes(1)
+        attrs = store.in_place_attributes()
         assert set(attrs) == _bound_attributes("PrefetchInPlaceBinding")
-        assert [int(v) for v in attrs["views"]] == [store.view_address(r, 1, w) for r in range(2) for w in range(2)]
+        for name, value in attrs.items():
+            assert value.dtype == np.int64, name
+        with pytest.raises(StoreError, match="reads its experts in place"):
+            store.prefetch_attributes(1)
         assert list(attrs["total_bytes"]) == [3 * (3 << 20), 3 * (1 << 20)]  # E = 3 experts: no padding slot
-        # [slot sets, one layer's view bytes, each row's first view]: layer = (view - base) // bytes
+        # every layer's sources[(l * 2 + w) * N + r] and timing[(l * rows + row) * 2 + {start, stop}]
+        assert [int(v) for v in attrs["sources"]] == [store.region(l, w).address(r) for l in range(3)
+                                                      for w in range(2) for r in range(2)]
+        assert [int(v) for v in attrs["timing"]] == [int(e) for l in range(3) for d in store.devices
+                                                     for e in (d.timing[l] if d.timing else (0, 0))]
+        # [slot sets, one layer's view bytes, layers, each row's first view]: the handler's arithmetic, layer
+        # l's weight w at base + l * bytes + w * N * block_bytes[0], is where the views are
         layer_bytes = 2 * (6 << 20) + 2 * (2 << 20)
-        assert [int(v) for v in attrs["view_layout"]] == [2, layer_bytes, store.view_address(0, 0, 0),
+        assert [int(v) for v in attrs["view_layout"]] == [2, layer_bytes, 3, store.view_address(0, 0, 0),
                                                           store.view_address(1, 0, 0)]
+        for row in range(2):
+            for layer in range(3):
+                base = int(attrs["view_layout"][3 + row]) + layer * layer_bytes
+                assert [store.view_address(row, layer, w) for w in range(2)] == [
+                    base, base + 2 * int(attrs["block_bytes"][0])]
         assert (store.view_address(1, 2, 0) - store.view_address(1, 0, 0)) // layer_bytes == 2
     finally:
         store.close()
@@ -231,8 +245,9 @@ def test_one_rank_per_process_in_place_views_its_own_slots(fake):
         base, stride = s.view_address(0, 1, 0), s.region(1, 0).stride
         assert _mapped(fake, base + r * stride) == s.region(1, 0).handles[r]
         assert _mapped(fake, base + (1 - r) * stride) not in s.region(1, 0).handles
-        attrs = s.prefetch_attributes(1)
-        assert list(attrs["ranks"]) == [r] and int(attrs["sources"][1 - r]) == s.region(1, 0).address(1 - r)
+        attrs = s.in_place_attributes()
+        # layer 1's sources start at (1 * 2 + 0) * N
+        assert list(attrs["ranks"]) == [r] and int(attrs["sources"][4 + 1 - r]) == s.region(1, 0).address(1 - r)
         s.close()
     nothing_alive(fake)
 

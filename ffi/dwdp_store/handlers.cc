@@ -1,9 +1,10 @@
 // The XLA FFI custom calls of the DWDP expert store (interface: handlers.h; the picture: ffi/README.md).
-// - dwdp_prefetch_in_place(dep) -> token: records the ready event on XLA's stream and makes the device's copy
-//   stream wait for it (so the copy never overwrites a slot that earlier XLA work, the layer two back, still reads:
-//   the write-after-read guard), copies the peers' blocks into the slots of the layer's compute view (the rank's own
-//   block is mapped there, never copied), and records a done event whose table slot names the view's gate_up
-//   address.
+// - dwdp_prefetch_in_place(dep, target) -> token: records the ready event on XLA's stream and makes the device's
+//   copy stream wait for it (so the copy never overwrites a slot that earlier XLA work, the layer two back, still
+//   reads: the write-after-read guard), copies the peers' blocks into the slots of the compute view `target` (the
+//   layer is the one whose view that is; the rank's own block is mapped there, never copied), and records a done
+//   event whose table slot names the view's gate_up address. Its attributes hold every layer, so the call can sit
+//   inside the program of the layer before, which one compilation serves for all layers.
 // - dwdp_prefetch(dep) -> (gate_up, down): the same into XLA-allocated outputs, the rank's own block copied too:
 //   for blocks that are not a multiple of the allocation granularity (no contiguous view).
 // - dwdp_wait(gate_up, down, after) -> token: makes XLA's stream wait for the done event of that address. `after` is
@@ -17,7 +18,6 @@
 #include "handlers.h"
 
 #include <algorithm>
-#include <vector>
 
 namespace dwdp {
 namespace {
@@ -155,10 +155,10 @@ ffi::Error PrefetchInto(CUstream stream, int32_t ordinal, int64_t store, int64_t
     return Fail(where + ": " + std::to_string(slots) + " prefetches on device " + std::to_string(ordinal) +
                 " are not waited for (store.sync() forgets them)");
   if (view_layout.size() != 0) {
-    if (view_layout.size() != rows + 2 || view_layout[0] < 2 || view_layout[1] <= 0)
+    if (view_layout.size() != rows + 3 || view_layout[0] < 2 || view_layout[1] <= 0)
       return Invalid(where + ": the store's view layout is inconsistent");
     const uint64_t sets = static_cast<uint64_t>(view_layout[0]), bytes = static_cast<uint64_t>(view_layout[1]);
-    const uint64_t base = static_cast<uint64_t>(view_layout[2 + row]);
+    const uint64_t base = static_cast<uint64_t>(view_layout[3 + row]);
     for (int64_t k = 0; k < slots; ++k) {
       const uint64_t other = static_cast<uint64_t>(pending[k]);
       if (other == 0 || pending[k] == key || other < base) continue;
@@ -190,30 +190,61 @@ ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, in
                     int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done,
                     Ints timing, Ints sources, Ints block_bytes, ffi::Result<ffi::AnyBuffer> gate_up,
                     ffi::Result<ffi::AnyBuffer> down) {
-  // Every row writes this device's outputs: the row found by the ordinal reads dst[0, 2).
+  // Whichever row the ordinal finds writes this device's outputs (dst_stride 0).
   const CUdeviceptr dst[2] = {reinterpret_cast<CUdeviceptr>(gate_up->untyped_data()),
                               reinterpret_cast<CUdeviceptr>(down->untyped_data())};
   const size_t total[2] = {gate_up->size_bytes(), down->size_bytes()};
-  const size_t rows = ordinals.size();
-  std::vector<CUdeviceptr> by_row;
-  for (size_t r = 0; r < rows; ++r) by_row.insert(by_row.end(), dst, dst + 2);
   return PrefetchInto(stream, ordinal, store, layer, table, ordinals, ranks, contexts, streams, ready, done, timing,
-                      sources, block_bytes, by_row.data(), 2, total, /*own=*/true, /*copy_peers=*/true,
-                      Ints(nullptr, 0));
+                      sources, block_bytes, dst, 0, total, /*own=*/true, /*copy_peers=*/true, Ints());
 }
 
-ffi::Error PrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, int64_t store, int64_t layer,
-                           int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready,
-                           Ints done, Ints timing, Ints sources, Ints block_bytes, Ints views, Ints total_bytes,
+InPlaceTarget::InPlaceTarget(int32_t ordinal, const void* target, Ints ordinals, Ints sources, Ints timing,
+                             Ints block_bytes, Ints view_layout, const std::string& where) {
+  const size_t rows = ordinals.size();
+  if (rows == 0 || view_layout.size() != rows + 3 || view_layout[1] <= 0 || view_layout[2] <= 0 ||
+      block_bytes.size() != 2 || block_bytes[0] <= 0) {
+    error_ = where + ": the store's view layout is inconsistent";
+    return;
+  }
+  const uint64_t layers = static_cast<uint64_t>(view_layout[2]);
+  if (sources.size() == 0 || sources.size() % (2 * layers) != 0 || timing.size() != 2 * rows * layers) {
+    error_ = where + ": the store's sources / timing do not hold " + std::to_string(layers) + " layers";
+    return;
+  }
+  size_t row = rows;
+  for (size_t i = 0; i < rows; ++i)
+    if (ordinals[i] == ordinal) row = i;
+  if (row == rows) {
+    error_ = where + ": device " + std::to_string(ordinal) + " is not one of the store's devices";
+    return;
+  }
+  const uint64_t address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target));
+  const uint64_t base = static_cast<uint64_t>(view_layout[3 + row]), bytes = static_cast<uint64_t>(view_layout[1]);
+  if (address < base || (address - base) % bytes != 0 || (address - base) / bytes >= layers) {
+    error_ = where + ": its target is not a layer's gate_up view of the store on device " + std::to_string(ordinal) +
+             " (pass store.layer_experts(layer)[0])";
+    return;
+  }
+  layer_ = static_cast<int64_t>((address - base) / bytes);
+  const size_t n = sources.size() / (2 * layers);
+  views_[0] = static_cast<CUdeviceptr>(address);
+  views_[1] = static_cast<CUdeviceptr>(address + n * static_cast<uint64_t>(block_bytes[0]));
+  sources_ = Ints(sources.begin() + layer_ * 2 * n, 2 * n);
+  timing_ = Ints(timing.begin() + layer_ * 2 * rows, 2 * rows);
+}
+
+ffi::Error PrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*dep*/, ffi::AnyBuffer target,
+                           int64_t store, int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams,
+                           Ints ready, Ints done, Ints timing, Ints sources, Ints block_bytes, Ints total_bytes,
                            Ints view_layout, ffi::Result<ffi::AnyBuffer> /*token*/) {
-  const std::string where = "dwdp_prefetch(store " + std::to_string(store) + ", layer " + std::to_string(layer) + ")";
-  if (views.size() != 2 * ordinals.size() || total_bytes.size() != 2 || total_bytes[0] <= 0 || total_bytes[1] <= 0)
-    return Invalid(where + ": the store's in-place attributes are inconsistent (two views per device row)");
-  std::vector<CUdeviceptr> by_row(views.size());
-  for (size_t i = 0; i < views.size(); ++i) by_row[i] = Address(views[i]);
+  const std::string where = "dwdp_prefetch_in_place(store " + std::to_string(store) + ")";
+  if (total_bytes.size() != 2 || total_bytes[0] <= 0 || total_bytes[1] <= 0)
+    return Invalid(where + ": the store's in-place attributes are inconsistent (two weights' total bytes)");
+  InPlaceTarget t(ordinal, target.untyped_data(), ordinals, sources, timing, block_bytes, view_layout, where);
+  if (!t.ok()) return Invalid(t.error());
   const size_t total[2] = {static_cast<size_t>(total_bytes[0]), static_cast<size_t>(total_bytes[1])};
-  return PrefetchInto(stream, ordinal, store, layer, table, ordinals, ranks, contexts, streams, ready, done, timing,
-                      sources, block_bytes, by_row.data(), 2, total, /*own=*/false, /*copy_peers=*/true,
+  return PrefetchInto(stream, ordinal, store, t.layer(), table, ordinals, ranks, contexts, streams, ready, done,
+                      t.timing(), t.sources(), block_bytes, t.views(), 0, total, /*own=*/false, /*copy_peers=*/true,
                       view_layout);
 }
 

@@ -58,14 +58,38 @@ class RowGuard {
 };
 
 // The copy both prefetches enqueue (handlers.cc): dst_by_row[row * dst_stride + w] is where the device's row
-// writes weight w (total[w] bytes); `own`: copy the rank's own block too; `copy_peers`: copy the peers' blocks
-// (false only in the test library's probe of the events alone). `view_layout` (in place; empty copying out):
-// [slot sets, bytes of one layer's views, then each row's first view address]: a prefetch into a slot set that
-// holds another layer's experts not yet waited for is refused (it would overwrite them before they are read).
+// writes weight w (total[w] bytes; dst_stride 0: every row writes dst_by_row[0, 2)); `own`: copy the rank's own
+// block too; `copy_peers`: copy the peers' blocks (false only in the test library's probe of the events alone).
+// `view_layout` (in place; empty copying out, see InPlaceTarget): a prefetch into a slot set that holds another
+// layer's experts not yet waited for is refused (it would overwrite them before they are read).
 ffi::Error PrefetchInto(CUstream stream, int32_t ordinal, int64_t store, int64_t layer, int64_t table, Ints ordinals,
                         Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done, Ints timing, Ints sources,
                         Ints block_bytes, const CUdeviceptr dst_by_row[], size_t dst_stride, const size_t total[2],
                         bool own, bool copy_peers, Ints view_layout);
+
+// In place, which layer a prefetch fills: its `target` operand is that layer's gate_up view on the calling device,
+// so one compiled program (a decoder layer's, which prefetches the next layer) serves every layer. view_layout =
+// [slot sets, bytes of one layer's views on a row, layers, then each row's first view address]: row `row` sees
+// layer l's weight w at view_layout[3 + row] + l * bytes + w * N * block_bytes[0]. `sources` and `timing` hold
+// every layer (sources[(l * 2 + w) * N + r], timing[(l * rows + row) * 2 + {0, 1}]); layer() gives the layer's
+// part of each. ok() is false, with error() saying why, when the target is no layer's view on this device.
+class InPlaceTarget {
+ public:
+  InPlaceTarget(int32_t ordinal, const void* target, Ints ordinals, Ints sources, Ints timing, Ints block_bytes,
+                Ints view_layout, const std::string& where);
+  bool ok() const { return error_.empty(); }
+  const std::string& error() const { return error_; }
+  int64_t layer() const { return layer_; }
+  const CUdeviceptr* views() const { return views_; }  // the row's views of the layer's two weights
+  Ints sources() const { return sources_; }            // the layer's [2 * N]
+  Ints timing() const { return timing_; }              // the layer's [2 * rows]
+
+ private:
+  int64_t layer_ = -1;
+  CUdeviceptr views_[2] = {0, 0};
+  Ints sources_, timing_;
+  std::string error_;
+};
 
 ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, int64_t store, int64_t layer,
                     int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done,
@@ -98,23 +122,23 @@ inline auto PrefetchBinding() {
       .Ret<ffi::AnyBuffer>();  // down
 }
 
-ffi::Error PrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, int64_t store, int64_t layer,
-                           int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready,
-                           Ints done, Ints timing, Ints sources, Ints block_bytes, Ints views, Ints total_bytes,
+ffi::Error PrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, ffi::AnyBuffer target,
+                           int64_t store, int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams,
+                           Ints ready, Ints done, Ints timing, Ints sources, Ints block_bytes, Ints total_bytes,
                            Ints view_layout, ffi::Result<ffi::AnyBuffer> token);
 
-// dwdp_prefetch_in_place(dep) -> token: Prefetch's attributes, plus views[row * 2 + w], where device row `row` sees
-// weight w of this layer as one [E, ...] tensor (its own block mapped at its rank's offset, its slots at the
-// peers'), total_bytes[w], the bytes of E experts of weight w, and view_layout (PrefetchInto). Only the peers'
-// blocks are copied, into the view; the done event is keyed by views[row * 2] (dwdp_wait's gate_up operand is that
-// view).
+// dwdp_prefetch_in_place(dep, target) -> token: copies the peers' blocks of the layer whose gate_up view `target` is
+// (InPlaceTarget) into that view's slots; the rank's own block is mapped there and never copied. The attributes
+// are the same for every layer: Prefetch's, with `sources` and `timing` for every layer, plus total_bytes[w], the
+// bytes of E experts of weight w, and view_layout. The done event is keyed by the target's address (dwdp_wait's
+// gate_up operand is that view).
 inline auto PrefetchInPlaceBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<CUstream>>()
       .Ctx<ffi::DeviceOrdinal>()
       .Arg<ffi::AnyBuffer>()  // dep
+      .Arg<ffi::AnyBuffer>()  // target: the layer's gate_up view (never read)
       .Attr<int64_t>("store")
-      .Attr<int64_t>("layer")
       .Attr<int64_t>("table")
       .Attr<Ints>("ordinals")
       .Attr<Ints>("ranks")
@@ -125,7 +149,6 @@ inline auto PrefetchInPlaceBinding() {
       .Attr<Ints>("timing")
       .Attr<Ints>("sources")
       .Attr<Ints>("block_bytes")
-      .Attr<Ints>("views")
       .Attr<Ints>("total_bytes")
       .Attr<Ints>("view_layout")
       .Ret<ffi::AnyBuffer>();  // token (never written)

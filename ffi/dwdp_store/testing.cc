@@ -94,41 +94,40 @@ ffi::Error TestingPrefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep,
                   sources, block_bytes, gate_up, down);
 }
 
-ffi::Error TestingPrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, int64_t store, int64_t layer,
-                                  int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready,
-                                  Ints done, Ints timing, Ints sources, Ints block_bytes, Ints views,
+ffi::Error TestingPrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, ffi::AnyBuffer target,
+                                  int64_t store, int64_t table, Ints ordinals, Ints ranks, Ints contexts,
+                                  Ints streams, Ints ready, Ints done, Ints timing, Ints sources, Ints block_bytes,
                                   Ints total_bytes, Ints view_layout, ffi::Result<ffi::AnyBuffer> token,
-                                  int64_t poison,
-                                  int64_t delay_ms, int64_t inject, int64_t skip_peers) {
-  const std::string where = Where(store, layer);
-  if (ffi::Error e = Injected(inject, where); e.failure()) return e;
-  if (views.size() != 2 * ordinals.size() || total_bytes.size() != 2 || block_bytes.size() != 2 ||
-      ranks.size() != ordinals.size() || sources.size() % 2 != 0)
-    return ffi::Error::InvalidArgument(where + ": the store's in-place attributes are inconsistent");
-  const int64_t n = static_cast<int64_t>(sources.size() / 2);
+                                  int64_t poison, int64_t delay_ms, int64_t inject, int64_t skip_peers) {
+  const std::string where = "dwdp_prefetch_in_place(store " + std::to_string(store) + ")";
+  InPlaceTarget t(ordinal, target.untyped_data(), ordinals, sources, timing, block_bytes, view_layout, where);
+  if (!t.ok()) return ffi::Error::InvalidArgument(t.error());
+  const std::string at = where + " of layer " + std::to_string(t.layer());
+  if (ffi::Error e = Injected(inject, at); e.failure()) return e;
+  if (total_bytes.size() != 2 || ranks.size() != ordinals.size())
+    return ffi::Error::InvalidArgument(at + ": the store's in-place attributes are inconsistent");
+  const int64_t n = static_cast<int64_t>(t.sources().size() / 2);
   auto peer_slots = [&](int64_t row) {  // the view's ranges at the peers' offsets, as far as E experts reach
     std::vector<Range> out;
     for (int w = 0; w < 2; ++w)
       for (int64_t p = 0; p < n; ++p) {
         const size_t offset = static_cast<size_t>(p * block_bytes[w]);
         if (p == ranks[row] || offset >= static_cast<size_t>(total_bytes[w])) continue;
-        out.push_back({static_cast<CUdeviceptr>(static_cast<uint64_t>(views[row * 2 + w])) + offset,
+        out.push_back({t.views()[w] + offset,
                        std::min(static_cast<size_t>(block_bytes[w]), static_cast<size_t>(total_bytes[w]) - offset)});
       }
     return out;
   };
-  if (ffi::Error e = Faults(stream, ordinal, table, ordinals, contexts, streams, ready, done, poison, delay_ms, where,
+  if (ffi::Error e = Faults(stream, ordinal, table, ordinals, contexts, streams, ready, done, poison, delay_ms, at,
                             peer_slots);
       e.failure())
     return e;
   if (skip_peers == 0)
-    return PrefetchInPlace(stream, ordinal, dep, store, layer, table, ordinals, ranks, contexts, streams, ready, done,
-                           timing, sources, block_bytes, views, total_bytes, view_layout, token);
-  std::vector<CUdeviceptr> by_row(views.size());
-  for (size_t i = 0; i < views.size(); ++i) by_row[i] = static_cast<CUdeviceptr>(static_cast<uint64_t>(views[i]));
+    return PrefetchInPlace(stream, ordinal, dep, target, store, table, ordinals, ranks, contexts, streams, ready,
+                           done, timing, sources, block_bytes, total_bytes, view_layout, token);
   const size_t total[2] = {static_cast<size_t>(total_bytes[0]), static_cast<size_t>(total_bytes[1])};
-  return PrefetchInto(stream, ordinal, store, layer, table, ordinals, ranks, contexts, streams, ready, done, timing,
-                      sources, block_bytes, by_row.data(), 2, total, /*own=*/false, /*copy_peers=*/false,
+  return PrefetchInto(stream, ordinal, store, t.layer(), table, ordinals, ranks, contexts, streams, ready, done,
+                      t.timing(), t.sources(), block_bytes, t.views(), 0, total, /*own=*/false, /*copy_peers=*/false,
                       view_layout);
 }
 

@@ -265,7 +265,7 @@ class VmmStore:
         self.retained = Held()  # the primary contexts, released last
         self.table = np.zeros(0, np.int64)
         self.closed = False
-        self._attributes: dict[int, dict] = {}
+        self._attributes: dict[int | str, dict] = {}  # per layer (copy out); "in_place"
         # In place is asked for; it holds once the granularity is known (see _views_possible).
         self.in_place, self.slot_sets = in_place, slot_sets
         self.not_in_place = "" if in_place else "not asked for"
@@ -648,39 +648,71 @@ class VmmStore:
             cu(where, "cuStreamSynchronize", dev.copy)
 
     def prefetch_attributes(self, layer: int) -> dict:
-        """The attributes of layer `layer`'s dwdp_prefetch custom call: its whole interface (handlers.h,
-        PrefetchBinding; in place PrefetchInPlaceBinding, which adds `views`, where each row's compute view of each
-        weight of the layer starts, `total_bytes`, the bytes of a weight's E experts, and `view_layout`, from which
-        the handler tells which slot set a pending prefetch fills), the same for every device of the store (each
-        finds its row by its ordinal)."""
+        """Copy out: the attributes of layer `layer`'s dwdp_prefetch custom call, its whole interface (handlers.h,
+        PrefetchBinding), the same for every device of the store (each finds its row by its ordinal)."""
         where = f"dwdp_prefetch(store {self.id}, layer {layer})"
+        self._check_mapped(where)
+        if self.in_place:
+            raise StoreError(f"{where}: the store reads its experts in place (in_place_attributes)")
+        if not 0 <= layer < self.layers:
+            raise StoreError(f"{where}: layer out of range [0, {self.layers})")
+        if layer not in self._attributes:
+            self._attributes[layer] = dict(self._copy_attributes(), layer=np.int64(layer),
+                                           timing=as_int64(self._timing_events(layer)),
+                                           sources=as_int64(self._sources(layer)))
+        return self._attributes[layer]
+
+    def in_place_attributes(self) -> dict:
+        """In place: the attributes of dwdp_prefetch_in_place (handlers.h, PrefetchInPlaceBinding), one set for
+        every layer: the layer is the one whose gate_up view the call gets as its target operand, so the call can
+        sit inside a program that one compilation serves for every layer. `sources` and `timing` hold every layer;
+        `view_layout` = [slot sets, bytes of one layer's views, layers, each row's first view], from which the
+        handler finds the target's layer and tells which slot set a pending prefetch fills."""
+        where = f"dwdp_prefetch_in_place(store {self.id})"
+        self._check_mapped(where)
+        if not self.in_place:
+            raise StoreError(f"{where}: the store copies its experts out ({self.not_in_place})")
+        if "in_place" not in self._attributes:
+            layer_bytes = self.layer_view_bytes()
+            for row in range(len(self.devices)):  # the handler's arithmetic, checked once against the mappings
+                for layer in (0, self.layers - 1):
+                    base = self.devices[row].views_va + layer * layer_bytes
+                    if [self.view_address(row, layer, w) for w in range(2)] != [
+                            base, base + self.ranks * self.block_bytes(0)]:
+                        raise StoreError(f"{where}: row {row}'s views of layer {layer} are not where the handler "
+                                         "computes them (base + layer * layer bytes + N * gate_up block)")
+            self._attributes["in_place"] = dict(
+                self._copy_attributes(),
+                timing=as_int64(e for layer in range(self.layers) for e in self._timing_events(layer)),
+                sources=as_int64(a for layer in range(self.layers) for a in self._sources(layer)),
+                total_bytes=as_int64(self.experts * b for b in self.expert_bytes),
+                view_layout=as_int64([self.slot_sets, layer_bytes, self.layers,
+                                      *(d.views_va for d in self.devices)]))
+        return self._attributes["in_place"]
+
+    def _check_mapped(self, where: str) -> None:
         self._check_open(where)
         if len(self.expert_bytes) != 2:
             raise StoreError(f"{where}: the store holds {len(self.expert_bytes)} weights, expected 2")
-        if not 0 <= layer < self.layers:
-            raise StoreError(f"{where}: layer out of range [0, {self.layers})")
         for r in range(self.ranks):
             if not self.rank_mapped(r):
                 raise StoreError(f"{where}: rank {r}'s blocks are not mapped here yet (connect the store first)")
-        if layer not in self._attributes:
-            ranks = [self.local_rank] if self.local_rank is not None else list(range(self.ranks))
-            self._attributes[layer] = dict(
-                self.wait_attributes(),
-                layer=np.int64(layer),
-                ranks=as_int64(ranks),
-                streams=as_int64(int(d.copy) for d in self.devices),
-                ready=as_int64(int(d.ready) for d in self.devices),
-                timing=as_int64(int(e) for d in self.devices for e in (d.timing[layer] if d.timing else (0, 0))),
-                sources=as_int64(self.region(layer, w).address(r) for w in range(2) for r in range(self.ranks)),
-                block_bytes=as_int64(self.block_bytes(w) for w in range(2)))
-            if self.in_place:
-                self._attributes[layer].update(
-                    views=as_int64(self.view_address(row, layer, w) for row in range(len(self.devices))
-                                   for w in range(2)),
-                    total_bytes=as_int64(self.experts * b for b in self.expert_bytes),
-                    view_layout=as_int64([self.slot_sets, self.layer_view_bytes(),
-                                          *(d.views_va for d in self.devices)]))
-        return self._attributes[layer]
+
+    def _copy_attributes(self) -> dict:
+        """What both prefetches' attributes share, whatever the layer."""
+        ranks = [self.local_rank] if self.local_rank is not None else list(range(self.ranks))
+        return dict(self.wait_attributes(), ranks=as_int64(ranks),
+                    streams=as_int64(int(d.copy) for d in self.devices),
+                    ready=as_int64(int(d.ready) for d in self.devices),
+                    block_bytes=as_int64(self.block_bytes(w) for w in range(2)))
+
+    def _timing_events(self, layer: int) -> list[int]:
+        """Per device row, layer `layer`'s copy start / stop events (0, 0 when not timed)."""
+        return [int(e) for d in self.devices for e in (d.timing[layer] if d.timing else (0, 0))]
+
+    def _sources(self, layer: int) -> list[int]:
+        """sources[w * N + r]: where rank r's block of weight w of layer `layer` is."""
+        return [self.region(layer, w).address(r) for w in range(2) for r in range(self.ranks)]
 
     def wait_attributes(self) -> dict:
         """The attributes of the store's dwdp_wait custom call (handlers.h, WaitBinding): one for every layer."""

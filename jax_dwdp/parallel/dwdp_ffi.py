@@ -12,15 +12,16 @@ made.
   Qwen3.5-MoE size): each device sees each layer's experts as one [E, ...] range, its own rank's block mapped
   where its experts sit and store-owned slots at the peers' offsets; `store.layer_experts(layer)` gives that range
   as jax.Arrays that are views of it (device_view: XLA holds no copy of any expert, and the rank's own experts
-  never move). `store.prefetch_in_place(dep, layer)` (inside shard_map) copies only the peers' blocks into the
-  layer's slots (slot set layer % 2), on a copy stream that starts after everything XLA enqueued before the call:
-  layer l+1's copy runs under layer l, into the slot set layer l does not read.
+  never move). `store.prefetch_in_place(dep, layer_experts(layer))` (inside shard_map) copies only the peers'
+  blocks into the layer's slots (slot set layer % 2), on a copy stream that starts after everything XLA enqueued
+  before the call: layer l+1's copy runs under layer l, into the slot set layer l does not read. The call finds its
+  layer from the views it gets as an operand, so it can sit inside layer l's own program.
 - Otherwise (copy out) `store.prefetch(dep, layer)` returns the layer's full (gate_up [E, 2I, H], down [E, H, I])
   in fresh XLA buffers, every rank's block copied, the rank's own too.
 - `store.wait(experts, after)`: the experts (views or buffers), after XLA's stream has waited for their copy;
   `after` (the MoE's input) keeps XLA from scheduling it early, and an optimization barrier on its token orders
-  every use after it. The custom calls' whole interface is their attributes (`VmmStore.prefetch_attributes` /
-  `wait_attributes` here, `PrefetchInPlaceBinding` / `PrefetchBinding` / `WaitBinding` in
+  every use after it. The custom calls' whole interface is their attributes (`VmmStore.in_place_attributes` /
+  `prefetch_attributes` / `wait_attributes` here, `PrefetchInPlaceBinding` / `PrefetchBinding` / `WaitBinding` in
   ffi/dwdp_store/handlers.h).
 - `close()` (or leaving a `with` block) releases every allocation, mapping, VA range, stream, event and context;
   whoever made the store closes it (a Pipeline or IndependentRanks with experts="ffi" makes and closes its own).
@@ -213,31 +214,44 @@ class ExpertStore:
 
     # ---- the custom calls (inside shard_map: per-device shapes) ----------------------------------------------
     def prefetch_attributes(self, layer: int) -> dict:
-        """Layer `layer`'s dwdp_prefetch attributes (the custom call's whole interface)."""
+        """Copy out: layer `layer`'s dwdp_prefetch attributes (the custom call's whole interface)."""
         self.check_open()
         return self.vmm.prefetch_attributes(layer)
+
+    def in_place_attributes(self) -> dict:
+        """In place: dwdp_prefetch_in_place's attributes, one set for every layer."""
+        self.check_open()
+        return self.vmm.in_place_attributes()
 
     def prefetch(self, dep: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
         """Copy out: layer `layer`'s experts in fresh XLA buffers, every rank's block copied."""
         if self.in_place:
-            raise StoreError(f"expert store {self.id} reads its experts in place: prefetch_in_place(dep, layer) "
-                             "and layer_experts(layer)")
+            raise StoreError(f"expert store {self.id} reads its experts in place: prefetch_in_place(dep, experts) "
+                             "with experts = layer_experts(layer)")
         out = tuple(jax.ShapeDtypeStruct((self.num_experts, *s), self.dtype) for s in self.shapes)
         attributes = self.prefetch_attributes(layer)
         call = jax.ffi.ffi_call(self.prefetch_target, out, has_side_effect=True)
         return call(dep, **attributes)
 
-    def prefetch_in_place(self, dep: jax.Array, layer: int) -> jax.Array:
-        """In place: copies the peers' blocks of layer `layer` into this device's slots for it; returns a token
-        (nothing reads it: `wait` on layer_experts(layer) finds the copy by the view's address)."""
+    def prefetch_in_place(self, dep: jax.Array, experts: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """In place: copies the peers' blocks of the layer whose views `experts` are (this device's
+        `layer_experts(layer)`, as operands of the calling program) into this device's slots for it; returns a
+        token. The call's attributes are the same for every layer, so it can sit inside the program of the layer
+        before, which one compilation serves for every layer; `wait` on the same views finds the copy by their
+        address."""
         if not self.in_place:
             raise StoreError(f"expert store {self.id} copies its experts out ({self.vmm.not_in_place}): "
                              "prefetch(dep, layer)")
-        attributes = self.prefetch_attributes(layer)
-        # Not a side effect to JAX: the token is the program's output, so the call runs on every execution, and a
-        # failed prefetch raises once, where it ran (a side effect's runtime token would raise it again at exit).
+        gate_up = experts[0]
+        expected = (self.num_experts, *self.shapes[0])
+        if tuple(gate_up.shape) != expected or gate_up.dtype != self.dtype:
+            raise StoreError(f"prefetch_in_place(store {self.id}): experts[0] is {gate_up.dtype}{list(gate_up.shape)}"
+                             f", not a gate_up view of the store ({self.dtype}{list(expected)} per device)")
+        attributes = self.in_place_attributes()
+        # Not a side effect to JAX: the token is a program output, so the call runs on every execution, and a failed
+        # prefetch raises once, where it ran (a side effect's runtime token would raise it again at exit).
         call = jax.ffi.ffi_call(self.prefetch_in_place_target, jax.ShapeDtypeStruct((1,), jnp.int32))
-        return call(dep, **attributes)
+        return call(dep, gate_up, **attributes)
 
     def layer_experts(self, layer: int, device=None) -> tuple[jax.Array, jax.Array]:
         """In place: layer `layer`'s (gate_up [E, 2I, H], down [E, H, I]) as `device`'s views of the store (its
@@ -437,9 +451,9 @@ class ProcessExpertStore(ExpertStore):
         self.check_connected()
         return super().prefetch(dep, layer)
 
-    def prefetch_in_place(self, dep: jax.Array, layer: int) -> jax.Array:
+    def prefetch_in_place(self, dep: jax.Array, experts: tuple[jax.Array, jax.Array]) -> jax.Array:
         self.check_connected()
-        return super().prefetch_in_place(dep, layer)
+        return super().prefetch_in_place(dep, experts)
 
     def info(self) -> dict:
         return {**super().info(), "ranks": self.num_ranks, "rank": self.rank}
