@@ -182,13 +182,13 @@ def explain_death(code: int, held: list[str], *, process_id: int, num_processes:
 
 
 def hand_off(argv: list[str], *, num_processes: int, coordinator: str | None, process_id: int | None,
-             timeout_s: int, verbose: bool = False) -> int | None:
+             timeout_s: int, verbose: bool = False, share_gpu: bool = False) -> int | None:
     """Where a checked `jax-dwdp ARGV` of one process per device runs when not in this process: in N local
     processes that this one starts (`launch`: no process id given), or, for a process of an outside launch, in a
     child whose stderr this one reads (`supervise`, unless this is that child). Returns their exit code; None when
     this process runs the command itself."""
     if num_processes > 1 and process_id is None:
-        return launch(argv, num_processes, timeout_s=timeout_s, verbose=verbose)
+        return launch(argv, num_processes, timeout_s=timeout_s, verbose=verbose, share_gpu=share_gpu)
     if process_id is not None and not os.environ.get(SUPERVISED_ENV):
         return supervise(argv, process_id=process_id, num_processes=num_processes, coordinator=coordinator,
                          timeout_s=timeout_s, verbose=verbose)
@@ -287,6 +287,44 @@ def launch_id(timeout_s: float = 60.0) -> str:
     return _launch_id
 
 
+def host_gather(array, name: str, *, timeout_s: float = 600.0):
+    """The whole of `array` (a jax.Array split over this launch's processes) as one numpy array on every process,
+    through jax.distributed's key-value store: host memory and the coordinator's gRPC, no device collective. For
+    processes that share one GPU (`launch(share_gpu=True)`), where NCCL, which XLA's collectives use, refuses two
+    ranks on one device. Each process publishes its addressable shards (their index and bytes) under `name`, unique
+    per gather in a launch, then reads every process's."""
+    import io
+
+    import jax
+    import numpy as np
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise RuntimeError("host_gather: this process is not part of a jax.distributed launch")
+    key = f"jax_dwdp/{launch_id()}/gather/{name}/"
+    fields = {}
+    for i, shard in enumerate(array.addressable_shards):
+        bounds = [sl.indices(n)[:2] for sl, n in zip(shard.index, array.shape)]
+        fields[f"bounds_{i}"] = np.asarray(bounds, np.int64).reshape(-1, 2)
+        fields[f"data_{i}"] = np.asarray(shard.data)
+    buf = io.BytesIO()
+    np.savez(buf, **fields)
+    client.key_value_set_bytes(key + str(jax.process_index()), buf.getvalue())
+    out = np.empty(array.shape, array.dtype)
+    for process in range(jax.process_count()):
+        try:
+            blob = client.blocking_key_value_get_bytes(key + str(process), int(timeout_s * 1000))
+        except Exception as e:  # noqa: BLE001 (a deadline from the key-value store)
+            raise RuntimeError(f"host_gather({name!r}): process {process} did not publish its shards within "
+                               f"{timeout_s:g} s: {e}") from None
+        with np.load(io.BytesIO(blob)) as parts:
+            for i in range(len(parts.files) // 2):
+                where = tuple(slice(a, b) for a, b in parts[f"bounds_{i}"])
+                out[where] = parts[f"data_{i}"]
+    return out
+
+
 def shutdown() -> None:
     import jax
 
@@ -358,14 +396,20 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=None, verbose: bool = False) -> int:
+def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=None, verbose: bool = False,
+           share_gpu: bool = False) -> int:
     """Runs `jax-dwdp ARGV --process-id I --coordinator 127.0.0.1:PORT` for I in [0, N); returns the exit code:
     0 when all succeed, else the first failure's (the others stopped). `status(text)` reports progress (stderr);
-    the processes' stderr passes through `NativeLogFilter` (verbose: everything)."""
+    the processes' stderr passes through `NativeLogFilter` (verbose: everything). `share_gpu`: every process
+    drives the first visible GPU (the one-GPU rehearsal of a multi-GPU launch, see `check_layout`)."""
     status = status or (lambda text: print(text, file=sys.stderr, flush=True))
     gpus = visible_gpus()
-    if gpus and len(gpus) < num_processes:
-        status(f"error: --num-processes {num_processes} needs a GPU per process; {len(gpus)} are visible")
+    if share_gpu and not gpus:
+        status("error: --share-gpu: no GPU is visible")
+        return EXIT_RUNTIME
+    if gpus and not share_gpu and len(gpus) < num_processes:
+        status(f"error: --num-processes {num_processes} needs a GPU per process; {len(gpus)} are visible (one "
+               "GPU: --share-gpu rehearses the launch on it)")
         return EXIT_RUNTIME
     port = reserve_port()
     coordinator = f"127.0.0.1:{port.getsockname()[1]}"
@@ -376,7 +420,7 @@ def launch(argv: list[str], num_processes: int, *, timeout_s: int = 60, status=N
             env = dict(os.environ, **{SUPERVISED_ENV: "1", PARENT_ENV: str(os.getpid())})
             if gpus:  # every process sees every GPU and drives its own (see initialize)
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-                env[LOCAL_DEVICE_ENV] = str(i)
+                env[LOCAL_DEVICE_ENV] = "0" if share_gpu else str(i)
             cmd = [sys.executable, "-m", "jax_dwdp.cli", *argv, "--process-id", str(i), "--coordinator", coordinator,
                    "--process-timeout", str(timeout_s)]
             # Their own process group: a Ctrl-C at the terminal reaches the launcher only, which stops them all and

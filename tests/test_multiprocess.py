@@ -302,29 +302,54 @@ def test_json_output_is_one_object():
     assert result["command"] == "prefill" and result["logits_finite"]
 
 
-def _launch_ids(n: int = 2) -> list[str]:
-    """Each process of a fresh CPU launch of n processes: jax_dwdp's initialize, then its launch_id."""
+def _in_launch(code: str, n: int = 2) -> list[str]:
+    """Runs `code` in each process of a fresh CPU launch of n processes (after jax_dwdp's initialize; sys.argv[1:]
+    = coordinator, n, process id); returns the lines they print, process by process."""
     from jax_dwdp.distributed import reserve_port
 
-    code = ("import sys; from jax_dwdp.distributed import initialize, launch_id; "
-            "initialize(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), timeout_s=60); print('ID', launch_id())")
+    code = ("import sys; from jax_dwdp.distributed import initialize; "
+            "initialize(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), timeout_s=60)\n" + code)
     with reserve_port() as held:  # the coordinator's port, held until the launch ends
         port = held.getsockname()[1]
         procs = [subprocess.Popen([sys.executable, "-c", code, f"127.0.0.1:{port}", str(n), str(i)], env=_env(),
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i in range(n)]
-        ids = []
+        lines = []
         try:
             for p in procs:
                 out, err = p.communicate(timeout=120)
                 assert p.returncode == 0, err[-2000:]
-                ids += [line.split()[1] for line in out.splitlines() if line.startswith("ID ")]
+                lines += out.splitlines()
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    return ids
+    return lines
+
+
+def _launch_ids(n: int = 2) -> list[str]:
+    """Each process of a fresh CPU launch of n processes: its launch_id."""
+    lines = _in_launch("from jax_dwdp.distributed import launch_id; print('ID', launch_id())", n)
+    return [line.split()[1] for line in lines if line.startswith("ID ")]
+
+
+def test_host_gather_assembles_an_array_split_over_processes():
+    """distributed.host_gather (the logits of processes that share one GPU, where NCCL does not run): arrays
+    sharded by rows over two processes' devices come back whole on every process, equal to what every process drew
+    from the same seed; two gathers in a row, each under its own name."""
+    code = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax_dwdp.distributed import host_gather
+mesh = Mesh(np.array(jax.devices()), ("r",))
+for name, shape in (("a", (6, 5)), ("b", (4, 3))):
+    want = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    arr = jax.make_array_from_callback(shape, NamedSharding(mesh, P("r")), lambda index: want[index])
+    got = host_gather(arr, name)
+    print("OK" if got.shape == shape and np.array_equal(got, want) else f"BAD {got} {want}")
+"""
+    assert _in_launch(code) == ["OK", "OK"] * 2
 
 
 def test_launch_id_is_shared_by_a_launch_and_new_for_the_next():
