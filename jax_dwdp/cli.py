@@ -22,17 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from jax_dwdp import distributed
+from jax_dwdp.options import MAX_SEED, OptionError, check_dtype
 from jax_dwdp.watchdog import Watchdog
 
-DTYPES = ("bfloat16", "float32")
 EXIT_BAD_INPUT = 2
 EXIT_RUNTIME = 1
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
-DEFAULT_BATCH, DEFAULT_SEQ_LEN = 1, 128
 DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
-MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
-BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError", "PlannerError",
-             "TextError")
+# Bad input besides OptionError (its subclasses SpecError, PlannerError), by name: the library's modules load late.
+BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "TextError")
 
 
 class UsageError(ValueError):
@@ -146,18 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _boundaries(args) -> tuple[int, ...] | None:
-    if not args.stage_boundaries:
-        return None
-    if args.pipeline == 1:
-        raise UsageError("--stage-boundaries needs --pipeline P with P >= 2 stages")
     try:
-        return tuple(int(x) for x in args.stage_boundaries.split(","))
+        return tuple(int(x) for x in args.stage_boundaries.split(",")) if args.stage_boundaries else None
     except ValueError:
         raise UsageError(f"--stage-boundaries {args.stage_boundaries!r}: expected comma-separated layer ids") from None
 
 
 def _ranks(args) -> int:
     """Ranks per stage: --dwdp N or --dep N (not both)."""
+    if min(args.dwdp, args.dep) < 1:
+        raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
     if args.dwdp > 1 and args.dep > 1:
         raise UsageError(f"--dwdp {args.dwdp} and --dep {args.dep}: choose one way to split the experts")
     return max(args.dwdp, args.dep)
@@ -167,22 +163,27 @@ def _experts(args) -> str | None:
     return "dep" if args.dep > 1 else args.experts if args.dwdp > 1 else None
 
 
+def _flag(args):
+    """How this command line spells an option that an OptionError names: as its flag (the ranks per stage as the
+    one of --dwdp / --dep given)."""
+    return lambda name: ("--dep" if getattr(args, "dep", 1) > 1 else "--dwdp") if name == "ranks" else \
+        "--" + name.replace("_", "-")
+
+
 def _spec(args, **extra):
-    """The library's PrefillSpec of a prefill (or plan) command line, and the model's config it names."""
+    """The library's PrefillSpec of a prefill (or plan) command line, and the model's config it names; the spec
+    checks its own fields (driver.SpecError)."""
     from jax_dwdp.driver import PrefillSpec
 
     if args.checkpoint is not None:
         _need(args.checkpoint, True, "--checkpoint")
-    mode = "scanned" if getattr(args, "scan", False) else "layerwise" if getattr(args, "layerwise", False) else "whole"
+    scan, layerwise = getattr(args, "scan", False), getattr(args, "layerwise", False)
+    if scan and layerwise:
+        raise UsageError("--scan and --layerwise are two execution modes: choose one")
     spec = PrefillSpec(checkpoint=args.checkpoint, preset=args.preset, num_layers=args.num_layers, dtype=args.dtype,
                        seed=args.seed, pipeline=args.pipeline, ranks=_ranks(args), stage_boundaries=_boundaries(args),
-                       mode=mode, **extra)
-    try:
-        return spec, spec.config()
-    except ValueError as e:
-        if type(e) is not ValueError:  # ConfigError, CheckpointError: already one line naming the file
-            raise
-        raise UsageError(str(e).replace("num_layers", "--num-layers")) from None
+                       mode="scanned" if scan else "layerwise" if layerwise else "whole", **extra)
+    return spec, spec.config()
 
 
 def _need(path: Path, folder: bool, flag: str = "") -> None:
@@ -194,57 +195,24 @@ def _need(path: Path, folder: bool, flag: str = "") -> None:
         raise UsageError(f"{named}: is not a {'folder' if folder else 'regular file'}")
 
 
-def _dtype(name: str) -> str:
-    if name not in DTYPES:
-        raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
-    return name
-
-
-def _token_shape(args) -> None:
-    """--batch / --seq-len: random tokens only (a --tokens file has its own shape); defaults filled in."""
-    if args.tokens is not None:
-        given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)) if value is not None]
-        if given:
-            verb = "shape" if len(given) > 1 else "shapes"
-            raise UsageError(f"{' and '.join(given)} {verb} random tokens; with --tokens the file gives the shape")
-        return
-    args.batch = DEFAULT_BATCH if args.batch is None else args.batch
-    args.seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
-    if args.batch < 1 or args.seq_len < 1:
-        raise UsageError(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
-
-
 def _check_options(args) -> None:
-    """The prefill options on their own (no device, no weights): checked by the launcher of a multi-process run
-    before it starts any process, and by every single-process run."""
-    from jax_dwdp.parallel.backends import BACKENDS
-
+    """The prefill options that are the command line's own (the spec checks the rest): checked by the launcher of a
+    multi-process run before it starts any process, and by every single-process run."""
     if args.iters < 1:
         raise UsageError(f"--iters must be >= 1, got {args.iters}")
-    if min(args.pipeline, args.microbatches, args.dwdp, args.dep) < 1:
-        raise UsageError("--pipeline, --dwdp, --dep and --microbatches must be >= 1")
-    if args.prefill_chunk is not None:
-        if args.prefill_chunk < 1:
-            raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-        if max(args.pipeline, args.microbatches, _ranks(args)) > 1:
-            raise UsageError("--prefill-chunk runs on one device: it does not combine with --pipeline, --dwdp, --dep "
-                             "or --microbatches")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise UsageError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
     if not args.stall_timeout > 0:
         raise UsageError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     if args.experts is not None:
-        if args.experts not in BACKENDS:
-            raise UsageError(f"--experts {args.experts!r}: choose one of {', '.join(BACKENDS)}")
         if args.dep > 1 and args.experts != "dep":
             raise UsageError(f"--experts {args.experts} is for --dwdp; --dep has one way to move tokens")
         if _ranks(args) < 2:
             raise UsageError(f"--experts {args.experts} needs --dwdp N with N >= 2 ranks (it chooses how they get "
                              "their experts)")
-    if args.scan and (_ranks(args) > 1 or args.layerwise or args.prefill_chunk is not None):
-        raise UsageError("--scan runs the model (or each --pipeline stage) on one device as one program: it does not "
-                         "combine with --dwdp, --dep (their experts move between layers), --layerwise or "
-                         "--prefill-chunk")
+    if args.tokens is not None:  # --batch / --seq-len shape random tokens only
+        given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)) if value is not None]
+        if given:
+            verb = "shape" if len(given) > 1 else "shapes"
+            raise UsageError(f"{' and '.join(given)} {verb} random tokens; with --tokens the file gives the shape")
 
 
 def _prompts(args) -> list[str] | None:
@@ -290,40 +258,40 @@ def _status(args, text: str) -> None:
 
 
 def _prefill_inputs(args):
-    """The checks every prefill makes before any device work: (spec, cfg, tokens, lengths)."""
+    """The checks every prefill makes before any device work: (spec, cfg, tokens, lengths, prompts, tokenizer)."""
     from jax_dwdp import driver
     from jax_dwdp.outputs import output_file
 
     _check_options(args)
     prompts = _prompts(args)
-    tokenizer = None
-    if prompts is None:
-        _token_shape(args)
-    _dtype(args.dtype)
     if args.logits_out is not None:
         args.logits_out = output_file(args.logits_out, "--logits-out")
     spec, cfg = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
                       fused_swiglu=args.fused_swiglu, logits="all" if args.logits_out is not None else "last")
-    lengths = None
+    tokens = lengths = tokenizer = None
     if prompts is not None:
         from jax_dwdp.text import Tokenizer
 
         tokenizer = Tokenizer.from_checkpoint(args.checkpoint)
         tokens, lengths = tokenizer.batch(prompts, chat=args.chat)
-    else:
+    elif args.tokens is not None:
         try:
-            tokens = None if args.tokens is None else driver.read_tokens(args.tokens)
+            tokens = driver.read_tokens(args.tokens)
         except ValueError as e:
             raise UsageError(f"--tokens {e}") from None
+    shape = {name: value for name, value in (("batch", args.batch), ("seq_len", args.seq_len)) if value is not None}
     try:
-        inputs = driver.prefill_inputs(spec, cfg, tokens, lengths, batch=args.batch or 1, seq_len=args.seq_len or 1)
+        inputs = driver.prefill_inputs(spec, cfg, tokens, lengths, **shape)
     except ValueError as e:  # the batch the memory check names is what --batch (or the file) gives
+        if isinstance(e, OptionError):
+            raise
         raise UsageError(str(e).replace("a batch of ", "--batch ", 1)) from None
     return spec, cfg, *inputs, prompts, tokenizer
 
 
 def cmd_prefill(args) -> dict:
     from jax_dwdp import driver
+    from jax_dwdp.generate import top_k
     from jax_dwdp.native import build_status
     from jax_dwdp.outputs import save_npy_atomically
     from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable
@@ -351,36 +319,20 @@ def cmd_prefill(args) -> dict:
         save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
     generated = result.pop("generated", None)
     if prompts is not None:
-        result["text"] = _text_out(prompts, tokenizer, driver.last_logits(logits, lengths), generated, args.top_k)
+        result["text"] = tokenizer.completions(prompts, top_k(driver.last_logits(logits, lengths), args.top_k),
+                                               generated)
     elif generated is not None:
         result["generated_ids"] = np.asarray(generated).tolist()
     return {"command": "prefill", **result, "logits_out": str(args.logits_out) if args.logits_out else None,
             "logits_finite": warning is None, "ffi_libraries": build_status()}
 
 
-def _text_out(prompts, tokenizer, last, generated, k: int) -> list[dict]:
-    """Per prompt: its k most likely next tokens (id, text, probability) and the generated continuation."""
-    from jax_dwdp.generate import top_k
-
-    out = []
-    for row, (prompt, best) in enumerate(zip(prompts, top_k(last, k))):
-        item = {"prompt": prompt, "next_tokens": [{"id": i, "text": tokenizer.decode([i]), "p": round(p, 6)}
-                                                  for i, p in best]}
-        if generated is not None:
-            ids = [int(i) for i in np.asarray(generated)[row]]
-            item.update(generated_ids=ids, generated_text=tokenizer.decode(ids))
-        out.append(item)
-    return out
-
-
 def cmd_plan(args) -> dict:
     from jax_dwdp.plan import plan_layout
+    from jax_dwdp.planner import predict
 
-    _dtype(args.dtype)
-    if min(args.dwdp, args.dep) < 1:
-        raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
-    model_inputs = _model_inputs(args)
     spec, cfg = _spec(args)
+    prediction = _prediction_inputs(args)
     try:
         stages = plan_layout(cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
                              dep=args.dep > 1)
@@ -388,60 +340,38 @@ def cmd_plan(args) -> dict:
         raise UsageError(str(e)) from None
     out = {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
            "dwdp": args.dwdp, "dep": args.dep, "stages": stages}
-    if model_inputs is not None:
-        from jax_dwdp.planner import predict
-
-        profile, link, stream = model_inputs
-        out["performance"] = predict(cfg, profile, link, stream, pipeline=args.pipeline, ranks=spec.ranks,
-                                     requests=args.requests, seed=args.stream_seed, bucket=args.bucket,
-                                     itemsize=2 if args.dtype == "bfloat16" else 4,
-                                     boundaries=spec.stage_boundaries, dep_exchange=args.dep_exchange)
+    if prediction is not None:
+        given = {name: value for name, value in (("requests", args.requests), ("seed", args.stream_seed),
+                                                 ("bucket", args.bucket), ("dep_exchange", args.dep_exchange))
+                 if value is not None}
+        out["performance"] = predict(cfg, *prediction, pipeline=args.pipeline, ranks=spec.ranks,
+                                     itemsize=2 if args.dtype == "bfloat16" else 4, boundaries=spec.stage_boundaries,
+                                     **given)
     return out
 
 
-def _model_inputs(args):
-    """The performance model's inputs (profile, link, stream), checked before the plan's slower work; None without
-    --profile (and its options refused then: they would do nothing)."""
-    from jax_dwdp.planner import PlannerError, RequestStream, load_link, load_profile
+def _prediction_inputs(args):
+    """The performance model's inputs (profile, link, stream: planner.prediction_inputs); None without --profile
+    (and its options refused then: they would do nothing)."""
+    from jax_dwdp.planner import prediction_inputs
 
-    options = {"--link": args.link, "--stream": args.stream, "--requests": args.requests,
-               "--stream-seed": args.stream_seed, "--bucket": args.bucket, "--dep-exchange": args.dep_exchange}
     if args.profile is None:
-        given = [flag for flag, value in options.items() if value is not None]
+        given = [flag for flag, value in (("--link", args.link), ("--stream", args.stream), ("--requests", args.requests),
+                                          ("--stream-seed", args.stream_seed), ("--bucket", args.bucket),
+                                          ("--dep-exchange", args.dep_exchange)) if value is not None]
         if given:
             raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: "
                              "add --profile h200|h100|FILE")
         return None
-    args.stream = "16384" if args.stream is None else args.stream
-    args.requests = 8 if args.requests is None else args.requests
-    args.stream_seed = 0 if args.stream_seed is None else args.stream_seed
-    args.bucket = 256 if args.bucket is None else args.bucket
-    args.dep_exchange = args.dep_exchange or "gather"
-    if args.requests < 1:
-        raise UsageError(f"--requests must be >= 1, got {args.requests}")
-    if args.bucket < 1:
-        raise UsageError(f"--bucket must be >= 1 token, got {args.bucket}")
-    if not 0 <= args.stream_seed <= MAX_SEED:
+    if args.stream_seed is not None and not 0 <= args.stream_seed <= MAX_SEED:
         raise UsageError(f"--stream-seed must lie in [0, {MAX_SEED}], got {args.stream_seed}")
-    inputs = {}
-    for flag, read in (("--profile", lambda: load_profile(args.profile)),
-                       ("--link", lambda: load_link(args.link, inputs["--profile"])),
-                       ("--stream", lambda: RequestStream.parse(args.stream))):
-        try:
-            inputs[flag] = read()
-        except PlannerError as e:
-            raise UsageError(f"{flag} {e}") from None
-    profile = inputs["--profile"]
-    if args.dtype != profile.dtype:
-        raise UsageError(f"--profile {args.profile} was measured in {profile.dtype}; --dtype {args.dtype} has no "
-                         "measured layer times")
-    return profile, inputs["--link"], inputs["--stream"]
+    return prediction_inputs(args.profile, args.link, args.stream, dtype=args.dtype)
 
 
 def cmd_convert(args) -> dict:
     from jax_dwdp.weights import convert_hf_to_orbax
 
-    dtype = None if args.dtype is None else _dtype(args.dtype)
+    dtype = None if args.dtype is None else check_dtype(args.dtype)
     _need(args.hf_dir, True)
     summary = convert_hf_to_orbax(args.hf_dir, args.out_dir, dtype=dtype, overwrite=args.overwrite,
                                   progress=None if args.json else "stderr")
@@ -469,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.num_processes > 1 and args.process_id is None:  # a launcher checks what every process would,
                 _prefill_inputs(args)                                 # before any starts: one line, not one each
         except Exception as e:
-            if type(e).__name__ not in BAD_INPUT:
+            if not _bad_input(e):
                 raise
             return _failed(args, e)
         code = distributed.hand_off(argv, num_processes=args.num_processes, coordinator=args.coordinator,
@@ -508,12 +438,16 @@ def _failed(args, e: Exception) -> int:
     bad input, 1 for anything else (a device or XLA failure)."""
     if args.debug:
         raise e
-    if type(e).__name__ in BAD_INPUT:
-        print(f"error: {e}", file=sys.stderr)
+    if _bad_input(e):
+        print(f"error: {e.named(_flag(args)) if isinstance(e, OptionError) else e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     print(f"error: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
     return EXIT_RUNTIME
+
+
+def _bad_input(e: Exception) -> bool:
+    return isinstance(e, OptionError) or type(e).__name__ in BAD_INPUT
 
 
 if __name__ == "__main__":
