@@ -29,7 +29,7 @@ EXIT_BAD_INPUT = 2
 EXIT_RUNTIME = 1
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
-# Bad input besides OptionError (its subclasses SpecError, PlannerError), by name: the library's modules load late.
+# Bad input besides OptionError (the spec's and the planner's), by name: the library's modules load late.
 BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "TextError")
 
 
@@ -38,15 +38,21 @@ class UsageError(ValueError):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and the layout: the options prefill and plan share, the fields of a PrefillSpec."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", type=Path,
                      help="an HF safetensors folder (with config.json) or a jax_dwdp Orbax checkpoint (convert)")
     src.add_argument("--preset", help="random weights of a preset: FAMILY:NAME, qwen3.5:{tiny,35b-a3b,122b-a10b,"
-                                      "397b-a17b} (the bare names are these) or nemotron-h:{tiny,nano-30b-a3b,"
-                                      "super-120b-a12b}")
-    p.add_argument("--num-layers", type=int, help="keep only the first N layers (of a checkpoint: load only those)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    p.add_argument("--seed", type=int, default=0, help=f"seed of random weights and random tokens, in [0, {MAX_SEED}]")
+                     "397b-a17b} (the bare names are these) or nemotron-h:{tiny,nano-30b-a3b,super-120b-a12b}")
+    a = p.add_argument
+    a("--num-layers", type=int, help="keep only the first N layers (of a checkpoint: load only those)")
+    a("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    a("--seed", type=int, default=0, help=f"seed of random weights and random tokens, in [0, {MAX_SEED}]")
+    a("--pipeline", type=int, default=1, help="pipeline stages, one mesh row each (default 1)")
+    a("--dwdp", type=int, default=1, help="DWDP ranks per stage: each layer's experts split over them (default 1)")
+    a("--dep", type=int, default=1, help="DEP ranks per stage, instead of --dwdp: experts split over them, tokens "
+      "sent to their experts and back (default 1)")
+    a("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,37 +69,30 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch", type=int, help="random tokens: sequences (default 1)")
     a("--seq-len", type=int, help="random tokens: length (default 128)")
     a("--logits-out", metavar="FILE", help="write float32 [B, T, V] logits of all positions to this regular file (a "
-                                           "symlink: to its target), atomically")
+      "symlink: to its target), atomically")
     a("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
-    a("--pipeline", type=int, default=1, help="pipeline stages (one mesh row each)")
-    a("--dwdp", type=int, default=1, help="DWDP ranks per stage (experts split over them)")
-    a("--experts", "--dwdp-backend", dest="experts", metavar="BACKEND",
-      help="how the --dwdp N ranks get their experts: xla (all-gather, every platform; the default), ffi (CUDA VMM "
-           "store, GPUs), local (every rank holds all experts: the replicated baseline) or dep (tokens sent to the "
-           "experts, as --dep N)")
-    a("--dep", type=int, default=1, help="DEP ranks per stage: experts split over them, tokens sent to their experts "
-                                         "and back (instead of --dwdp)")
+    a("--experts", "--dwdp-backend", dest="experts", metavar="BACKEND", help="how the --dwdp N ranks get their "
+      "experts: xla (all-gather, every platform; the default), ffi (CUDA VMM store, GPUs), local (every rank holds "
+      "all experts: the replicated baseline) or dep (tokens sent to the experts, as --dep N)")
     a("--microbatches", type=int, default=1, help="microbatches pushed through the pipeline")
-    a("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     a("--layerwise", action="store_true",
       help="compile one program per layer type instead of the whole model (fast compile for deep models)")
-    a("--scan", action="store_true",
-      help="the layer stack (of the model, or of each --pipeline stage) as one scanned program over stacked weights "
-           "(compile time independent of depth, one dispatch per prefill or per stage and microbatch)")
+    a("--scan", action="store_true", help="the layer stack (of the model, or of each --pipeline stage) as one scanned "
+      "program over stacked weights (compile time independent of depth, one dispatch per prefill or per stage and "
+      "microbatch)")
     a("--prefill-chunk", type=int, metavar="C", help="prefill the prompt in pieces of C tokens, each continuing the "
-                                                     "previous piece's cache (chunked prefill; one device)")
+      "previous piece's cache (chunked prefill; one device)")
     a("--fused-swiglu", action="store_true",
       help="expert gate_up weights interleaved for the fused SwiGLU GPU kernel (opt-in: measured at parity)")
-    a("--num-processes", type=int, default=1, metavar="N",
-      help="one process per device: start N local processes (or, with --coordinator and --process-id, join a launch "
-           "of N made by another tool); N must equal the devices the layout uses")
+    a("--num-processes", type=int, default=1, metavar="N", help="one process per device: start N local processes "
+      "(or, with --coordinator and --process-id, join a launch of N made by another tool); N must equal the devices "
+      "the layout uses")
     a("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator of an outside launch")
     a("--process-id", type=int, metavar="I", help="this process's index in an outside launch")
     a("--process-timeout", type=int, default=60, metavar="S", help="seconds to wait for the other processes to "
       "start, and for a silent peer before it counts as dead (default 60)")
-    a("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="S",
-      help=f"end the run, naming the step, when one step (compiling, a prefill) goes S seconds without finishing "
-           f"(default {DEFAULT_STALL_S:g})")
+    a("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="S", help="end the run, naming the step, when "
+      f"one step (compiling, a prefill) goes S seconds without finishing (default {DEFAULT_STALL_S:g})")
     a("--json", action="store_true", help="print one JSON object")
     a("--no-verify", action="store_true",
       help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
@@ -104,50 +103,37 @@ def build_parser() -> argparse.ArgumentParser:
     t("--top-k", type=int, default=5, metavar="K", help="the K most likely next tokens of each prompt (default 5)")
     t("--generate", type=int, default=0, metavar="N", help="N greedy tokens continuing each sequence, with the "
       "model's reference decode step on one device (correctness, not speed)")
-    c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint")
-    c.add_argument("hf_dir", type=Path, metavar="HF_DIR",
-                   help="HF folder: config.json and model.safetensors, or shards with model.safetensors.index.json")
-    c.add_argument("out_dir", type=Path, metavar="OUT_DIR",
-                   help="the Orbax checkpoint to write (not inside HF_DIR); locked while converting")
-    c.add_argument("--dtype", help="cast every tensor to bfloat16 or float32 (default: keep each tensor's dtype)")
-    c.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR that is a jax_dwdp "
-                   "checkpoint or an empty folder (only once the new one is complete)")
-    c.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
-    v = sub.add_parser("verify", help="check every file of a converted checkpoint against its checksum")
-    v.add_argument("directory", type=Path, metavar="DIR", help="a jax_dwdp Orbax checkpoint made by convert")
-    v.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint").add_argument
+    c("hf_dir", type=Path, metavar="HF_DIR",
+      help="HF folder: config.json and model.safetensors, or shards with model.safetensors.index.json")
+    c("out_dir", type=Path, metavar="OUT_DIR",
+      help="the Orbax checkpoint to write (not inside HF_DIR); locked while converting")
+    c("--dtype", help="cast every tensor to bfloat16 or float32 (default: keep each tensor's dtype)")
+    c("--overwrite", action="store_true", help="replace an existing OUT_DIR that is a jax_dwdp checkpoint or an empty "
+      "folder (only once the new one is complete)")
+    c("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
+    v = sub.add_parser("verify", help="check every file of a converted checkpoint against its checksum").add_argument
+    v("directory", type=Path, metavar="DIR", help="a jax_dwdp Orbax checkpoint made by convert")
+    v("--json", action="store_true", help="print the result as one JSON object")
     q = sub.add_parser("plan", help="print the stage layout: layers, weights and caches per stage, memory per rank")
     _add_model_args(q)
-    q.add_argument("--pipeline", type=int, default=1, help="pipeline stages (default 1)")
-    q.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (default 1)")
-    q.add_argument("--dep", type=int, default=1, help="DEP ranks per stage (default 1; instead of --dwdp)")
-    q.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated")
     q.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    m = q.add_argument_group("performance model (DWDP vs DEP vs replicated weights; a prediction, not a measurement)")
-    m.add_argument("--profile", metavar="NAME|FILE",
-                   help="a GPU profile: h200 or h100 (committed, from benchmarks/RESULTS.md) or a JSON file written by "
-                        "benchmarks/profile_gpu.py; predicts each scheme's time and tokens/s per GPU")
-    m.add_argument("--link", metavar="NAME|FILE", help="the link between the GPUs: profile (default: the profile's "
-                   "own), nvlink4, nvlink5 (spec sheet, derated as measured on two H200s) or a JSON file")
-    m.add_argument("--stream", metavar="SPEC",
-                   help="prompt lengths: TOKENS (every prompt; default 16384), normal:MEAN,STD[,LO,HI] (clipped, "
-                        "default [MEAN/8, 2*MEAN]) or file:PATH (integers, or a JSON list)")
-    m.add_argument("--requests", type=int, metavar="K", help="requests per rank drawn from the stream "
-                   "(default 8; a file gives its own)")
-    m.add_argument("--stream-seed", type=int, metavar="S", help="seed of the stream's lengths (default 0)")
-    m.add_argument("--bucket", type=int, metavar="T",
-                   help="prompts are computed padded to a multiple of T tokens (default 256; real tokens count)")
-    m.add_argument("--dep-exchange", choices=("gather", "routed"),
-                   help="DEP's token exchange: gather (jax_dwdp's: every token to every rank; default) or routed "
-                        "(each token to the ranks of its experts, as a dispatch kernel sends)")
+    m = q.add_argument_group("performance model (DWDP vs DEP vs replicated weights; a prediction, not a "
+                             "measurement)").add_argument
+    m("--profile", metavar="NAME|FILE", help="a GPU profile: h200 or h100 (committed, from benchmarks/RESULTS.md) or a "
+      "JSON file written by benchmarks/profile_gpu.py; predicts each scheme's time and tokens/s per GPU")
+    m("--link", metavar="NAME|FILE", help="the link between the GPUs: profile (default: the profile's own), nvlink4, "
+      "nvlink5 (spec sheet, derated as measured on two H200s) or a JSON file")
+    m("--stream", metavar="SPEC", help="prompt lengths: TOKENS (every prompt; default 16384), normal:MEAN,STD[,LO,HI] "
+      "(clipped, default [MEAN/8, 2*MEAN]) or file:PATH (integers, or a JSON list)")
+    m("--requests", type=int, metavar="K", help="requests per rank drawn from the stream (default 8; a file gives its "
+      "own)")
+    m("--stream-seed", type=int, metavar="S", help="seed of the stream's lengths (default 0)")
+    m("--bucket", type=int, metavar="T",
+      help="prompts are computed padded to a multiple of T tokens (default 256; real tokens count)")
+    m("--dep-exchange", choices=("gather", "routed"), help="DEP's token exchange: gather (jax_dwdp's: every token to "
+      "every rank; default) or routed (each token to the ranks of its experts, as a dispatch kernel sends)")
     return parser
-
-
-def _boundaries(args) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(x) for x in args.stage_boundaries.split(",")) if args.stage_boundaries else None
-    except ValueError:
-        raise UsageError(f"--stage-boundaries {args.stage_boundaries!r}: expected comma-separated layer ids") from None
 
 
 def _ranks(args) -> int:
@@ -164,10 +150,9 @@ def _experts(args) -> str | None:
 
 
 def _flag(args):
-    """How this command line spells an option that an OptionError names: as its flag (the ranks per stage as the
-    one of --dwdp / --dep given)."""
-    return lambda name: ("--dep" if getattr(args, "dep", 1) > 1 else "--dwdp") if name == "ranks" else \
-        "--" + name.replace("_", "-")
+    """How this command line spells an option that an OptionError names: its flag (the ranks per stage: the one of
+    --dwdp / --dep given)."""
+    return lambda name: ("--dep" if args.dep > 1 else "--dwdp") if name == "ranks" else "--" + name.replace("_", "-")
 
 
 def _spec(args, **extra):
@@ -180,8 +165,12 @@ def _spec(args, **extra):
     scan, layerwise = getattr(args, "scan", False), getattr(args, "layerwise", False)
     if scan and layerwise:
         raise UsageError("--scan and --layerwise are two execution modes: choose one")
+    try:
+        boundaries = tuple(int(x) for x in args.stage_boundaries.split(",")) if args.stage_boundaries else None
+    except ValueError:
+        raise UsageError(f"--stage-boundaries {args.stage_boundaries!r}: expected comma-separated layer ids") from None
     spec = PrefillSpec(checkpoint=args.checkpoint, preset=args.preset, num_layers=args.num_layers, dtype=args.dtype,
-                       seed=args.seed, pipeline=args.pipeline, ranks=_ranks(args), stage_boundaries=_boundaries(args),
+                       seed=args.seed, pipeline=args.pipeline, ranks=_ranks(args), stage_boundaries=boundaries,
                        mode="scanned" if scan else "layerwise" if layerwise else "whole", **extra)
     return spec, spec.config()
 
@@ -195,30 +184,36 @@ def _need(path: Path, folder: bool, flag: str = "") -> None:
         raise UsageError(f"{named}: is not a {'folder' if folder else 'regular file'}")
 
 
-def _check_options(args) -> None:
-    """The prefill options that are the command line's own (the spec checks the rest): checked by the launcher of a
-    multi-process run before it starts any process, and by every single-process run."""
+def _library(call, *args, prefix: str = "", **kwargs):
+    """call(...), its plain ValueErrors (a layout, launch options, a file) as one line of bad input; an OptionError
+    passes as it is (it names the options)."""
+    try:
+        return call(*args, **kwargs)
+    except ValueError as e:
+        if isinstance(e, OptionError):
+            raise
+        raise UsageError(prefix + str(e)) from None
+
+
+def _check_options(args) -> list[str] | None:
+    """The prefill options that are the command line's own (the spec checks its fields): checked by the launcher of
+    a multi-process run before it starts any process, and by every single-process run. Returns the prompts (None:
+    token ids or random tokens)."""
+    from jax_dwdp.text import read_prompt_file
+
     if args.iters < 1:
         raise UsageError(f"--iters must be >= 1, got {args.iters}")
     if not args.stall_timeout > 0:
         raise UsageError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
-    if args.experts is not None:
-        if args.dep > 1 and args.experts != "dep":
-            raise UsageError(f"--experts {args.experts} is for --dwdp; --dep has one way to move tokens")
-        if _ranks(args) < 2:
-            raise UsageError(f"--experts {args.experts} needs --dwdp N with N >= 2 ranks (it chooses how they get "
-                             "their experts)")
-    if args.tokens is not None:  # --batch / --seq-len shape random tokens only
-        given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)) if value is not None]
-        if given:
-            verb = "shape" if len(given) > 1 else "shapes"
-            raise UsageError(f"{' and '.join(given)} {verb} random tokens; with --tokens the file gives the shape")
-
-
-def _prompts(args) -> list[str] | None:
-    """The text options checked on their own; the prompts (None: token ids or random tokens)."""
-    from jax_dwdp.text import read_prompt_file
-
+    if args.experts is not None and args.dep > 1 and args.experts != "dep":
+        raise UsageError(f"--experts {args.experts} is for --dwdp; --dep has one way to move tokens")
+    if args.experts is not None and _ranks(args) < 2:
+        raise UsageError(f"--experts {args.experts} needs --dwdp N with N >= 2 ranks (it chooses how they get their "
+                         "experts)")
+    given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)) if value is not None]
+    if args.tokens is not None and given:
+        raise UsageError(f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} random tokens; with "
+                         "--tokens the file gives the shape")
     if args.top_k < 1 or args.generate < 0:
         raise UsageError(f"--top-k must be >= 1 and --generate >= 0, got {args.top_k} and {args.generate}")
     if args.generate and (args.prefill_chunk is not None or args.num_processes > 1):
@@ -231,7 +226,7 @@ def _prompts(args) -> list[str] | None:
     if args.checkpoint is None:
         raise UsageError("--prompt needs --checkpoint DIR with the model's tokenizer.json (a --preset has random "
                          "weights and no tokenizer; give token ids with --tokens FILE.npy)")
-    if args.tokens is not None or args.batch is not None or args.seq_len is not None:
+    if args.tokens is not None or given:
         raise UsageError("the prompts are the batch: --prompt / --prompt-file do not combine with --tokens, --batch "
                          "or --seq-len")
     if args.num_processes > 1:
@@ -239,52 +234,25 @@ def _prompts(args) -> list[str] | None:
     return list(args.prompt or []) + (read_prompt_file(args.prompt_file) if args.prompt_file is not None else [])
 
 
-def _check_processes(args) -> None:
-    """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
-    try:
-        distributed.check_options(args.num_processes, args.coordinator, args.process_id, args.process_timeout)
-        if args.num_processes > 1:
-            distributed.check_layout(args.num_processes, args.pipeline, _ranks(args), experts=_experts(args),
-                                     joined=args.coordinator is not None or args.process_id is not None,
-                                     chunked=args.prefill_chunk is not None)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def _status(args, text: str) -> None:
-    """What a long run is doing, on stderr (stdout keeps the results); quiet with --json."""
-    if not args.json and not getattr(args, "quiet", False):
-        print(f"{text} ...", file=sys.stderr, flush=True)
-
-
 def _prefill_inputs(args):
     """The checks every prefill makes before any device work: (spec, cfg, tokens, lengths, prompts, tokenizer)."""
     from jax_dwdp import driver
     from jax_dwdp.outputs import output_file
+    from jax_dwdp.text import Tokenizer
 
-    _check_options(args)
-    prompts = _prompts(args)
+    prompts = _check_options(args)
     if args.logits_out is not None:
         args.logits_out = output_file(args.logits_out, "--logits-out")
     spec, cfg = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
                       fused_swiglu=args.fused_swiglu, logits="all" if args.logits_out is not None else "last")
-    tokens = lengths = tokenizer = None
-    if prompts is not None:
-        from jax_dwdp.text import Tokenizer
-
-        tokenizer = Tokenizer.from_checkpoint(args.checkpoint)
-        tokens, lengths = tokenizer.batch(prompts, chat=args.chat)
-    elif args.tokens is not None:
-        try:
-            tokens = driver.read_tokens(args.tokens)
-        except ValueError as e:
-            raise UsageError(f"--tokens {e}") from None
+    tokenizer = None if prompts is None else Tokenizer.from_checkpoint(args.checkpoint)
+    tokens, lengths = (None, None) if prompts is None else tokenizer.batch(prompts, chat=args.chat)
+    if args.tokens is not None:
+        tokens = _library(driver.read_tokens, args.tokens, prefix="--tokens ")
     shape = {name: value for name, value in (("batch", args.batch), ("seq_len", args.seq_len)) if value is not None}
-    try:
-        inputs = driver.prefill_inputs(spec, cfg, tokens, lengths, **shape)
-    except ValueError as e:  # the batch the memory check names is what --batch (or the file) gives
-        if isinstance(e, OptionError):
-            raise
+    try:  # the batch the memory check names is what --batch (or the file) gives
+        inputs = _library(driver.prefill_inputs, spec, cfg, tokens, lengths, **shape)
+    except UsageError as e:
         raise UsageError(str(e).replace("a batch of ", "--batch ", 1)) from None
     return spec, cfg, *inputs, prompts, tokenizer
 
@@ -305,22 +273,22 @@ def cmd_prefill(args) -> dict:
         driver.preflight(spec)
     except FfiUnavailable as e:  # no GPU, no driver or no library: one line before any weights are made
         raise UsageError(f"--experts ffi: {e}") from None
+    status = (lambda text: None) if args.json or getattr(args, "quiet", False) else \
+        (lambda text: print(f"{text} ...", file=sys.stderr, flush=True))  # stderr: stdout keeps the results
     with checksums_checked(not args.no_verify):
-        result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters,
-                                    watchdog=Watchdog(args.stall_timeout), status=lambda text: _status(args, text),
-                                    generate=args.generate, progress=None if args.json else sys.stderr)
+        result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters, watchdog=Watchdog(args.stall_timeout),
+                                    status=status, generate=args.generate, progress=None if args.json else sys.stderr)
     if result is None:  # one process per device: the last stage's (first) process reports
         return {"reporter": False}
-    logits, caches = result.pop("logits"), result.pop("caches")
+    logits, caches, generated = result.pop("logits"), result.pop("caches"), result.pop("generated", None)
     warning = driver.not_finite(logits, caches)
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     if args.logits_out is not None:
         save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
-    generated = result.pop("generated", None)
     if prompts is not None:
-        result["text"] = tokenizer.completions(prompts, top_k(driver.last_logits(logits, lengths), args.top_k),
-                                               generated)
+        top = top_k(driver.last_logits(logits, lengths), args.top_k)
+        result["text"] = tokenizer.completions(prompts, top, generated)
     elif generated is not None:
         result["generated_ids"] = np.asarray(generated).tolist()
     return {"command": "prefill", **result, "logits_out": str(args.logits_out) if args.logits_out else None,
@@ -328,44 +296,26 @@ def cmd_prefill(args) -> dict:
 
 
 def cmd_plan(args) -> dict:
-    from jax_dwdp.plan import plan_layout
-    from jax_dwdp.planner import predict
-
-    spec, cfg = _spec(args)
-    prediction = _prediction_inputs(args)
-    try:
-        stages = plan_layout(cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
-                             dep=args.dep > 1)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    out = {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
-           "dwdp": args.dwdp, "dep": args.dep, "stages": stages}
-    if prediction is not None:
-        given = {name: value for name, value in (("requests", args.requests), ("seed", args.stream_seed),
-                                                 ("bucket", args.bucket), ("dep_exchange", args.dep_exchange))
-                 if value is not None}
-        out["performance"] = predict(cfg, *prediction, pipeline=args.pipeline, ranks=spec.ranks,
-                                     itemsize=2 if args.dtype == "bfloat16" else 4, boundaries=spec.stage_boundaries,
-                                     **given)
-    return out
-
-
-def _prediction_inputs(args):
-    """The performance model's inputs (profile, link, stream: planner.prediction_inputs); None without --profile
-    (and its options refused then: they would do nothing)."""
+    from jax_dwdp.plan import plan
     from jax_dwdp.planner import prediction_inputs
 
-    if args.profile is None:
-        given = [flag for flag, value in (("--link", args.link), ("--stream", args.stream), ("--requests", args.requests),
-                                          ("--stream-seed", args.stream_seed), ("--bucket", args.bucket),
-                                          ("--dep-exchange", args.dep_exchange)) if value is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: "
-                             "add --profile h200|h100|FILE")
-        return None
+    spec, cfg = _spec(args)
+    options = {"--link": args.link, "--stream": args.stream, "--requests": args.requests,
+               "--stream-seed": args.stream_seed, "--bucket": args.bucket, "--dep-exchange": args.dep_exchange}
+    given = [flag for flag, value in options.items() if value is not None]
+    if args.profile is None and given:  # the performance model's options would do nothing
+        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: add "
+                         "--profile h200|h100|FILE")
     if args.stream_seed is not None and not 0 <= args.stream_seed <= MAX_SEED:
         raise UsageError(f"--stream-seed must lie in [0, {MAX_SEED}], got {args.stream_seed}")
-    return prediction_inputs(args.profile, args.link, args.stream, dtype=args.dtype)
+    prediction = None if args.profile is None else prediction_inputs(args.profile, args.link, args.stream,
+                                                                     dtype=args.dtype)
+    chosen = {name: options[flag] for name, flag in (("requests", "--requests"), ("seed", "--stream-seed"),
+                                                     ("bucket", "--bucket"), ("dep_exchange", "--dep-exchange"))
+              if options[flag] is not None}
+    result = _library(plan, cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
+                      dep=args.dep > 1, prediction=prediction, **chosen)
+    return {"command": "plan", **result, "dwdp": args.dwdp, "dep": args.dep}
 
 
 def cmd_convert(args) -> dict:
@@ -413,6 +363,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: interrupted; {args.command} stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _check_processes(args) -> None:
+    """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
+    _library(distributed.check_options, args.num_processes, args.coordinator, args.process_id, args.process_timeout)
+    if args.num_processes > 1:
+        _library(distributed.check_layout, args.num_processes, args.pipeline, _ranks(args), experts=_experts(args),
+                 joined=args.coordinator is not None or args.process_id is not None,
+                 chunked=args.prefill_chunk is not None)
 
 
 def _main(args) -> int:
