@@ -306,8 +306,6 @@ def cmd_plan(args) -> dict:
     if args.profile is None and given:  # the performance model's options would do nothing
         raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: add "
                          "--profile h200|h100|FILE")
-    if args.stream_seed is not None and not 0 <= args.stream_seed <= MAX_SEED:
-        raise UsageError(f"--stream-seed must lie in [0, {MAX_SEED}], got {args.stream_seed}")
     prediction = None if args.profile is None else prediction_inputs(args.profile, args.link, args.stream,
                                                                      dtype=args.dtype)
     chosen = {name: options[flag] for name, flag in (("requests", "--requests"), ("seed", "--stream-seed"),

@@ -83,7 +83,7 @@ class PrefillSpec:
         if (self.checkpoint is None) == (self.preset is None):
             raise SpecError("a PrefillSpec names a $checkpoint or a $preset (one of them)")
         execution_mode(self.mode)
-        check_dtype(self.dtype)
+        check_dtype(self.dtype, SpecError)
         if not 0 <= self.seed <= MAX_SEED:
             raise SpecError(f"$seed must lie in [0, {MAX_SEED}], got {self.seed}")
         for name in ("pipeline", "ranks", "microbatches"):

@@ -27,8 +27,8 @@ class OptionError(ValueError):
         return _NAME.sub(lambda m: spell(m[1]), self.message)
 
 
-def check_dtype(name: str) -> str:
-    """`name` if it is one of DTYPES, else an OptionError naming the choices."""
+def check_dtype(name: str, error: type[OptionError] = OptionError) -> str:
+    """`name` if it is one of DTYPES, else `error` (an OptionError) naming the choices."""
     if name not in DTYPES:
-        raise OptionError(f"$dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+        raise error(f"$dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
     return name

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, REQUIRED_KEYS, ModelConfig, read_json_file
-from jax_dwdp.options import OptionError
+from jax_dwdp.options import MAX_SEED, OptionError
 from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
 from jax_dwdp.parallel.pipeline import plan_stages
 
@@ -925,6 +925,8 @@ def predict(cfg: ModelConfig, profile: GpuProfile, link: Link, stream: RequestSt
         raise PlannerError(f"$requests must be >= 1 per rank, got {requests}")
     if bucket < 1:
         raise PlannerError(f"$bucket must be >= 1 token, got {bucket}")
+    if not 0 <= seed <= MAX_SEED:
+        raise PlannerError(f"$stream_seed must lie in [0, {MAX_SEED}], got {seed}", stream_seed="seed")
     layout = Layout.of(cfg, pipeline, ranks, itemsize, boundaries)
     p = Predictor(layout, profile, link, dep_exchange=dep_exchange)
     queues = stream.queues(ranks, requests, seed)
