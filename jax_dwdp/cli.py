@@ -22,17 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from jax_dwdp import distributed
+from jax_dwdp.options import MAX_SEED, OptionError, check_dtype
 from jax_dwdp.watchdog import Watchdog
 
-DTYPES = ("bfloat16", "float32")
 EXIT_BAD_INPUT = 2
 EXIT_RUNTIME = 1
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
-DEFAULT_BATCH, DEFAULT_SEQ_LEN = 1, 128
 DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
-MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
-BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "SpecError", "PlannerError",
-             "TextError")
+# Bad input besides OptionError (the spec's and the planner's), by name: the library's modules load late.
+BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "TextError")
 
 
 class UsageError(ValueError):
@@ -40,15 +38,21 @@ class UsageError(ValueError):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and the layout: the options prefill and plan share, the fields of a PrefillSpec."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", type=Path,
                      help="an HF safetensors folder (with config.json) or a jax_dwdp Orbax checkpoint (convert)")
     src.add_argument("--preset", help="random weights of a preset: FAMILY:NAME, qwen3.5:{tiny,35b-a3b,122b-a10b,"
-                                      "397b-a17b} (the bare names are these) or nemotron-h:{tiny,nano-30b-a3b,"
-                                      "super-120b-a12b}")
-    p.add_argument("--num-layers", type=int, help="keep only the first N layers (of a checkpoint: load only those)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    p.add_argument("--seed", type=int, default=0, help=f"seed of random weights and random tokens, in [0, {MAX_SEED}]")
+                     "397b-a17b} (the bare names are these) or nemotron-h:{tiny,nano-30b-a3b,super-120b-a12b}")
+    a = p.add_argument
+    a("--num-layers", type=int, help="keep only the first N layers (of a checkpoint: load only those)")
+    a("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    a("--seed", type=int, default=0, help=f"seed of random weights and random tokens, in [0, {MAX_SEED}]")
+    a("--pipeline", type=int, default=1, help="pipeline stages, one mesh row each (default 1)")
+    a("--dwdp", type=int, default=1, help="DWDP ranks per stage: each layer's experts split over them (default 1)")
+    a("--dep", type=int, default=1, help="DEP ranks per stage, instead of --dwdp: experts split over them, tokens "
+      "sent to their experts and back (default 1)")
+    a("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,37 +69,30 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch", type=int, help="random tokens: sequences (default 1)")
     a("--seq-len", type=int, help="random tokens: length (default 128)")
     a("--logits-out", metavar="FILE", help="write float32 [B, T, V] logits of all positions to this regular file (a "
-                                           "symlink: to its target), atomically")
+      "symlink: to its target), atomically")
     a("--iters", type=int, default=3, help="timed runs after the warm-up (default 3)")
-    a("--pipeline", type=int, default=1, help="pipeline stages (one mesh row each)")
-    a("--dwdp", type=int, default=1, help="DWDP ranks per stage (experts split over them)")
-    a("--experts", "--dwdp-backend", dest="experts", metavar="BACKEND",
-      help="how the --dwdp N ranks get their experts: xla (all-gather, every platform; the default), ffi (CUDA VMM "
-           "store, GPUs), local (every rank holds all experts: the replicated baseline) or dep (tokens sent to the "
-           "experts, as --dep N)")
-    a("--dep", type=int, default=1, help="DEP ranks per stage: experts split over them, tokens sent to their experts "
-                                         "and back (instead of --dwdp)")
+    a("--experts", "--dwdp-backend", dest="experts", metavar="BACKEND", help="how the --dwdp N ranks get their "
+      "experts: xla (all-gather, every platform; the default), ffi (CUDA VMM store, GPUs), local (every rank holds "
+      "all experts: the replicated baseline) or dep (tokens sent to the experts, as --dep N)")
     a("--microbatches", type=int, default=1, help="microbatches pushed through the pipeline")
-    a("--stage-boundaries", help="first layers of stages 1.., comma separated (default: even split)")
     a("--layerwise", action="store_true",
       help="compile one program per layer type instead of the whole model (fast compile for deep models)")
-    a("--scan", action="store_true",
-      help="the layer stack (of the model, or of each --pipeline stage) as one scanned program over stacked weights "
-           "(compile time independent of depth, one dispatch per prefill or per stage and microbatch)")
+    a("--scan", action="store_true", help="the layer stack (of the model, or of each --pipeline stage) as one scanned "
+      "program over stacked weights (compile time independent of depth, one dispatch per prefill or per stage and "
+      "microbatch)")
     a("--prefill-chunk", type=int, metavar="C", help="prefill the prompt in pieces of C tokens, each continuing the "
-                                                     "previous piece's cache (chunked prefill; one device)")
+      "previous piece's cache (chunked prefill; one device)")
     a("--fused-swiglu", action="store_true",
       help="expert gate_up weights interleaved for the fused SwiGLU GPU kernel (opt-in: measured at parity)")
-    a("--num-processes", type=int, default=1, metavar="N",
-      help="one process per device: start N local processes (or, with --coordinator and --process-id, join a launch "
-           "of N made by another tool); N must equal the devices the layout uses")
+    a("--num-processes", type=int, default=1, metavar="N", help="one process per device: start N local processes "
+      "(or, with --coordinator and --process-id, join a launch of N made by another tool); N must equal the devices "
+      "the layout uses")
     a("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator of an outside launch")
     a("--process-id", type=int, metavar="I", help="this process's index in an outside launch")
     a("--process-timeout", type=int, default=60, metavar="S", help="seconds to wait for the other processes to "
       "start, and for a silent peer before it counts as dead (default 60)")
-    a("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="S",
-      help=f"end the run, naming the step, when one step (compiling, a prefill) goes S seconds without finishing "
-           f"(default {DEFAULT_STALL_S:g})")
+    a("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="S", help="end the run, naming the step, when "
+      f"one step (compiling, a prefill) goes S seconds without finishing (default {DEFAULT_STALL_S:g})")
     a("--json", action="store_true", help="print one JSON object")
     a("--no-verify", action="store_true",
       help="Orbax checkpoint: skip checking its files against the checksums convert wrote")
@@ -106,58 +103,43 @@ def build_parser() -> argparse.ArgumentParser:
     t("--top-k", type=int, default=5, metavar="K", help="the K most likely next tokens of each prompt (default 5)")
     t("--generate", type=int, default=0, metavar="N", help="N greedy tokens continuing each sequence, with the "
       "model's reference decode step on one device (correctness, not speed)")
-    c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint")
-    c.add_argument("hf_dir", type=Path, metavar="HF_DIR",
-                   help="HF folder: config.json and model.safetensors, or shards with model.safetensors.index.json")
-    c.add_argument("out_dir", type=Path, metavar="OUT_DIR",
-                   help="the Orbax checkpoint to write (not inside HF_DIR); locked while converting")
-    c.add_argument("--dtype", help="cast every tensor to bfloat16 or float32 (default: keep each tensor's dtype)")
-    c.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR that is a jax_dwdp "
-                   "checkpoint or an empty folder (only once the new one is complete)")
-    c.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
-    v = sub.add_parser("verify", help="check every file of a converted checkpoint against its checksum")
-    v.add_argument("directory", type=Path, metavar="DIR", help="a jax_dwdp Orbax checkpoint made by convert")
-    v.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    c = sub.add_parser("convert", help="convert an HF safetensors folder to a jax_dwdp Orbax checkpoint").add_argument
+    c("hf_dir", type=Path, metavar="HF_DIR",
+      help="HF folder: config.json and model.safetensors, or shards with model.safetensors.index.json")
+    c("out_dir", type=Path, metavar="OUT_DIR",
+      help="the Orbax checkpoint to write (not inside HF_DIR); locked while converting")
+    c("--dtype", help="cast every tensor to bfloat16 or float32 (default: keep each tensor's dtype)")
+    c("--overwrite", action="store_true", help="replace an existing OUT_DIR that is a jax_dwdp checkpoint or an empty "
+      "folder (only once the new one is complete)")
+    c("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
+    v = sub.add_parser("verify", help="check every file of a converted checkpoint against its checksum").add_argument
+    v("directory", type=Path, metavar="DIR", help="a jax_dwdp Orbax checkpoint made by convert")
+    v("--json", action="store_true", help="print the result as one JSON object")
     q = sub.add_parser("plan", help="print the stage layout: layers, weights and caches per stage, memory per rank")
     _add_model_args(q)
-    q.add_argument("--pipeline", type=int, default=1, help="pipeline stages (default 1)")
-    q.add_argument("--dwdp", type=int, default=1, help="DWDP ranks per stage (default 1)")
-    q.add_argument("--dep", type=int, default=1, help="DEP ranks per stage (default 1; instead of --dwdp)")
-    q.add_argument("--stage-boundaries", help="first layers of stages 1.., comma separated")
     q.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    m = q.add_argument_group("performance model (DWDP vs DEP vs replicated weights; a prediction, not a measurement)")
-    m.add_argument("--profile", metavar="NAME|FILE",
-                   help="a GPU profile: h200 or h100 (committed, from benchmarks/RESULTS.md) or a JSON file written by "
-                        "benchmarks/profile_gpu.py; predicts each scheme's time and tokens/s per GPU")
-    m.add_argument("--link", metavar="NAME|FILE", help="the link between the GPUs: profile (default: the profile's "
-                   "own), nvlink4, nvlink5 (spec sheet, derated as measured on two H200s) or a JSON file")
-    m.add_argument("--stream", metavar="SPEC",
-                   help="prompt lengths: TOKENS (every prompt; default 16384), normal:MEAN,STD[,LO,HI] (clipped, "
-                        "default [MEAN/8, 2*MEAN]) or file:PATH (integers, or a JSON list)")
-    m.add_argument("--requests", type=int, metavar="K", help="requests per rank drawn from the stream "
-                   "(default 8; a file gives its own)")
-    m.add_argument("--stream-seed", type=int, metavar="S", help="seed of the stream's lengths (default 0)")
-    m.add_argument("--bucket", type=int, metavar="T",
-                   help="prompts are computed padded to a multiple of T tokens (default 256; real tokens count)")
-    m.add_argument("--dep-exchange", choices=("gather", "routed"),
-                   help="DEP's token exchange: gather (jax_dwdp's: every token to every rank; default) or routed "
-                        "(each token to the ranks of its experts, as a dispatch kernel sends)")
+    m = q.add_argument_group("performance model (DWDP vs DEP vs replicated weights; a prediction, not a "
+                             "measurement)").add_argument
+    m("--profile", metavar="NAME|FILE", help="a GPU profile: h200 or h100 (committed, from benchmarks/RESULTS.md) or a "
+      "JSON file written by benchmarks/profile_gpu.py; predicts each scheme's time and tokens/s per GPU")
+    m("--link", metavar="NAME|FILE", help="the link between the GPUs: profile (default: the profile's own), nvlink4, "
+      "nvlink5 (spec sheet, derated as measured on two H200s) or a JSON file")
+    m("--stream", metavar="SPEC", help="prompt lengths: TOKENS (every prompt; default 16384), normal:MEAN,STD[,LO,HI] "
+      "(clipped, default [MEAN/8, 2*MEAN]) or file:PATH (integers, or a JSON list)")
+    m("--requests", type=int, metavar="K", help="requests per rank drawn from the stream (default 8; a file gives its "
+      "own)")
+    m("--stream-seed", type=int, metavar="S", help="seed of the stream's lengths (default 0)")
+    m("--bucket", type=int, metavar="T",
+      help="prompts are computed padded to a multiple of T tokens (default 256; real tokens count)")
+    m("--dep-exchange", choices=("gather", "routed"), help="DEP's token exchange: gather (jax_dwdp's: every token to "
+      "every rank; default) or routed (each token to the ranks of its experts, as a dispatch kernel sends)")
     return parser
-
-
-def _boundaries(args) -> tuple[int, ...] | None:
-    if not args.stage_boundaries:
-        return None
-    if args.pipeline == 1:
-        raise UsageError("--stage-boundaries needs --pipeline P with P >= 2 stages")
-    try:
-        return tuple(int(x) for x in args.stage_boundaries.split(","))
-    except ValueError:
-        raise UsageError(f"--stage-boundaries {args.stage_boundaries!r}: expected comma-separated layer ids") from None
 
 
 def _ranks(args) -> int:
     """Ranks per stage: --dwdp N or --dep N (not both)."""
+    if min(args.dwdp, args.dep) < 1:
+        raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
     if args.dwdp > 1 and args.dep > 1:
         raise UsageError(f"--dwdp {args.dwdp} and --dep {args.dep}: choose one way to split the experts")
     return max(args.dwdp, args.dep)
@@ -167,22 +149,30 @@ def _experts(args) -> str | None:
     return "dep" if args.dep > 1 else args.experts if args.dwdp > 1 else None
 
 
+def _flag(args):
+    """How this command line spells an option that an OptionError names: its flag (the ranks per stage: the one of
+    --dwdp / --dep given)."""
+    return lambda name: ("--dep" if args.dep > 1 else "--dwdp") if name == "ranks" else "--" + name.replace("_", "-")
+
+
 def _spec(args, **extra):
-    """The library's PrefillSpec of a prefill (or plan) command line, and the model's config it names."""
+    """The library's PrefillSpec of a prefill (or plan) command line, and the model's config it names; the spec
+    checks its own fields (driver.SpecError)."""
     from jax_dwdp.driver import PrefillSpec
 
     if args.checkpoint is not None:
         _need(args.checkpoint, True, "--checkpoint")
-    mode = "scanned" if getattr(args, "scan", False) else "layerwise" if getattr(args, "layerwise", False) else "whole"
-    spec = PrefillSpec(checkpoint=args.checkpoint, preset=args.preset, num_layers=args.num_layers, dtype=args.dtype,
-                       seed=args.seed, pipeline=args.pipeline, ranks=_ranks(args), stage_boundaries=_boundaries(args),
-                       mode=mode, **extra)
+    scan, layerwise = getattr(args, "scan", False), getattr(args, "layerwise", False)
+    if scan and layerwise:
+        raise UsageError("--scan and --layerwise are two execution modes: choose one")
     try:
-        return spec, spec.config()
-    except ValueError as e:
-        if type(e) is not ValueError:  # ConfigError, CheckpointError: already one line naming the file
-            raise
-        raise UsageError(str(e).replace("num_layers", "--num-layers")) from None
+        boundaries = tuple(int(x) for x in args.stage_boundaries.split(",")) if args.stage_boundaries else None
+    except ValueError:
+        raise UsageError(f"--stage-boundaries {args.stage_boundaries!r}: expected comma-separated layer ids") from None
+    spec = PrefillSpec(checkpoint=args.checkpoint, preset=args.preset, num_layers=args.num_layers, dtype=args.dtype,
+                       seed=args.seed, pipeline=args.pipeline, ranks=_ranks(args), stage_boundaries=boundaries,
+                       mode="scanned" if scan else "layerwise" if layerwise else "whole", **extra)
+    return spec, spec.config()
 
 
 def _need(path: Path, folder: bool, flag: str = "") -> None:
@@ -194,63 +184,36 @@ def _need(path: Path, folder: bool, flag: str = "") -> None:
         raise UsageError(f"{named}: is not a {'folder' if folder else 'regular file'}")
 
 
-def _dtype(name: str) -> str:
-    if name not in DTYPES:
-        raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
-    return name
+def _library(call, *args, prefix: str = "", **kwargs):
+    """call(...), its plain ValueErrors (a layout, launch options, a file) as one line of bad input; an OptionError
+    passes as it is (it names the options)."""
+    try:
+        return call(*args, **kwargs)
+    except ValueError as e:
+        if isinstance(e, OptionError):
+            raise
+        raise UsageError(prefix + str(e)) from None
 
 
-def _token_shape(args) -> None:
-    """--batch / --seq-len: random tokens only (a --tokens file has its own shape); defaults filled in."""
-    if args.tokens is not None:
-        given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)) if value is not None]
-        if given:
-            verb = "shape" if len(given) > 1 else "shapes"
-            raise UsageError(f"{' and '.join(given)} {verb} random tokens; with --tokens the file gives the shape")
-        return
-    args.batch = DEFAULT_BATCH if args.batch is None else args.batch
-    args.seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
-    if args.batch < 1 or args.seq_len < 1:
-        raise UsageError(f"--batch and --seq-len must be >= 1, got {args.batch} and {args.seq_len}")
-
-
-def _check_options(args) -> None:
-    """The prefill options on their own (no device, no weights): checked by the launcher of a multi-process run
-    before it starts any process, and by every single-process run."""
-    from jax_dwdp.parallel.backends import BACKENDS
+def _check_options(args) -> list[str] | None:
+    """The prefill options that are the command line's own (the spec checks its fields): checked by the launcher of
+    a multi-process run before it starts any process, and by every single-process run. Returns the prompts (None:
+    token ids or random tokens)."""
+    from jax_dwdp.text import read_prompt_file
 
     if args.iters < 1:
         raise UsageError(f"--iters must be >= 1, got {args.iters}")
-    if min(args.pipeline, args.microbatches, args.dwdp, args.dep) < 1:
-        raise UsageError("--pipeline, --dwdp, --dep and --microbatches must be >= 1")
-    if args.prefill_chunk is not None:
-        if args.prefill_chunk < 1:
-            raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-        if max(args.pipeline, args.microbatches, _ranks(args)) > 1:
-            raise UsageError("--prefill-chunk runs on one device: it does not combine with --pipeline, --dwdp, --dep "
-                             "or --microbatches")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise UsageError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
     if not args.stall_timeout > 0:
         raise UsageError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
-    if args.experts is not None:
-        if args.experts not in BACKENDS:
-            raise UsageError(f"--experts {args.experts!r}: choose one of {', '.join(BACKENDS)}")
-        if args.dep > 1 and args.experts != "dep":
-            raise UsageError(f"--experts {args.experts} is for --dwdp; --dep has one way to move tokens")
-        if _ranks(args) < 2:
-            raise UsageError(f"--experts {args.experts} needs --dwdp N with N >= 2 ranks (it chooses how they get "
-                             "their experts)")
-    if args.scan and (_ranks(args) > 1 or args.layerwise or args.prefill_chunk is not None):
-        raise UsageError("--scan runs the model (or each --pipeline stage) on one device as one program: it does not "
-                         "combine with --dwdp, --dep (their experts move between layers), --layerwise or "
-                         "--prefill-chunk")
-
-
-def _prompts(args) -> list[str] | None:
-    """The text options checked on their own; the prompts (None: token ids or random tokens)."""
-    from jax_dwdp.text import read_prompt_file
-
+    if args.experts is not None and args.dep > 1 and args.experts != "dep":
+        raise UsageError(f"--experts {args.experts} is for --dwdp; --dep has one way to move tokens")
+    if args.experts is not None and _ranks(args) < 2:
+        raise UsageError(f"--experts {args.experts} needs --dwdp N with N >= 2 ranks (it chooses how they get their "
+                         "experts)")
+    given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)) if value is not None]
+    if args.tokens is not None and given:
+        raise UsageError(f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} random tokens; with "
+                         "--tokens the file gives the shape")
     if args.top_k < 1 or args.generate < 0:
         raise UsageError(f"--top-k must be >= 1 and --generate >= 0, got {args.top_k} and {args.generate}")
     if args.generate and (args.prefill_chunk is not None or args.num_processes > 1):
@@ -263,7 +226,7 @@ def _prompts(args) -> list[str] | None:
     if args.checkpoint is None:
         raise UsageError("--prompt needs --checkpoint DIR with the model's tokenizer.json (a --preset has random "
                          "weights and no tokenizer; give token ids with --tokens FILE.npy)")
-    if args.tokens is not None or args.batch is not None or args.seq_len is not None:
+    if args.tokens is not None or given:
         raise UsageError("the prompts are the batch: --prompt / --prompt-file do not combine with --tokens, --batch "
                          "or --seq-len")
     if args.num_processes > 1:
@@ -271,59 +234,32 @@ def _prompts(args) -> list[str] | None:
     return list(args.prompt or []) + (read_prompt_file(args.prompt_file) if args.prompt_file is not None else [])
 
 
-def _check_processes(args) -> None:
-    """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
-    try:
-        distributed.check_options(args.num_processes, args.coordinator, args.process_id, args.process_timeout)
-        if args.num_processes > 1:
-            distributed.check_layout(args.num_processes, args.pipeline, _ranks(args), experts=_experts(args),
-                                     joined=args.coordinator is not None or args.process_id is not None,
-                                     chunked=args.prefill_chunk is not None)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def _status(args, text: str) -> None:
-    """What a long run is doing, on stderr (stdout keeps the results); quiet with --json."""
-    if not args.json and not getattr(args, "quiet", False):
-        print(f"{text} ...", file=sys.stderr, flush=True)
-
-
 def _prefill_inputs(args):
-    """The checks every prefill makes before any device work: (spec, cfg, tokens, lengths)."""
+    """The checks every prefill makes before any device work: (spec, cfg, tokens, lengths, prompts, tokenizer)."""
     from jax_dwdp import driver
     from jax_dwdp.outputs import output_file
+    from jax_dwdp.text import Tokenizer
 
-    _check_options(args)
-    prompts = _prompts(args)
-    tokenizer = None
-    if prompts is None:
-        _token_shape(args)
-    _dtype(args.dtype)
+    prompts = _check_options(args)
     if args.logits_out is not None:
         args.logits_out = output_file(args.logits_out, "--logits-out")
     spec, cfg = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
                       fused_swiglu=args.fused_swiglu, logits="all" if args.logits_out is not None else "last")
-    lengths = None
-    if prompts is not None:
-        from jax_dwdp.text import Tokenizer
-
-        tokenizer = Tokenizer.from_checkpoint(args.checkpoint)
-        tokens, lengths = tokenizer.batch(prompts, chat=args.chat)
-    else:
-        try:
-            tokens = None if args.tokens is None else driver.read_tokens(args.tokens)
-        except ValueError as e:
-            raise UsageError(f"--tokens {e}") from None
-    try:
-        inputs = driver.prefill_inputs(spec, cfg, tokens, lengths, batch=args.batch or 1, seq_len=args.seq_len or 1)
-    except ValueError as e:  # the batch the memory check names is what --batch (or the file) gives
+    tokenizer = None if prompts is None else Tokenizer.from_checkpoint(args.checkpoint)
+    tokens, lengths = (None, None) if prompts is None else tokenizer.batch(prompts, chat=args.chat)
+    if args.tokens is not None:
+        tokens = _library(driver.read_tokens, args.tokens, prefix="--tokens ")
+    shape = {name: value for name, value in (("batch", args.batch), ("seq_len", args.seq_len)) if value is not None}
+    try:  # the batch the memory check names is what --batch (or the file) gives
+        inputs = _library(driver.prefill_inputs, spec, cfg, tokens, lengths, **shape)
+    except UsageError as e:
         raise UsageError(str(e).replace("a batch of ", "--batch ", 1)) from None
     return spec, cfg, *inputs, prompts, tokenizer
 
 
 def cmd_prefill(args) -> dict:
     from jax_dwdp import driver
+    from jax_dwdp.generate import top_k
     from jax_dwdp.native import build_status
     from jax_dwdp.outputs import save_npy_atomically
     from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable
@@ -337,111 +273,53 @@ def cmd_prefill(args) -> dict:
         driver.preflight(spec)
     except FfiUnavailable as e:  # no GPU, no driver or no library: one line before any weights are made
         raise UsageError(f"--experts ffi: {e}") from None
+    status = (lambda text: None) if args.json or getattr(args, "quiet", False) else \
+        (lambda text: print(f"{text} ...", file=sys.stderr, flush=True))  # stderr: stdout keeps the results
     with checksums_checked(not args.no_verify):
-        result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters,
-                                    watchdog=Watchdog(args.stall_timeout), status=lambda text: _status(args, text),
-                                    generate=args.generate, progress=None if args.json else sys.stderr)
+        result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters, watchdog=Watchdog(args.stall_timeout),
+                                    status=status, generate=args.generate, progress=None if args.json else sys.stderr)
     if result is None:  # one process per device: the last stage's (first) process reports
         return {"reporter": False}
-    logits, caches = result.pop("logits"), result.pop("caches")
+    logits, caches, generated = result.pop("logits"), result.pop("caches"), result.pop("generated", None)
     warning = driver.not_finite(logits, caches)
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     if args.logits_out is not None:
         save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
-    generated = result.pop("generated", None)
     if prompts is not None:
-        result["text"] = _text_out(prompts, tokenizer, driver.last_logits(logits, lengths), generated, args.top_k)
+        top = top_k(driver.last_logits(logits, lengths), args.top_k)
+        result["text"] = tokenizer.completions(prompts, top, generated)
     elif generated is not None:
         result["generated_ids"] = np.asarray(generated).tolist()
     return {"command": "prefill", **result, "logits_out": str(args.logits_out) if args.logits_out else None,
             "logits_finite": warning is None, "ffi_libraries": build_status()}
 
 
-def _text_out(prompts, tokenizer, last, generated, k: int) -> list[dict]:
-    """Per prompt: its k most likely next tokens (id, text, probability) and the generated continuation."""
-    from jax_dwdp.generate import top_k
-
-    out = []
-    for row, (prompt, best) in enumerate(zip(prompts, top_k(last, k))):
-        item = {"prompt": prompt, "next_tokens": [{"id": i, "text": tokenizer.decode([i]), "p": round(p, 6)}
-                                                  for i, p in best]}
-        if generated is not None:
-            ids = [int(i) for i in np.asarray(generated)[row]]
-            item.update(generated_ids=ids, generated_text=tokenizer.decode(ids))
-        out.append(item)
-    return out
-
-
 def cmd_plan(args) -> dict:
-    from jax_dwdp.plan import plan_layout
+    from jax_dwdp.plan import plan
+    from jax_dwdp.planner import prediction_inputs
 
-    _dtype(args.dtype)
-    if min(args.dwdp, args.dep) < 1:
-        raise UsageError(f"--dwdp and --dep must be >= 1, got {args.dwdp} and {args.dep}")
-    model_inputs = _model_inputs(args)
     spec, cfg = _spec(args)
-    try:
-        stages = plan_layout(cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
-                             dep=args.dep > 1)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    out = {"command": "plan", "model": cfg.summary(), "dtype": args.dtype, "pipeline": args.pipeline,
-           "dwdp": args.dwdp, "dep": args.dep, "stages": stages}
-    if model_inputs is not None:
-        from jax_dwdp.planner import predict
-
-        profile, link, stream = model_inputs
-        out["performance"] = predict(cfg, profile, link, stream, pipeline=args.pipeline, ranks=spec.ranks,
-                                     requests=args.requests, seed=args.stream_seed, bucket=args.bucket,
-                                     itemsize=2 if args.dtype == "bfloat16" else 4,
-                                     boundaries=spec.stage_boundaries, dep_exchange=args.dep_exchange)
-    return out
-
-
-def _model_inputs(args):
-    """The performance model's inputs (profile, link, stream), checked before the plan's slower work; None without
-    --profile (and its options refused then: they would do nothing)."""
-    from jax_dwdp.planner import PlannerError, RequestStream, load_link, load_profile
-
     options = {"--link": args.link, "--stream": args.stream, "--requests": args.requests,
                "--stream-seed": args.stream_seed, "--bucket": args.bucket, "--dep-exchange": args.dep_exchange}
-    if args.profile is None:
-        given = [flag for flag, value in options.items() if value is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: "
-                             "add --profile h200|h100|FILE")
-        return None
-    args.stream = "16384" if args.stream is None else args.stream
-    args.requests = 8 if args.requests is None else args.requests
-    args.stream_seed = 0 if args.stream_seed is None else args.stream_seed
-    args.bucket = 256 if args.bucket is None else args.bucket
-    args.dep_exchange = args.dep_exchange or "gather"
-    if args.requests < 1:
-        raise UsageError(f"--requests must be >= 1, got {args.requests}")
-    if args.bucket < 1:
-        raise UsageError(f"--bucket must be >= 1 token, got {args.bucket}")
-    if not 0 <= args.stream_seed <= MAX_SEED:
-        raise UsageError(f"--stream-seed must lie in [0, {MAX_SEED}], got {args.stream_seed}")
-    inputs = {}
-    for flag, read in (("--profile", lambda: load_profile(args.profile)),
-                       ("--link", lambda: load_link(args.link, inputs["--profile"])),
-                       ("--stream", lambda: RequestStream.parse(args.stream))):
-        try:
-            inputs[flag] = read()
-        except PlannerError as e:
-            raise UsageError(f"{flag} {e}") from None
-    profile = inputs["--profile"]
-    if args.dtype != profile.dtype:
-        raise UsageError(f"--profile {args.profile} was measured in {profile.dtype}; --dtype {args.dtype} has no "
-                         "measured layer times")
-    return profile, inputs["--link"], inputs["--stream"]
+    given = [flag for flag, value in options.items() if value is not None]
+    if args.profile is None and given:  # the performance model's options would do nothing
+        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: add "
+                         "--profile h200|h100|FILE")
+    prediction = None if args.profile is None else prediction_inputs(args.profile, args.link, args.stream,
+                                                                     dtype=args.dtype)
+    chosen = {name: options[flag] for name, flag in (("requests", "--requests"), ("seed", "--stream-seed"),
+                                                     ("bucket", "--bucket"), ("dep_exchange", "--dep-exchange"))
+              if options[flag] is not None}
+    result = _library(plan, cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
+                      dep=args.dep > 1, prediction=prediction, **chosen)
+    return {"command": "plan", **result, "dwdp": args.dwdp, "dep": args.dep}
 
 
 def cmd_convert(args) -> dict:
     from jax_dwdp.weights import convert_hf_to_orbax
 
-    dtype = None if args.dtype is None else _dtype(args.dtype)
+    dtype = None if args.dtype is None else check_dtype(args.dtype)
     _need(args.hf_dir, True)
     summary = convert_hf_to_orbax(args.hf_dir, args.out_dir, dtype=dtype, overwrite=args.overwrite,
                                   progress=None if args.json else "stderr")
@@ -469,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.num_processes > 1 and args.process_id is None:  # a launcher checks what every process would,
                 _prefill_inputs(args)                                 # before any starts: one line, not one each
         except Exception as e:
-            if type(e).__name__ not in BAD_INPUT:
+            if not _bad_input(e):
                 raise
             return _failed(args, e)
         code = distributed.hand_off(argv, num_processes=args.num_processes, coordinator=args.coordinator,
@@ -483,6 +361,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: interrupted; {args.command} stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _check_processes(args) -> None:
+    """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
+    _library(distributed.check_options, args.num_processes, args.coordinator, args.process_id, args.process_timeout)
+    if args.num_processes > 1:
+        _library(distributed.check_layout, args.num_processes, args.pipeline, _ranks(args), experts=_experts(args),
+                 joined=args.coordinator is not None or args.process_id is not None,
+                 chunked=args.prefill_chunk is not None)
 
 
 def _main(args) -> int:
@@ -508,12 +395,16 @@ def _failed(args, e: Exception) -> int:
     bad input, 1 for anything else (a device or XLA failure)."""
     if args.debug:
         raise e
-    if type(e).__name__ in BAD_INPUT:
-        print(f"error: {e}", file=sys.stderr)
+    if _bad_input(e):
+        print(f"error: {e.named(_flag(args)) if isinstance(e, OptionError) else e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     print(f"error: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
     return EXIT_RUNTIME
+
+
+def _bad_input(e: Exception) -> bool:
+    return isinstance(e, OptionError) or type(e).__name__ in BAD_INPUT
 
 
 if __name__ == "__main__":

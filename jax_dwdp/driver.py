@@ -10,8 +10,9 @@
 model on one device, a chunked prefill (pieces that continue a cache), or `jit_prefill`. Its `run(tokens,
 lengths)` returns (logits, [one cache per stage]). `prefill_inputs` makes (random ids) or takes the tokens and
 refuses what the spec cannot run before anything is built: the checks `jax-dwdp prefill` makes of its inputs. The
-spec's fields are the CLI's options (docs/cli.md); the CLI checks them against each other with messages that name
-its flags, the library checks the inputs and what it builds.
+spec's fields are the CLI's options (docs/cli.md). A spec checks its own fields when it is made (ranges, fields that
+do not combine), `config()` and `prefill_inputs` check them against the model: a `SpecError` naming the fields,
+which the CLI names by its flags (options.OptionError).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from jax_dwdp.families import FamilyConfig, config_from_preset
 from jax_dwdp.kernels.choices import KernelChoices
 from jax_dwdp.model import init_model, with_kernels
 from jax_dwdp.model.cache import Cache, LogitsMode
+from jax_dwdp.options import MAX_SEED, OptionError, check_dtype
 from jax_dwdp.outputs import OutputError
-from jax_dwdp.parallel.backends import expert_backend
+from jax_dwdp.parallel.backends import BACKENDS, expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
 from jax_dwdp.parallel.expert_layout import ExpertLayout
 from jax_dwdp.parallel.pipeline import Pipeline, cache_bytes_per_sequence, cache_bytes_per_token, microbatch_rows
@@ -48,17 +50,23 @@ from jax_dwdp.weights import CheckpointError, load_checkpoint
 from jax_dwdp.weights.hf_loader import load_config
 
 
+class SpecError(OptionError):
+    """A spec that cannot run: fields out of range or that do not combine, or a layout that the model or this
+    machine's devices cannot take; the message says why (naming the fields as options.OptionError does)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillSpec:
     """What to prefill and how: the model (an HF / Orbax `checkpoint` folder or a `preset`'s random weights), its
     precision, the layout (pipeline stages x ranks per stage, the expert backend), the execution mode, and the
-    logits to return ("all" positions or each sequence's "last")."""
+    logits to return ("all" positions or each sequence's "last"). Fields out of range or that do not combine raise
+    SpecError when the spec is made."""
 
     checkpoint: str | Path | None = None
     preset: str | None = None  # "FAMILY:NAME" (nemotron-h:tiny) or a bare Qwen3.5-MoE name (families.preset_names)
     num_layers: int | None = None  # keep only the first layers (of a checkpoint: load only those)
-    dtype: str = "bfloat16"
-    seed: int = 0  # of random weights
+    dtype: str = "bfloat16"  # one of options.DTYPES
+    seed: int = 0  # of random weights, in [0, MAX_SEED]
     pipeline: int = 1
     ranks: int = 1  # per stage
     experts: str | None = None  # a word of parallel.backends.BACKENDS; default "xla" over ranks, else "local"
@@ -73,8 +81,30 @@ class PrefillSpec:
 
     def __post_init__(self):
         if (self.checkpoint is None) == (self.preset is None):
-            raise ValueError("a PrefillSpec names a checkpoint or a preset (one of them)")
+            raise SpecError("a PrefillSpec names a $checkpoint or a $preset (one of them)")
         execution_mode(self.mode)
+        check_dtype(self.dtype, SpecError)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise SpecError(f"$seed must lie in [0, {MAX_SEED}], got {self.seed}")
+        for name in ("pipeline", "ranks", "microbatches"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"${name} must be >= 1, got {getattr(self, name)}")
+        if self.stage_boundaries and self.pipeline == 1:
+            raise SpecError("$stage_boundaries needs $pipeline P with P >= 2 stages")
+        if self.experts is not None and self.experts not in BACKENDS:
+            raise SpecError(f"$experts {self.experts!r}: choose one of {', '.join(BACKENDS)}")
+        scanned = dict(scan="mode 'scanned'")
+        if self.prefill_chunk is not None:
+            if self.prefill_chunk < 1:
+                raise SpecError(f"$prefill_chunk must be >= 1, got {self.prefill_chunk}")
+            if self.spread:
+                raise SpecError("$prefill_chunk runs on one device: it does not combine with $pipeline, $ranks or "
+                                "$microbatches")
+            if self.mode == "scanned":  # (a scanned program has no layer boundary to continue a cache at)
+                raise SpecError("$prefill_chunk continues a cache layer by layer: not with $scan", **scanned)
+        if self.mode == "scanned" and self.ranks > 1:
+            raise SpecError("$scan runs the model (or each $pipeline stage) on one device as one program: not with "
+                            "$ranks > 1 (their experts move between layers)", **scanned)
 
     @property
     def experts_word(self) -> str:
@@ -90,14 +120,9 @@ class PrefillSpec:
         cfg = load_config(self.checkpoint) if self.checkpoint is not None else config_from_preset(self.preset)
         if self.num_layers is not None:
             if not 1 <= self.num_layers <= cfg.num_hidden_layers:
-                raise ValueError(f"num_layers must lie in [1, {cfg.num_hidden_layers}], got {self.num_layers}")
+                raise SpecError(f"$num_layers must lie in [1, {cfg.num_hidden_layers}], got {self.num_layers}")
             cfg = cfg.first_layers(self.num_layers)
         return cfg
-
-
-class SpecError(ValueError):
-    """A spec that cannot be built here (its layout against the model or this machine's devices, options that do
-    not combine); the message says why."""
 
 
 class Driver:
@@ -151,8 +176,6 @@ def build_driver(spec: PrefillSpec, cfg: FamilyConfig | None = None, *, batch: i
     mode = execution_mode(spec.mode)
     if spec.spread:
         return _pipeline_driver(spec, cfg, dtype, mode, batch)
-    if spec.prefill_chunk is not None and mode == "scanned":
-        raise ValueError("a chunked prefill continues a cache layer by layer: mode 'scanned' does not apply")
     if mode == "scanned":
         scanned, source = _scanned_model(spec, cfg, dtype)
         prefill = jit_prefill_scanned(scanned, logits=spec.logits, cache_len=spec.cache_len)
@@ -285,7 +308,7 @@ def run_prefill(spec: PrefillSpec, cfg: FamilyConfig, tokens, lengths, *, iters:
             with shown_on(progress):
                 built = build_driver(spec, cfg, batch=tokens.shape[0])
         except ValueError as e:
-            if isinstance(e, (ConfigError, InputError, CheckpointError, OutputError)):
+            if isinstance(e, (ConfigError, InputError, CheckpointError, OutputError, OptionError)):
                 raise
             raise SpecError(str(e)) from None  # layout and mesh problems (too many stages, too few devices)
         with built:
@@ -369,10 +392,12 @@ def prefill_inputs(spec: PrefillSpec, cfg: FamilyConfig, tokens=None, lengths=No
     before they are drawn), which would otherwise be a MemoryError or an allocator failure deep in XLA minutes
     later; a layout that cannot take the batch or split the experts over its ranks."""
     if spec.fused_swiglu and not isinstance(cfg, ModelConfig):
-        raise SpecError("fused_swiglu: this model's experts have no SwiGLU to fuse (Nemotron-H's are relu^2)")
+        raise SpecError("$fused_swiglu: this model's experts have no SwiGLU to fuse (Nemotron-H's are relu^2)")
     all_logits = spec.logits == "all"
     drawn = tokens is None
     if drawn:
+        if batch < 1 or seq_len < 1:
+            raise SpecError(f"$batch and $seq_len must be >= 1, got {batch} and {seq_len}")
         check_host_memory(cfg, spec.dtype, batch, seq_len, all_logits=all_logits)
         tokens = random_tokens(cfg.vocab_size, batch, seq_len, spec.seed)
     tokens, lengths = check_tokens(tokens, cfg.vocab_size, lengths)

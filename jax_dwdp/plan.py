@@ -1,5 +1,6 @@
 """A layout's plan from shapes alone (nothing is allocated): per stage its layers, weight and cache bytes, and per
-rank its experts, resident bytes and buffers. What `jax-dwdp plan` prints."""
+rank its experts, resident bytes and buffers; with a GPU profile, the planner's prediction. What `jax-dwdp plan`
+prints (`plan`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from jax_dwdp.families import FamilyConfig
 from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
 from jax_dwdp.parallel.pipeline import (cache_bytes_per_sequence, cache_bytes_per_token, plan_stages,
                                         stage_weight_bytes)
+from jax_dwdp.planner import predict
 
 
 def plan_layout(cfg: FamilyConfig, pipeline: int, ranks: int, dtype, *, boundaries=None,
@@ -43,4 +45,17 @@ def plan_layout(cfg: FamilyConfig, pipeline: int, ranks: int, dtype, *, boundari
             "devices": list(range(st.stage * ranks, (st.stage + 1) * ranks)),
             "dwdp_ranks": rank_rows,
         })
+    return out
+
+
+def plan(cfg: FamilyConfig, pipeline: int, ranks: int, dtype: str, *, boundaries=None, dep: bool = False,
+         prediction=None, **options) -> dict:
+    """What `jax-dwdp plan` reports of a layout: the model, its stages (`plan_layout`) and, given `prediction`
+    (planner.prediction_inputs' profile, link and stream), the predicted times of DWDP, DEP and replicated weights
+    (planner.predict, with `options`: requests, seed, bucket, dep_exchange)."""
+    out = {"model": cfg.summary(), "dtype": dtype, "pipeline": pipeline,
+           "stages": plan_layout(cfg, pipeline, ranks, dtype, boundaries=boundaries, dep=dep)}
+    if prediction is not None:
+        out["performance"] = predict(cfg, *prediction, pipeline=pipeline, ranks=ranks, boundaries=boundaries,
+                                     itemsize=jnp.dtype(dtype).itemsize, **options)
     return out

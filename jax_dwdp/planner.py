@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, REQUIRED_KEYS, ModelConfig, read_json_file
+from jax_dwdp.options import MAX_SEED, OptionError
 from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
 from jax_dwdp.parallel.pipeline import plan_stages
 
@@ -45,6 +46,7 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 GIB = 2**30
 KINDS = (LINEAR_ATTENTION, FULL_ATTENTION)
 DEP_EXCHANGES = ("gather", "routed")
+DEFAULT_STREAM = "16384"  # every prompt 16K tokens: the prefill length benchmarks/RESULTS.md measures most
 
 LEAVES_OUT = (
     "host dispatch and Python time (the CUDA streams are taken as always fed)",
@@ -57,8 +59,9 @@ LEAVES_OUT = (
 )
 
 
-class PlannerError(ValueError):
-    """Input the planner cannot use (a profile, link, or stream); the message names the file or value."""
+class PlannerError(OptionError):
+    """Input the planner cannot use (a profile, link, or stream); the message names the file or value, and the
+    parameter as options.OptionError does."""
 
 
 # The model's layer times and FLOPs are Qwen3.5-MoE's (its Gated DeltaNet, attention and MoE layers, every layer with
@@ -488,6 +491,25 @@ class RequestStream:
         return out
 
 
+def prediction_inputs(profile: str | Path, link: str | None = None, stream: str | None = None, *,
+                      dtype: str = "bfloat16") -> tuple[GpuProfile, Link, RequestStream]:
+    """`predict`'s measured inputs, read: the GPU profile (`load_profile`), the link (`load_link`; default the
+    profile's own) and the stream of prompt lengths (`RequestStream.parse`; default DEFAULT_STREAM), each error
+    naming the parameter it came from; refused when the profile was measured in another precision than `dtype`
+    (its layer times would not apply)."""
+    read = {}
+    for name, load in (("profile", lambda: load_profile(profile)), ("link", lambda: load_link(link, read["profile"])),
+                       ("stream", lambda: RequestStream.parse(DEFAULT_STREAM if stream is None else stream))):
+        try:
+            read[name] = load()
+        except PlannerError as e:
+            raise PlannerError(f"${name} {e}") from None
+    if dtype != read["profile"].dtype:
+        raise PlannerError(f"$profile {profile} was measured in {read['profile'].dtype}; $dtype {dtype} has no "
+                           "measured layer times")
+    return read["profile"], read["link"], read["stream"]
+
+
 # ---- per-layer compute -------------------------------------------------------------------------------------------
 
 
@@ -900,9 +922,11 @@ def predict(cfg: ModelConfig, profile: GpuProfile, link: Link, stream: RequestSt
     if not isinstance(cfg, ModelConfig):
         raise PlannerError(NOT_MODELLED)
     if requests < 1:
-        raise PlannerError(f"requests per rank must be >= 1, got {requests}")
+        raise PlannerError(f"$requests must be >= 1 per rank, got {requests}")
     if bucket < 1:
-        raise PlannerError(f"bucket must be >= 1 token, got {bucket}")
+        raise PlannerError(f"$bucket must be >= 1 token, got {bucket}")
+    if not 0 <= seed <= MAX_SEED:
+        raise PlannerError(f"$stream_seed must lie in [0, {MAX_SEED}], got {seed}", stream_seed="seed")
     layout = Layout.of(cfg, pipeline, ranks, itemsize, boundaries)
     p = Predictor(layout, profile, link, dep_exchange=dep_exchange)
     queues = stream.queues(ranks, requests, seed)

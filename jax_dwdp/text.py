@@ -4,6 +4,7 @@
   `tokenizer_config.json` (its chat template and special tokens). `batch(prompts, chat=)` gives the int32
   [B, T] tokens (right-padded) and the lengths a prefill takes; `chat=True` first renders each prompt as one user
   turn through the checkpoint's chat template (Jinja, sandboxed, as transformers renders it).
+  `completions(prompts, top, generated)`: the next tokens and the continuation of each prompt as text.
 - `read_prompt_file(path)`: one prompt per line, or a JSON list of strings.
 Ids to text and back only: the next tokens themselves come from jax_dwdp.generate (top_k, greedy), which needs
 neither `tokenizers` nor Jinja (a prefill from token ids never imports this module).
@@ -127,6 +128,20 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def completions(self, prompts: Sequence[str], top, generated=None) -> list[dict]:
+        """Per prompt, what `jax-dwdp prefill` reports of it: its most likely next tokens with their text (`top`: per
+        prompt [(id, probability)], as generate.top_k gives them) and, with `generated` [B, N] ids, the continuation
+        as ids and text."""
+        out = []
+        for row, (prompt, best) in enumerate(zip(prompts, top)):
+            item = {"prompt": prompt, "next_tokens": [{"id": i, "text": self.decode([i]), "p": round(p, 6)}
+                                                      for i, p in best]}
+            if generated is not None:
+                ids = [int(i) for i in np.asarray(generated)[row]]
+                item.update(generated_ids=ids, generated_text=self.decode(ids))
+            out.append(item)
+        return out
 
 
 def read_prompt_file(path: str | Path) -> list[str]:

@@ -102,6 +102,15 @@ def test_paths_of_the_wrong_kind_are_named_as_such(tmp_path, capsys):
     (["--dwdp-backend", "local"], "--experts local needs --dwdp N with N >= 2"),
     (["--dwdp-backend", "xla"], "--experts xla needs --dwdp N"),
     (["--stall-timeout", "0"], "--stall-timeout must be > 0"),
+    # checked by the spec (driver.PrefillSpec), named here by the flags
+    (["--prefill-chunk", "4", "--pipeline", "2"],
+     "--prefill-chunk runs on one device: it does not combine with --pipeline, --dwdp or --microbatches"),
+    (["--prefill-chunk", "4", "--scan"], "--prefill-chunk continues a cache layer by layer: not with --scan"),
+    (["--dep", "2", "--scan"], "--scan runs the model (or each --pipeline stage) on one device as one program: not "
+                               "with --dep > 1"),
+    (["--scan", "--layerwise"], "--scan and --layerwise are two execution modes: choose one"),
+    (["--pipeline", "0"], "--pipeline must be >= 1, got 0"),
+    (["--dwdp", "0"], "--dwdp and --dep must be >= 1, got 0 and 1"),
     (["--num-processes", "0"], "--num-processes must be >= 1, got 0"),
     (["--num-processes", "-2"], "--num-processes must be >= 1, got -2"),
     (["--dwdp", "2", "--num-processes", "2", "--process-timeout", "0"], "--process-timeout must be > 0"),

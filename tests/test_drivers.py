@@ -222,3 +222,32 @@ def _kernels_of(scanned) -> set:
         layer = nnx.merge(scanned.graphs[typ].value, jax.tree.map(lambda x: x[0], state))
         found |= {m.kernels for _, m in nnx.iter_modules(layer) if "kernels" in vars(m)}
     return found
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dtype="float16"), "dtype 'float16' is not supported; choose one of bfloat16, float32"),
+    (dict(seed=-1), "seed must lie in [0, 4294967295], got -1"),
+    (dict(microbatches=0), "microbatches must be >= 1, got 0"),
+    (dict(ranks=0), "ranks must be >= 1, got 0"),
+    (dict(stage_boundaries=(2,)), "stage_boundaries needs pipeline P with P >= 2 stages"),
+    (dict(ranks=2, experts="nccl"), "experts 'nccl': choose one of local, xla, ffi, dep"),
+    (dict(prefill_chunk=0), "prefill_chunk must be >= 1, got 0"),
+    (dict(prefill_chunk=8, pipeline=2), "prefill_chunk runs on one device: it does not combine with pipeline, "
+                                        "ranks or microbatches"),
+    (dict(prefill_chunk=8, mode="scanned"), "prefill_chunk continues a cache layer by layer: not with mode 'scanned'"),
+    (dict(ranks=2, mode="scanned"), "mode 'scanned' runs the model (or each pipeline stage) on one device as one "
+                                    "program: not with ranks > 1"),
+], ids=lambda v: ",".join(v) if isinstance(v, dict) else None)
+def test_a_spec_refuses_its_own_fields_when_made_naming_them(fields, message):
+    """The checks `jax-dwdp prefill` makes of its layout options live in the spec: a notebook hears them in field
+    names, the CLI (test_cli*) in its flags, from the one message."""
+    with pytest.raises(SpecError) as e:
+        PrefillSpec(preset="tiny", **fields)
+    assert str(e.value).startswith(message), str(e.value)
+    flags = e.value.named(lambda name: "--" + name.replace("_", "-"))
+    assert "$" not in flags and ("--" in flags), flags
+
+
+def test_prefill_inputs_refuse_an_empty_random_shape():
+    with pytest.raises(SpecError, match=r"^batch and seq_len must be >= 1, got 0 and 8$"):
+        prefill_inputs(PrefillSpec(preset="tiny"), CFG, batch=0, seq_len=8)

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1] / "jax_dwdp"
 # Lowest first. A module may import its own layer or any layer below it, never one above.
 LAYERS = [
     ("base", ["jax_dwdp", "jax_dwdp.config", "jax_dwdp.nemotron_h_config", "jax_dwdp.families", "jax_dwdp.timing",
-              "jax_dwdp.watchdog", "jax_dwdp.native", "jax_dwdp.distributed", "jax_dwdp.outputs"]),
+              "jax_dwdp.watchdog", "jax_dwdp.native", "jax_dwdp.distributed", "jax_dwdp.outputs",
+              "jax_dwdp.options"]),
     ("devices and kernels", ["jax_dwdp.devices", "jax_dwdp.kernels"]),
     ("model", ["jax_dwdp.model"]),
     ("weights, programs, expert sources", ["jax_dwdp.weights", "jax_dwdp.programs", "jax_dwdp.sources"]),

@@ -199,7 +199,7 @@ def test_cli_refuses_impossible_layouts_before_building_the_model(capsys, monkey
     monkeypatch.setattr(pipeline, "init_model", no_model)
     for argv, message in [
         (["--pipeline", "2", "--dwdp", "2", "--microbatches", "0", "--batch", "2"],
-         "--pipeline, --dwdp, --dep and --microbatches must be >= 1"),
+         "--microbatches must be >= 1, got 0"),
         (["--dwdp", "9", "--batch", "9"], "9 DWDP ranks for 8 experts: a rank would own none"),
         (["--stage-boundaries", "2"], "--stage-boundaries needs --pipeline P with P >= 2 stages"),
     ]:

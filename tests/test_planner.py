@@ -366,3 +366,26 @@ def test_plan_refuses_bad_performance_input(tmp_path, capsys):
         lines = err.strip().splitlines()
         assert code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
         assert message in lines[0], (argv, lines[0])
+
+
+def test_prediction_inputs_name_what_they_read_and_plan_predicts_with_them():
+    """planner.prediction_inputs and plan.plan are what `plan --profile` runs: their errors name the parameter
+    (the CLI spells it as its flag), and the plan carries the prediction."""
+    from jax_dwdp.plan import plan
+    from jax_dwdp.planner import prediction_inputs
+
+    with pytest.raises(PlannerError, match="^link 'pcie': choose one of"):
+        prediction_inputs("h200", "pcie")
+    with pytest.raises(PlannerError, match="^profile h200 was measured in bfloat16; dtype float32 has no"):
+        prediction_inputs("h200", dtype="float32")
+    with pytest.raises(PlannerError) as e:
+        prediction_inputs("h200", stream="-5")
+    assert e.value.named(lambda name: f"--{name}").startswith("--stream '-5': prompt length must be >= 1 token")
+    cfg = ModelConfig.preset("tiny")
+    inputs = prediction_inputs("h200", stream="2048")
+    with pytest.raises(PlannerError, match=r"^seed must lie in") as e:
+        plan(cfg, 1, 2, "bfloat16", prediction=inputs, seed=-1)
+    assert e.value.named(lambda name: "--" + name.replace("_", "-")).startswith("--stream-seed must lie in")
+    out = plan(cfg, 1, 2, "bfloat16", prediction=inputs, requests=2, crossover=False)
+    assert len(out["stages"]) == 1 and out["performance"]["requests_per_rank"] == 2
+    assert "performance" not in plan(cfg, 1, 2, "bfloat16")
