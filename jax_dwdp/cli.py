@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-processes", type=int, default=1, metavar="N", help="one process per device: start N local processes "
       "(or, with --coordinator and --process-id, join a launch of N made by another tool); N must equal the devices "
       "the layout uses")
+    a("--share-gpu", action="store_true", help="with --num-processes and --experts ffi: every process on the first "
+      "GPU, a rehearsal of a multi-GPU launch on one GPU (the store's export, descriptor exchange, mapping, copy "
+      "stream and layer loop all run; only the link hop does not)")
     a("--coordinator", metavar="HOST:PORT", help="the jax.distributed coordinator of an outside launch")
     a("--process-id", type=int, metavar="I", help="this process's index in an outside launch")
     a("--process-timeout", type=int, default=60, metavar="S", help="seconds to wait for the other processes to "
@@ -277,7 +280,8 @@ def cmd_prefill(args) -> dict:
         (lambda text: print(f"{text} ...", file=sys.stderr, flush=True))  # stderr: stdout keeps the results
     with checksums_checked(not args.no_verify):
         result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters, watchdog=Watchdog(args.stall_timeout),
-                                    status=status, generate=args.generate, progress=None if args.json else sys.stderr)
+                                    status=status, generate=args.generate, progress=None if args.json else sys.stderr,
+                                    share_gpu=args.share_gpu)
     if result is None:  # one process per device: the last stage's (first) process reports
         return {"reporter": False}
     logits, caches, generated = result.pop("logits"), result.pop("caches"), result.pop("generated", None)
@@ -351,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             return _failed(args, e)
         code = distributed.hand_off(argv, num_processes=args.num_processes, coordinator=args.coordinator,
-                                    process_id=args.process_id, timeout_s=args.process_timeout, verbose=args.verbose)
+                                    process_id=args.process_id, timeout_s=args.process_timeout, verbose=args.verbose,
+                                    share_gpu=args.share_gpu)
         if code is not None:
             return code
     try:
@@ -369,7 +374,9 @@ def _check_processes(args) -> None:
     if args.num_processes > 1:
         _library(distributed.check_layout, args.num_processes, args.pipeline, _ranks(args), experts=_experts(args),
                  joined=args.coordinator is not None or args.process_id is not None,
-                 chunked=args.prefill_chunk is not None)
+                 chunked=args.prefill_chunk is not None, share_gpu=args.share_gpu)
+    elif args.share_gpu:
+        raise UsageError("--share-gpu shares one GPU between the processes of a launch: give --num-processes N")
 
 
 def _main(args) -> int:

@@ -119,11 +119,14 @@ def check_options(num_processes: int, coordinator: str | None, process_id: int |
 
 
 def check_layout(num_processes: int, pipeline: int, ranks: int, *, experts: str | None = None, joined: bool = False,
-                 chunked: bool = False) -> None:
+                 chunked: bool = False, share_gpu: bool = False) -> None:
     """A launch of `num_processes` >= 2 against the layout it runs (`pipeline` stages x `ranks` per stage, `experts`
     their backend, `chunked` a chunked prefill): one device per process; a ValueError naming the option otherwise.
     `joined`: this process joins a launch made by another tool, and finds out about its GPUs when its driver is
-    built (a launcher of its own asks first: it must not start processes that cannot run)."""
+    built (a launcher of its own asks first: it must not start processes that cannot run). `share_gpu`: every
+    process on one GPU, the rehearsal of a multi-GPU launch; only ranks whose experts come from the FFI store,
+    which need no device collective (NCCL, which XLA's collectives run on, refuses two ranks on one GPU: the XLA
+    all-gather, DEP's all-to-all and the pipeline's hand-off cannot run there)."""
     devices = pipeline * ranks
     if devices != num_processes:
         raise ValueError(f"--num-processes {num_processes}: one process per device, but the layout (--pipeline "
@@ -136,6 +139,9 @@ def check_layout(num_processes: int, pipeline: int, ranks: int, *, experts: str 
                          "--experts xla)")
     if chunked:
         raise ValueError("--prefill-chunk runs on one device, in one process")
+    if share_gpu and (experts != "ffi" or pipeline > 1):
+        raise ValueError("--share-gpu runs --dwdp N --experts ffi ranks only: the XLA all-gather, DEP's all-to-all and "
+                         "the pipeline's hand-off run on NCCL, which refuses two ranks on one GPU")
 
 
 def check_address(address: str) -> None:

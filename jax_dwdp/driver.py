@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dwdp import distributed
 from jax_dwdp.config import ConfigError, ModelConfig
 from jax_dwdp.families import FamilyConfig, config_from_preset
 from jax_dwdp.kernels.choices import KernelChoices
@@ -285,7 +286,8 @@ def chunked_prefill(model, logits: LogitsMode, chunk: int, *, mode: str = DEFAUL
 
 
 def run_prefill(spec: PrefillSpec, cfg: FamilyConfig, tokens, lengths, *, iters: int = 3,
-                watchdog: Watchdog | None = None, status=None, generate: int = 0, progress=None) -> dict | None:
+                watchdog: Watchdog | None = None, status=None, generate: int = 0, progress=None,
+                share_gpu: bool = False) -> dict | None:
     """What `jax-dwdp prefill` runs once `preflight` and `prefill_inputs` have passed: the spec's driver built
     (`status(text)` told "loading ..." or "making random weights") and `measure`d; a float32 spec with every matmul
     at full precision (a reference run), set for the process so that a pipeline's stage threads use it too, and
@@ -293,7 +295,7 @@ def run_prefill(spec: PrefillSpec, cfg: FamilyConfig, tokens, lengths, *, iters:
     A spec that cannot be built raises SpecError; the library's own errors of its inputs pass as they are.
     `generate` N > 0: also N greedy tokens per sequence continuing the warm-up prefill ("generated" [B, N]; the
     caches get room for them). `progress`: a stream for the loading and building progress lines (jax_dwdp.progress;
-    None: none)."""
+    None: none). `share_gpu`: this launch's processes share one GPU (see `measure`)."""
     say = status or (lambda text: None)
     if generate > 0:
         if spec.prefill_chunk is not None:
@@ -312,7 +314,8 @@ def run_prefill(spec: PrefillSpec, cfg: FamilyConfig, tokens, lengths, *, iters:
                 raise
             raise SpecError(str(e)) from None  # layout and mesh problems (too many stages, too few devices)
         with built:
-            result = measure(built, tokens, lengths, iters=iters, watchdog=watchdog, status=status)
+            result = measure(built, tokens, lengths, iters=iters, watchdog=watchdog, status=status,
+                             share_gpu=share_gpu)
             if not built.reports:
                 return None
             if generate > 0:
@@ -325,10 +328,12 @@ def run_prefill(spec: PrefillSpec, cfg: FamilyConfig, tokens, lengths, *, iters:
 
 
 def measure(driver: Driver, tokens, lengths, *, iters: int = 3, watchdog: Watchdog | None = None,
-            status=None) -> dict:
+            status=None, share_gpu: bool = False) -> dict:
     """Compiles, runs one warm-up and `iters` timed prefills (the median reported), each step under `watchdog`
     (which ends a step that stalls), `status(text)` told of each phase. Returns the numbers `jax-dwdp prefill`
-    reports, with the warm-up's "logits" and "caches" (this process's)."""
+    reports, with the warm-up's "logits" (whole, on every process of a launch) and "caches" (this process's).
+    `share_gpu`: the launch's processes share one GPU, so the logits are gathered through the host
+    (`distributed.host_gather`) instead of a device all-gather."""
     step = watchdog.step if watchdog is not None else (lambda what: contextlib.nullcontext())
     say = status or (lambda text: None)
     say("compiling")
@@ -350,9 +355,12 @@ def measure(driver: Driver, tokens, lengths, *, iters: int = 3, watchdog: Watchd
     devices = jax.devices()[:driver.spec.pipeline * driver.spec.ranks]
     if jax.process_count() > 1:
         if logits is not None and not logits.is_fully_addressable:  # split over the ranks' processes: all gather
-            from jax.experimental import multihost_utils
+            if share_gpu:  # NCCL, which the device all-gather runs on, refuses two ranks on one GPU
+                logits = distributed.host_gather(logits, "logits")
+            else:
+                from jax.experimental import multihost_utils
 
-            logits = multihost_utils.process_allgather(logits, tiled=True)
+                logits = multihost_utils.process_allgather(logits, tiled=True)
         devices = [d for d in devices if d.process_index == jax.process_index()]
         caches = [c for c in caches if c is not None]
     cfg, n_tokens = driver.cfg, int(np.size(tokens))

@@ -8,6 +8,9 @@ shard_map prefetch / wait programs; and `jax-dwdp prefill --num-processes 2 --dw
   object of its store. On one GPU the two processes share it (no collective runs: DWDP's ranks exchange no
   tokens, and each process writes its own rows); with two GPUs each has its own.
 - Two GPUs: the CLI's launcher with the FFI store equals one process driving both GPUs (fp32 <= 1e-5).
+- One GPU: the CLI's launcher rehearses that launch with --share-gpu (both processes on the GPU, the logits
+  gathered through the host), equal to one device; and NCCL does not run a psum between two processes on one GPU,
+  which is why the rehearsal is the FFI store's DWDP only.
 Skips without a GPU (JAX_DWDP_TEST_GPU=1 on a GPU machine).
 """
 
@@ -124,3 +127,70 @@ def test_launcher_with_the_ffi_store_equals_one_process(tmp_path):
     assert err <= 1e-5
 
 
+
+
+def test_the_launcher_rehearses_dwdp_ffi_on_one_gpu(tmp_path):
+    """`prefill --num-processes 2 --dwdp 2 --experts ffi --share-gpu`: the launcher starts both processes on the
+    first GPU, each makes its rank's ProcessExpertStore, the two trade descriptors and map each other's blocks, and
+    the layer loop prefetches over the copy stream (only the NVLink hop is missing); the logits, gathered through the
+    host, equal one process on one device (fp32; the ranks' 2-row batches round differently from the 4-row one:
+    bound 1e-4, printed)."""
+    cli = [sys.executable, "-m", "jax_dwdp.cli", "prefill", "--preset", "tiny", "--batch", "4", "--seq-len", "40",
+           "--dtype", "float32", "--iters", "1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    runs = {}
+    for name, extra in (("one", []), ("two", ["--dwdp", "2", "--experts", "ffi", "--num-processes", "2",
+                                               "--share-gpu"])):
+        out = tmp_path / f"{name}.npy"
+        proc = subprocess.run(cli + extra + ["--logits-out", str(out)], capture_output=True, text=True, timeout=400,
+                              env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = np.load(out)
+    assert "started 2 processes" in proc.stderr
+    err = float(np.abs(runs["two"] - runs["one"]).max() / np.abs(runs["one"]).max())
+    print(f"--num-processes 2 --dwdp 2 --experts ffi --share-gpu vs one process on one device: {err:.2e}")
+    assert np.isfinite(runs["two"]).all() and err <= 1e-4
+
+
+NCCL_PROBE = """
+import sys
+from jax_dwdp.distributed import initialize
+initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=60)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("r",))
+x = jax.make_array_from_callback((2, 4), NamedSharding(mesh, P("r")), lambda i: np.ones((1, 4), np.float32))
+total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "r"), mesh=mesh, in_specs=P("r"), out_specs=P("r")))(x)
+print("PSUM", float(np.asarray(total.addressable_shards[0].data).sum()))
+"""
+
+
+def test_nccl_refuses_two_ranks_on_one_gpu():
+    """Why --share-gpu rehearses the FFI store's DWDP and nothing else (distributed.check_layout): a psum between two
+    processes on the same GPU does not run (NCCL refuses two ranks on one device, or never completes). Should it run
+    one day, this test fails, saying --share-gpu could then rehearse DEP and the XLA path too."""
+    port = reserve_port()
+    coordinator = f"127.0.0.1:{port.getsockname()[1]}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_DWDP_LOCAL_DEVICE="0",
+               NCCL_NVLS_ENABLE="0")
+    env.pop("JAX_PLATFORMS", None)
+    procs = [subprocess.Popen([sys.executable, "-c", NCCL_PROBE, coordinator, str(i)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    outputs = []
+    try:
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=120)[0])
+            except subprocess.TimeoutExpired:
+                outputs.append("(no answer in 120 s)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+        port.close()
+    ran = [("PSUM 8.0" in out) for out in outputs]
+    for i, out in enumerate(outputs):
+        lines = [line for line in out.splitlines() if "NCCL" in line or "PSUM" in line or "rror" in line]
+        print(f"process {i}: exit {procs[i].returncode}; " + " | ".join(lines[-4:])[:600])
+    assert not all(ran), "a psum ran between two processes on one GPU: --share-gpu could rehearse DEP and XLA too"

@@ -181,6 +181,8 @@ def test_processes_die_with_their_launcher(tmp_path):
     (["--dwdp", "2", "--num-processes", "2", "--dwdp-backend", "foo"], "--experts 'foo'"),
     (["--dep", "2", "--num-processes", "2", "--dwdp-backend", "local"], "--dep has one way to move tokens"),
     (["--dwdp", "2", "--num-processes", "2", "--dwdp-backend", "ffi"], "needs a CUDA GPU per process"),
+    (["--dep", "2", "--num-processes", "2", "--share-gpu"], "--share-gpu runs --dwdp N --experts ffi ranks only"),
+    (["--dwdp", "2", "--share-gpu"], "--share-gpu shares one GPU between the processes of a launch"),
 ])
 def test_inconsistent_process_options_are_one_line_errors(args, message):
     """Checked by the launcher before it starts a process (or by a process that joins): one line, not one per
@@ -217,6 +219,14 @@ def test_a_launch_runs_one_device_per_process(monkeypatch):
     check_layout(2, 1, 2, experts="xla")
     monkeypatch.setattr(distributed, "visible_gpus", lambda: ["0", "1"])
     check_layout(2, 1, 2, experts="ffi")
+    check_layout(2, 1, 2, experts="ffi", share_gpu=True)  # the one-GPU rehearsal
+    for args, kwargs in (((2, 1, 2), {"experts": "xla"}), ((2, 2, 1), {"experts": "ffi"}), ((2, 1, 2), {})):
+        with pytest.raises(ValueError, match="--share-gpu runs --dwdp N --experts ffi ranks only: .*NCCL, which "
+                                             "refuses two ranks on one GPU"):
+            check_layout(*args, **kwargs, share_gpu=True)
+    monkeypatch.setattr(distributed, "visible_gpus", lambda: [])
+    with pytest.raises(ValueError, match="--experts ffi across processes needs a CUDA GPU per process; none is"):
+        check_layout(2, 1, 2, experts="ffi", share_gpu=True)
 
 
 def test_a_command_line_is_handed_to_a_launch_or_a_supervised_child_or_runs_here(monkeypatch):
@@ -229,7 +239,9 @@ def test_a_command_line_is_handed_to_a_launch_or_a_supervised_child_or_runs_here
     options = dict(coordinator=None, process_id=None, timeout_s=9)
     assert distributed.hand_off(["a"], num_processes=1, **options) is None and calls == []
     assert distributed.hand_off(["a"], num_processes=2, verbose=True, **options) == 3
-    assert calls.pop() == ("launch", ["a"], 2, {"timeout_s": 9, "verbose": True})
+    assert calls.pop() == ("launch", ["a"], 2, {"timeout_s": 9, "verbose": True, "share_gpu": False})
+    assert distributed.hand_off(["a"], num_processes=2, share_gpu=True, **options) == 3
+    assert calls.pop() == ("launch", ["a"], 2, {"timeout_s": 9, "verbose": False, "share_gpu": True})
     joined = dict(options, coordinator="127.0.0.1:1", process_id=1)
     assert distributed.hand_off(["b"], num_processes=2, **joined) == 4
     assert calls.pop() == ("supervise", ["b"], dict(joined, num_processes=2, verbose=False))
