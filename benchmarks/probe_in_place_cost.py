@@ -14,8 +14,9 @@ the same process, as in bench_dwdp.py in-place), each a layer-wise prefill of on
                  wait before each MoE (the store with its copies off: bench_dwdp's column): what the two custom
                  calls cost (a prefetch that is not waited for is refused, so they come as a pair)
 
-Timings only: the experts read are the right ones (the slots were filled by a prefill with copies first), and
-every variant's logits are compared with local's (max relative difference printed).
+Timings only: with the copies off, a layer's slots hold the peers' experts of the last layer that used the same
+slot set (from one prefill with copies), so "views" and "nolink" read the rank's own experts right and the peers'
+wrong (their max relative difference to local, printed, is O(1)); the routing, and so the work, is the same.
 """
 
 from __future__ import annotations
