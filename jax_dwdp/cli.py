@@ -224,22 +224,11 @@ def cmd_prefill(args) -> dict | None:
 
 def cmd_plan(args) -> dict:
     from jax_dwdp.plan import plan
-    from jax_dwdp.planner import prediction_inputs
 
     spec = _spec(args)
-    options = {"--link": args.link, "--stream": args.stream, "--requests": args.requests,
-               "--stream-seed": args.stream_seed, "--bucket": args.bucket, "--dep-exchange": args.dep_exchange}
-    given = [flag for flag, value in options.items() if value is not None]
-    if args.profile is None and given:  # the performance model's options would do nothing
-        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: add "
-                         "--profile h200|h100|FILE")
-    prediction = None if args.profile is None else prediction_inputs(args.profile, args.link, args.stream,
-                                                                     dtype=args.dtype)
-    chosen = {name: options[flag] for name, flag in (("requests", "--requests"), ("seed", "--stream-seed"),
-                                                     ("bucket", "--bucket"), ("dep_exchange", "--dep-exchange"))
-              if options[flag] is not None}
+    model = {name: getattr(args, name) for name in ("profile", "link", "stream", "requests", "bucket", "dep_exchange")}
     result = _library(plan, spec.config(), args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
-                      dep=args.dep > 1, prediction=prediction, **chosen)
+                      dep=args.dep > 1, seed=args.stream_seed, **model)
     return {"command": "plan", **result, "dwdp": args.dwdp, "dep": args.dep}
 
 
