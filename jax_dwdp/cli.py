@@ -19,18 +19,16 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from jax_dwdp import distributed
 from jax_dwdp.options import MAX_SEED, OptionError, check_dtype
-from jax_dwdp.watchdog import Watchdog
+from jax_dwdp.watchdog import DEFAULT_STALL_S
 
 EXIT_BAD_INPUT = 2
 EXIT_RUNTIME = 1
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
-DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
-# Bad input besides OptionError (the spec's and the planner's), by name: the library's modules load late.
-BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "OutputError", "TextError")
+# Bad input besides OptionError (the spec's, the request's, the planner's, an output file's), by name: the library's
+# modules load late.
+BAD_INPUT = ("UsageError", "ConfigError", "InputError", "CheckpointError", "TextError")
 
 
 class UsageError(ValueError):
@@ -154,13 +152,14 @@ def _experts(args) -> str | None:
 
 def _flag(args):
     """How this command line spells an option that an OptionError names: its flag (the ranks per stage: the one of
-    --dwdp / --dep given)."""
-    return lambda name: ("--dep" if args.dep > 1 else "--dwdp") if name == "ranks" else "--" + name.replace("_", "-")
+    --dwdp / --dep given; a request's prompts: --prompt, repeated)."""
+    own = {"ranks": "--dep" if args.dep > 1 else "--dwdp", "prompts": "--prompt"}
+    return lambda name: own.get(name) or "--" + name.replace("_", "-")
 
 
 def _spec(args, **extra):
-    """The library's PrefillSpec of a prefill (or plan) command line, and the model's config it names; the spec
-    checks its own fields (driver.SpecError)."""
+    """The library's PrefillSpec of a prefill (or plan) command line; the spec checks its own fields
+    (driver.SpecError)."""
     from jax_dwdp.driver import PrefillSpec
 
     if args.checkpoint is not None:
@@ -172,10 +171,9 @@ def _spec(args, **extra):
         boundaries = tuple(int(x) for x in args.stage_boundaries.split(",")) if args.stage_boundaries else None
     except ValueError:
         raise UsageError(f"--stage-boundaries {args.stage_boundaries!r}: expected comma-separated layer ids") from None
-    spec = PrefillSpec(checkpoint=args.checkpoint, preset=args.preset, num_layers=args.num_layers, dtype=args.dtype,
+    return PrefillSpec(checkpoint=args.checkpoint, preset=args.preset, num_layers=args.num_layers, dtype=args.dtype,
                        seed=args.seed, pipeline=args.pipeline, ranks=_ranks(args), stage_boundaries=boundaries,
                        mode="scanned" if scan else "layerwise" if layerwise else "whole", **extra)
-    return spec, spec.config()
 
 
 def _need(path: Path, folder: bool, flag: str = "") -> None:
@@ -187,136 +185,50 @@ def _need(path: Path, folder: bool, flag: str = "") -> None:
         raise UsageError(f"{named}: is not a {'folder' if folder else 'regular file'}")
 
 
-def _library(call, *args, prefix: str = "", **kwargs):
-    """call(...), its plain ValueErrors (a layout, launch options, a file) as one line of bad input; an OptionError
-    passes as it is (it names the options)."""
+def _library(call, *args, **kwargs):
+    """call(...), its plain ValueErrors (a layout, launch options) as one line of bad input; an OptionError passes
+    as it is (it names the options)."""
     try:
         return call(*args, **kwargs)
+    except OptionError:
+        raise
     except ValueError as e:
-        if isinstance(e, OptionError):
-            raise
-        raise UsageError(prefix + str(e)) from None
+        raise UsageError(str(e)) from None
 
 
-def _check_options(args) -> list[str] | None:
-    """The prefill options that are the command line's own (the spec checks its fields): checked by the launcher of
-    a multi-process run before it starts any process, and by every single-process run. Returns the prompts (None:
-    token ids or random tokens)."""
-    from jax_dwdp.text import read_prompt_file
+def _request(args):
+    """The library's PrefillRequest of a prefill command line: its spec and its own fields, each checking how its
+    fields combine (driver.SpecError, request.RequestError); here only what two flags for one field get wrong."""
+    from jax_dwdp.request import PrefillRequest
 
-    if args.iters < 1:
-        raise UsageError(f"--iters must be >= 1, got {args.iters}")
-    if not args.stall_timeout > 0:
-        raise UsageError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     if args.experts is not None and args.dep > 1 and args.experts != "dep":
         raise UsageError(f"--experts {args.experts} is for --dwdp; --dep has one way to move tokens")
     if args.experts is not None and _ranks(args) < 2:
         raise UsageError(f"--experts {args.experts} needs --dwdp N with N >= 2 ranks (it chooses how they get their "
                          "experts)")
-    given = [flag for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)) if value is not None]
-    if args.tokens is not None and given:
-        raise UsageError(f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} random tokens; with "
-                         "--tokens the file gives the shape")
-    if args.top_k < 1 or args.generate < 0:
-        raise UsageError(f"--top-k must be >= 1 and --generate >= 0, got {args.top_k} and {args.generate}")
-    if args.generate and (args.prefill_chunk is not None or args.num_processes > 1):
-        raise UsageError("--generate continues one prefill's cache in one process: not with --prefill-chunk or "
-                         "--num-processes")
-    if not args.prompt and args.prompt_file is None:
-        if args.chat:
-            raise UsageError("--chat renders --prompt / --prompt-file text: give a prompt")
-        return None
-    if args.checkpoint is None:
-        raise UsageError("--prompt needs --checkpoint DIR with the model's tokenizer.json (a --preset has random "
-                         "weights and no tokenizer; give token ids with --tokens FILE.npy)")
-    if args.tokens is not None or given:
-        raise UsageError("the prompts are the batch: --prompt / --prompt-file do not combine with --tokens, --batch "
-                         "or --seq-len")
-    if args.num_processes > 1:
-        raise UsageError("--prompt runs in one process: not with --num-processes")
-    return list(args.prompt or []) + (read_prompt_file(args.prompt_file) if args.prompt_file is not None else [])
+    spec = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
+                 fused_swiglu=args.fused_swiglu)
+    return PrefillRequest(spec, tokens=args.tokens, batch=args.batch, seq_len=args.seq_len, prompts=args.prompt or (),
+                          prompt_file=args.prompt_file, chat=args.chat, iters=args.iters, generate=args.generate,
+                          top_k=args.top_k, logits_out=args.logits_out, share_gpu=args.share_gpu,
+                          num_processes=args.num_processes, stall_timeout=args.stall_timeout,
+                          verify=not args.no_verify)
 
 
-def _prefill_inputs(args):
-    """The checks every prefill makes before any device work: (spec, cfg, tokens, lengths, prompts, tokenizer)."""
-    from jax_dwdp import driver
-    from jax_dwdp.outputs import output_file
-    from jax_dwdp.text import Tokenizer
-
-    prompts = _check_options(args)
-    if args.logits_out is not None:
-        args.logits_out = output_file(args.logits_out, "--logits-out")
-    spec, cfg = _spec(args, experts=_experts(args), microbatches=args.microbatches, prefill_chunk=args.prefill_chunk,
-                      fused_swiglu=args.fused_swiglu, logits="all" if args.logits_out is not None else "last")
-    tokenizer = None if prompts is None else Tokenizer.from_checkpoint(args.checkpoint)
-    tokens, lengths = (None, None) if prompts is None else tokenizer.batch(prompts, chat=args.chat)
-    if args.tokens is not None:
-        tokens = _library(driver.read_tokens, args.tokens, prefix="--tokens ")
-    shape = {name: value for name, value in (("batch", args.batch), ("seq_len", args.seq_len)) if value is not None}
-    try:  # the batch the memory check names is what --batch (or the file) gives
-        inputs = _library(driver.prefill_inputs, spec, cfg, tokens, lengths, **shape)
-    except UsageError as e:
-        raise UsageError(str(e).replace("a batch of ", "--batch ", 1)) from None
-    return spec, cfg, *inputs, prompts, tokenizer
-
-
-def cmd_prefill(args) -> dict:
-    from jax_dwdp import driver
-    from jax_dwdp.generate import top_k
-    from jax_dwdp.native import build_status
-    from jax_dwdp.outputs import save_npy_atomically
-    from jax_dwdp.parallel.dwdp_ffi import FfiUnavailable
-    from jax_dwdp.weights import checksums_checked, precision_notice
-
-    spec, cfg, tokens, lengths, prompts, tokenizer = _prefill_inputs(args)
-    notice = precision_notice(args.checkpoint, args.dtype) if args.checkpoint is not None else None
-    if notice is not None and not args.process_id:  # once per launch: process 0 says it
-        print(f"notice: {notice}", file=sys.stderr)
-    try:
-        driver.preflight(spec)
-    except FfiUnavailable as e:  # no GPU, no driver or no library: one line before any weights are made
-        raise UsageError(f"--experts ffi: {e}") from None
-    status = (lambda text: None) if args.json or getattr(args, "quiet", False) else \
-        (lambda text: print(f"{text} ...", file=sys.stderr, flush=True))  # stderr: stdout keeps the results
-    with checksums_checked(not args.no_verify):
-        result = driver.run_prefill(spec, cfg, tokens, lengths, iters=args.iters, watchdog=Watchdog(args.stall_timeout),
-                                    status=status, generate=args.generate, progress=None if args.json else sys.stderr,
-                                    share_gpu=args.share_gpu)
-    if result is None:  # one process per device: the last stage's (first) process reports
-        return {"reporter": False}
-    logits, caches, generated = result.pop("logits"), result.pop("caches"), result.pop("generated", None)
-    warning = driver.not_finite(logits, caches)
-    if warning is not None:
-        print(f"warning: {warning}", file=sys.stderr)
-    if args.logits_out is not None:
-        save_npy_atomically(args.logits_out, np.asarray(logits, np.float32), "--logits-out")
-    if prompts is not None:
-        top = top_k(driver.last_logits(logits, lengths), args.top_k)
-        result["text"] = tokenizer.completions(prompts, top, generated)
-    elif generated is not None:
-        result["generated_ids"] = np.asarray(generated).tolist()
-    return {"command": "prefill", **result, "logits_out": str(args.logits_out) if args.logits_out else None,
-            "logits_finite": warning is None, "ffi_libraries": build_status()}
+def cmd_prefill(args) -> dict | None:
+    status = None if args.json or args.process_id else \
+        (lambda text: print(f"{text} ...", file=sys.stderr, flush=True))  # process 0's, on stderr (stdout: results)
+    result = _request(args).run(status=status, progress=None if args.json else sys.stderr)
+    return None if result is None else {"command": "prefill", **result}  # (None: another process reports)
 
 
 def cmd_plan(args) -> dict:
     from jax_dwdp.plan import plan
-    from jax_dwdp.planner import prediction_inputs
 
-    spec, cfg = _spec(args)
-    options = {"--link": args.link, "--stream": args.stream, "--requests": args.requests,
-               "--stream-seed": args.stream_seed, "--bucket": args.bucket, "--dep-exchange": args.dep_exchange}
-    given = [flag for flag, value in options.items() if value is not None]
-    if args.profile is None and given:  # the performance model's options would do nothing
-        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the performance model: add "
-                         "--profile h200|h100|FILE")
-    prediction = None if args.profile is None else prediction_inputs(args.profile, args.link, args.stream,
-                                                                     dtype=args.dtype)
-    chosen = {name: options[flag] for name, flag in (("requests", "--requests"), ("seed", "--stream-seed"),
-                                                     ("bucket", "--bucket"), ("dep_exchange", "--dep-exchange"))
-              if options[flag] is not None}
-    result = _library(plan, cfg, args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
-                      dep=args.dep > 1, prediction=prediction, **chosen)
+    spec = _spec(args)
+    model = {name: getattr(args, name) for name in ("profile", "link", "stream", "requests", "bucket", "dep_exchange")}
+    result = _library(plan, spec.config(), args.pipeline, spec.ranks, args.dtype, boundaries=spec.stage_boundaries,
+                      dep=args.dep > 1, seed=args.stream_seed, **model)
     return {"command": "plan", **result, "dwdp": args.dwdp, "dep": args.dep}
 
 
@@ -346,13 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     distributed.quiet_native_logs(args.verbose)
     if args.command == "prefill":
-        try:
-            _check_processes(args)
+        try:  # the launch's options, one device per process
+            _library(distributed.check_options, args.num_processes, args.coordinator, args.process_id,
+                     args.process_timeout)
+            if args.num_processes > 1:
+                _library(distributed.check_layout, args.num_processes, args.pipeline, _ranks(args),
+                         experts=_experts(args), joined=args.coordinator is not None or args.process_id is not None,
+                         chunked=args.prefill_chunk is not None, share_gpu=args.share_gpu)
             if args.num_processes > 1 and args.process_id is None:  # a launcher checks what every process would,
-                _prefill_inputs(args)                                 # before any starts: one line, not one each
+                _request(args).prepare()                              # before any starts: one line, not one each
         except Exception as e:
-            if not _bad_input(e):
-                raise
             return _failed(args, e)
         code = distributed.hand_off(argv, num_processes=args.num_processes, coordinator=args.coordinator,
                                     process_id=args.process_id, timeout_s=args.process_timeout, verbose=args.verbose,
@@ -368,21 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _check_processes(args) -> None:
-    """--num-processes / --coordinator / --process-id: a consistent set, and one device per process."""
-    _library(distributed.check_options, args.num_processes, args.coordinator, args.process_id, args.process_timeout)
-    if args.num_processes > 1:
-        _library(distributed.check_layout, args.num_processes, args.pipeline, _ranks(args), experts=_experts(args),
-                 joined=args.coordinator is not None or args.process_id is not None,
-                 chunked=args.prefill_chunk is not None, share_gpu=args.share_gpu)
-    elif args.share_gpu:
-        raise UsageError("--share-gpu shares one GPU between the processes of a launch: give --num-processes N")
-
-
 def _main(args) -> int:
     if getattr(args, "process_id", None) is not None:  # (the process options were checked by main)
         distributed.join_launch(args.coordinator, args.num_processes, args.process_id, timeout_s=args.process_timeout)
-        args.quiet = args.process_id != 0  # process 0 reports progress
     else:
         distributed.ensure_host_devices(getattr(args, "pipeline", 1) * max(getattr(args, "dwdp", 1),
                                                                            getattr(args, "dep", 1)))
@@ -390,7 +293,7 @@ def _main(args) -> int:
         result = COMMANDS[args.command](args)
     except Exception as e:
         return _failed(args, e)
-    if result.pop("reporter", True):  # (else another process of the launch reports)
+    if result is not None:  # (else another process of the launch reports)
         from jax_dwdp import report
 
         report.print_result(result, as_json=args.json)

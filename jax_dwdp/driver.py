@@ -35,7 +35,6 @@ from jax_dwdp.kernels.choices import KernelChoices
 from jax_dwdp.model import init_model, with_kernels
 from jax_dwdp.model.cache import Cache, LogitsMode
 from jax_dwdp.options import MAX_SEED, OptionError, check_dtype
-from jax_dwdp.outputs import OutputError
 from jax_dwdp.parallel.backends import BACKENDS, expert_backend
 from jax_dwdp.parallel.checkpoint_layers import CheckpointLayers
 from jax_dwdp.parallel.expert_layout import ExpertLayout
@@ -310,7 +309,7 @@ def run_prefill(spec: PrefillSpec, cfg: FamilyConfig, tokens, lengths, *, iters:
             with shown_on(progress):
                 built = build_driver(spec, cfg, batch=tokens.shape[0])
         except ValueError as e:
-            if isinstance(e, (ConfigError, InputError, CheckpointError, OutputError, OptionError)):
+            if isinstance(e, (ConfigError, InputError, CheckpointError, OptionError)):
                 raise
             raise SpecError(str(e)) from None  # layout and mesh problems (too many stages, too few devices)
         with built:

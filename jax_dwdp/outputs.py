@@ -9,9 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jax_dwdp.options import OptionError
 
-class OutputError(ValueError):
-    """An output path that cannot be written; the message names it and why."""
+
+class OutputError(OptionError):
+    """An output path that cannot be written; the message names it and why (its option as $name, when the caller
+    names it so: options.OptionError)."""
 
 
 def partial_path(path: Path) -> Path:
@@ -19,7 +22,7 @@ def partial_path(path: Path) -> Path:
 
 
 def output_file(raw: str, what: str) -> Path:
-    """The regular file an output option (`what`, e.g. "--logits-out") names, checked before any work. A symlink is
+    """The regular file an output option (`what`, e.g. "$logits_out") names, checked before any work. A symlink is
     written through: its target is what gets replaced (atomically), the link stays. A device, FIFO, socket or folder
     is refused, so is a name ending in "/" (a folder's name)."""
     if raw.endswith("/"):

@@ -4,13 +4,15 @@ prints (`plan`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax.numpy as jnp
 
 from jax_dwdp.families import FamilyConfig
 from jax_dwdp.parallel.expert_layout import ExpertLayout, expert_bytes_per_layer, rank_memory
 from jax_dwdp.parallel.pipeline import (cache_bytes_per_sequence, cache_bytes_per_token, plan_stages,
                                         stage_weight_bytes)
-from jax_dwdp.planner import predict
+from jax_dwdp.planner import PlannerError, predict, prediction_inputs
 
 
 def plan_layout(cfg: FamilyConfig, pipeline: int, ranks: int, dtype, *, boundaries=None,
@@ -49,13 +51,21 @@ def plan_layout(cfg: FamilyConfig, pipeline: int, ranks: int, dtype, *, boundari
 
 
 def plan(cfg: FamilyConfig, pipeline: int, ranks: int, dtype: str, *, boundaries=None, dep: bool = False,
-         prediction=None, **options) -> dict:
-    """What `jax-dwdp plan` reports of a layout: the model, its stages (`plan_layout`) and, given `prediction`
-    (planner.prediction_inputs' profile, link and stream), the predicted times of DWDP, DEP and replicated weights
-    (planner.predict, with `options`: requests, seed, bucket, dep_exchange)."""
+         profile: str | Path | None = None, link: str | None = None, stream: str | None = None, **options) -> dict:
+    """What `jax-dwdp plan` reports of a layout: the model, its stages (`plan_layout`) and, given a GPU `profile`
+    (with its `link` and `stream`, read by planner.prediction_inputs), the predicted times of DWDP, DEP and
+    replicated weights (planner.predict, with `options`: requests, seed, bucket, dep_exchange, crossover; None
+    leaves predict's default). The performance model's parameters without a profile would do nothing: PlannerError."""
+    options = {name: value for name, value in options.items() if value is not None}
+    given = [name for name, value in (("link", link), ("stream", stream), *options.items()) if value is not None]
+    if profile is None and given:  # (the stream's seed as predict names it: $stream_seed, "seed" in Python)
+        named = ", ".join("$stream_seed" if name == "seed" else "$" + name for name in given)
+        raise PlannerError(f"{named} {'is' if len(given) == 1 else 'are'} for the performance model: add $profile "
+                           "h200|h100|FILE", stream_seed="seed")
     out = {"model": cfg.summary(), "dtype": dtype, "pipeline": pipeline,
            "stages": plan_layout(cfg, pipeline, ranks, dtype, boundaries=boundaries, dep=dep)}
-    if prediction is not None:
-        out["performance"] = predict(cfg, *prediction, pipeline=pipeline, ranks=ranks, boundaries=boundaries,
-                                     itemsize=jnp.dtype(dtype).itemsize, **options)
+    if profile is not None:
+        out["performance"] = predict(cfg, *prediction_inputs(profile, link, stream, dtype=dtype), pipeline=pipeline,
+                                     ranks=ranks, boundaries=boundaries, itemsize=jnp.dtype(dtype).itemsize,
+                                     **options)
     return out

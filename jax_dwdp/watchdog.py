@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 EXIT_RUNTIME = 1
+DEFAULT_STALL_S = 1800.0  # the longest step measured, compiling the 40-layer model as one GPU program, takes minutes
 
 
 def stall_exit(what: str, timeout_s: float) -> None:

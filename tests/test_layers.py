@@ -21,7 +21,7 @@ LAYERS = [
     ("weights, programs, expert sources", ["jax_dwdp.weights", "jax_dwdp.programs", "jax_dwdp.sources"]),
     ("one-device engine", ["jax_dwdp.runner", "jax_dwdp.prefill", "jax_dwdp.scan"]),
     ("parallel", ["jax_dwdp.parallel"]),
-    ("drivers", ["jax_dwdp.driver", "jax_dwdp.plan", "jax_dwdp.planner", "jax_dwdp.report"]),
+    ("drivers", ["jax_dwdp.driver", "jax_dwdp.request", "jax_dwdp.plan", "jax_dwdp.planner", "jax_dwdp.report"]),
     ("command line", ["jax_dwdp.cli", "jax_dwdp.entry"]),
 ]
 

@@ -370,7 +370,8 @@ def test_plan_refuses_bad_performance_input(tmp_path, capsys):
 
 def test_prediction_inputs_name_what_they_read_and_plan_predicts_with_them():
     """planner.prediction_inputs and plan.plan are what `plan --profile` runs: their errors name the parameter
-    (the CLI spells it as its flag), and the plan carries the prediction."""
+    (the CLI spells it as its flag), the plan carries the prediction, and refuses the model's parameters without a
+    profile."""
     from jax_dwdp.plan import plan
     from jax_dwdp.planner import prediction_inputs
 
@@ -382,10 +383,12 @@ def test_prediction_inputs_name_what_they_read_and_plan_predicts_with_them():
         prediction_inputs("h200", stream="-5")
     assert e.value.named(lambda name: f"--{name}").startswith("--stream '-5': prompt length must be >= 1 token")
     cfg = ModelConfig.preset("tiny")
-    inputs = prediction_inputs("h200", stream="2048")
     with pytest.raises(PlannerError, match=r"^seed must lie in") as e:
-        plan(cfg, 1, 2, "bfloat16", prediction=inputs, seed=-1)
+        plan(cfg, 1, 2, "bfloat16", profile="h200", stream="2048", seed=-1)
     assert e.value.named(lambda name: "--" + name.replace("_", "-")).startswith("--stream-seed must lie in")
-    out = plan(cfg, 1, 2, "bfloat16", prediction=inputs, requests=2, crossover=False)
+    out = plan(cfg, 1, 2, "bfloat16", profile="h200", stream="2048", requests=2, crossover=False)
     assert len(out["stages"]) == 1 and out["performance"]["requests_per_rank"] == 2
-    assert "performance" not in plan(cfg, 1, 2, "bfloat16")
+    assert "performance" not in plan(cfg, 1, 2, "bfloat16", requests=None)
+    with pytest.raises(PlannerError, match=r"^link, seed are for the performance model: add profile") as e:
+        plan(cfg, 1, 2, "bfloat16", link="nvlink5", seed=3)  # they would do nothing
+    assert e.value.named(lambda name: "--" + name.replace("_", "-")).startswith("--link, --stream-seed are for")
