@@ -130,9 +130,13 @@ class _QuietAbsl:
         thread, which reports it once, as one line."""
         return "_SignalingThread.run() raised an exception" not in str(record.msg)
 
-    def __exit__(self, *exc):
-        self._logger.removeFilter(self._thread_failure)
+    def __exit__(self, exc_type, *exc):
         self._logger.setLevel(self._level)
+        # After a failure, Orbax's other writer threads can still fail (the same full disk) and log after the
+        # converting thread has raised and left this block: the filter stays, so that the one-line error is all
+        # the user sees (it drops only that message, whose exception was already raised).
+        if exc_type is None:
+            self._logger.removeFilter(self._thread_failure)
         return False
 
 
