@@ -20,7 +20,7 @@ from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.model.layers import Linear, PlainRMSNorm
 from jax_dwdp.model.mamba2 import Mamba2Mixer
 from jax_dwdp.model.nemotron_moe import NemotronHMoe, ReluSquaredMlp
-from jax_dwdp.model.stage import CausalLMStage
+from jax_dwdp.model.stage import CausalLMStage, StageLayer
 from jax_dwdp.nemotron_h_config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 
 
@@ -70,7 +70,7 @@ class Attention(nnx.Module):
         return self.o_proj(attn.reshape(b, 1, -1)), (k_cache, v_cache)
 
 
-class NemotronHBlock(nnx.Module):
+class NemotronHBlock(StageLayer):
     """norm -> one mixer -> residual: Mamba-2, attention, the relu^2 MLP or the MoE, as the pattern says. Only a MoE
     block has routed experts."""
 
@@ -79,9 +79,8 @@ class NemotronHBlock(nnx.Module):
 
     def __init__(self, cfg: NemotronHConfig, layer_id: int, *, dtype, rngs: nnx.Rngs,
                  kernels: KernelChoices | None = None):
+        super().__init__(cfg, layer_id)
         kernels = resolve(kernels)
-        self.layer_id = layer_id
-        self.layer_type = cfg.layer_types[layer_id]
         self.norm = self.make_norm(cfg, dtype=dtype, rngs=rngs)
         if self.layer_type == MAMBA:
             self.mixer = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs, kernels=kernels)

@@ -15,10 +15,10 @@ from jax_dwdp.model.cache import Cache, LogitsMode, _positions, _single_device, 
 from jax_dwdp.model.gated_deltanet import GatedDeltaNet
 from jax_dwdp.model.layers import RMSNorm
 from jax_dwdp.model.moe import SparseMoe
-from jax_dwdp.model.stage import CausalLMStage
+from jax_dwdp.model.stage import CausalLMStage, StageLayer
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(StageLayer):
     """Attention or Gated DeltaNet, then the sparse MoE: every Qwen3.5 layer has routed experts."""
 
     has_experts = True
@@ -27,9 +27,8 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int, *, dtype, rngs: nnx.Rngs, kernels: KernelChoices | None = None):
         """`kernels`: the kernel choices, handed to the mixer and the MoE block (default: the process's)."""
+        super().__init__(cfg, layer_id)
         kernels = resolve(kernels)
-        self.layer_id = layer_id
-        self.layer_type = cfg.layer_types[layer_id]
         self.input_layernorm = self.make_norm(cfg, dtype=dtype, rngs=rngs)
         if self.layer_type == LINEAR_ATTENTION:
             self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs, kernels=kernels)

@@ -37,6 +37,16 @@ def _layer_cache(cache: Cache, layer, full_layer_ids: tuple[int, ...],
     return None
 
 
+class StageLayer(nnx.Module):
+    """What a `CausalLMStage` asks of its family's layer class: the layer's global id and its kind
+    (`cfg.layer_types`: the kind picks its cache slots), `__call__` and `decode` over its cache entries, and
+    `make_norm`, the family's norm (the model's final norm too)."""
+
+    def __init__(self, cfg: FamilyConfig, layer_id: int):
+        self.layer_id = layer_id
+        self.layer_type = cfg.layer_types[layer_id]
+
+
 class CausalLMStage(nnx.Module):
     """The text model (or one contiguous range of its layers, for a pipeline stage), of the family a subclass
     names: its layer class, and its embedding's and final norm's attribute names, which are its parameter paths
@@ -47,7 +57,7 @@ class CausalLMStage(nnx.Module):
     from the environment). A static attribute of the model and of its mixers and MoE blocks: part of the graphdef,
     so programs compiled for models of different choices are different programs."""
 
-    layer_class: type[nnx.Module]  # the family's layer: (cfg, layer_id, *, dtype, rngs, kernels); make_norm
+    layer_class: type[StageLayer]  # the family's layer: (cfg, layer_id, *, dtype, rngs, kernels)
     embedding_name: str  # the attribute holding the embedding
     final_norm_name: str  # the attribute holding the final norm (lm_head is `lm_head` in both families)
 
