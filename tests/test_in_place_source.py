@@ -53,8 +53,8 @@ def test_a_runner_reads_the_views_on_one_device():
     source = FfiStoreSource(store)
     runner = StageRunner(model, source, device=device)
     for run in range(2):  # the second run: every view poisoned again, the same compiled programs
-        got, cache = runner(tokens, lengths, cache_len=40, mode="layerwise")
-        assert store.prefetched == [0, 1, 2] * (run + 1)
+        got, cache = jax.block_until_ready(runner(tokens, lengths, cache_len=40, mode="layerwise"))
+        assert store.prefetched == [0, 1, 2] * (run + 1)  # (the callbacks ran inside the programs just waited for)
         assert rel_err(got, want) <= 1e-6 and rel_err(cache.recurrent, want_cache.recurrent) <= 1e-6
         store.repoison()
     # Layer l+1's prefetch ran inside layer l's program (the one layer program serves all three layers): the only

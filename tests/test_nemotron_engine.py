@@ -232,7 +232,7 @@ def test_the_ffi_backend_stores_the_moe_layers_only(setup):
         assert store.num_layers == 2 and store.shapes == CFG.expert_shapes
         assert sorted(store.blocks) == [(layer, w, r) for layer in range(2) for w in range(2) for r in range(2)]
         assert pipe.runners[1].source.layers == (0, None, None, None, 1)
-        logits, caches = pipe.prefill(tokens, lengths, logits="all", cache_len=T)
+        logits, caches = jax.block_until_ready(pipe.prefill(tokens, lengths, logits="all", cache_len=T))
         assert sorted(store.prefetched) == [0, 0, 1, 1]  # each layer once on each of the row's devices
         _compare(logits, caches, want)
     assert store.closed
