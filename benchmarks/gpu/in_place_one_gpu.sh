@@ -10,6 +10,14 @@
 #   bench  benchmarks/bench_dwdp.py in-place: $LAYERS (default 8) layers of 35b-a3b at $SEQS (default 4096 16384
 #          32768) tokens, local experts vs in place without and with the peer copy vs copied out; JSON in
 #          $OUT/in_place.json
+# Steps not in the default:
+#   rehearsal  tests/test_gpu_process_launch.py -k "rehearses or nccl" (prefill --num-processes 2 --dwdp 2 --experts
+#              ffi --share-gpu vs one device; NCCL refusing two ranks on one GPU) and tests/test_gpu.py -k "nemotron or
+#              prefill_matches" (both families' prefill, GPU vs CPU fp32)
+#   profile    benchmarks/profile_gpu.py --tokens $PROFILE_TOKENS (default 4096 16384) --copy-layers 4 --reps 3
+#              --link nvlink4: a measured GPU profile for the planner in $OUT/profile.json
+#   probe      benchmarks/probe_in_place_cost.py --seq-lens 4096 with XLA's command buffers on (the default) and off
+#              (--xla_gpu_enable_command_buffer=): whether the store's custom calls cost by splitting them
 # Run from the repository root (carry ["jax_dwdp/_lib"] for the grouped GEMM library). Each command's limit is cut
 # to what is left of $DEADLINE seconds (default 560; _limits.sh). Logs under $OUT.
 set -o pipefail
@@ -40,5 +48,24 @@ for step in $STEPS; do
       timeout "$(limit 400)" python3 benchmarks/bench_dwdp.py in-place --num-layers "${LAYERS:-8}" \
         --seq-lens ${SEQS:-4096 16384 32768} --iters 5 --out "$OUT/in_place.json" 2>&1 | quiet > "$OUT/bench.log"
       echo "== bench rc $? ($SECONDS s)"; grep -E "^\||store bytes|Error|error" "$OUT/bench.log" | tail -12 ;;
+    rehearsal)
+      timeout "$(limit 200)" python3 -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu_process_launch.py \
+        -k "rehearses or nccl" > "$OUT/launch.log" 2>&1
+      echo "== launch tests rc $? ($SECONDS s)"; grep -E "passed|failed|share-gpu vs|Error" "$OUT/launch.log" | tail -4
+      timeout "$(limit 200)" python3 -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu.py \
+        -k "nemotron or prefill_matches" > "$OUT/test_gpu.log" 2>&1
+      echo "== test_gpu rc $? ($SECONDS s)"; grep -E "passed|failed|GPU vs CPU|Error" "$OUT/test_gpu.log" | tail -4 ;;
+    profile)
+      timeout "$(limit 220)" python3 benchmarks/profile_gpu.py --tokens ${PROFILE_TOKENS:-4096 16384} \
+        --copy-layers 4 --reps 3 --link nvlink4 --out "$OUT/profile.json" 2>&1 | quiet > "$OUT/profile.log"
+      echo "== profile rc $? ($SECONDS s)"; grep -E "tokens|rate|Error|error" "$OUT/profile.log" | tail -8 ;;
+    probe)
+      for cb in on off; do
+        time_for "probe $cb" || continue
+        flags=$([ $cb = off ] && echo "--xla_gpu_enable_command_buffer=" || echo "")
+        XLA_FLAGS="$flags" timeout "$(limit 120)" python3 benchmarks/probe_in_place_cost.py --seq-lens 4096 \
+          --out "$OUT/probe_cb_$cb.json" 2>&1 | quiet > "$OUT/probe_cb_$cb.log"
+        echo "== probe, command buffers $cb: rc $? ($SECONDS s)"; grep -E "^\| [0-9]" "$OUT/probe_cb_$cb.log"
+      done ;;
   esac
 done
