@@ -120,13 +120,15 @@ def test_gpu_nemotron_h_prefill_matches_cpu_fp32(rng):
 
     from jax_dwdp.model import init_model
     from jax_dwdp.nemotron_h_config import NemotronHConfig
+    from jax_dwdp.programs import precision_scope
 
     cfg = NemotronHConfig.preset("tiny")
     tokens = rng.integers(0, cfg.vocab_size, (2, 150)).astype(np.int32)
     lengths = np.array([150, 97], np.int32)
 
-    def prefill(model):
-        return nnx.jit(lambda m, x, n: m.prefill(x, n, logits="all", cache_len=150))(model, tokens, lengths)
+    def prefill(model):  # fp32 a reference run: every matmul in full fp32 (the GPU's default would be TF32)
+        with precision_scope(model.dtype):
+            return nnx.jit(lambda m, x, n: m.prefill(x, n, logits="all", cache_len=150))(model, tokens, lengths)
 
     gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
     seed = int(rng.integers(1 << 30))
