@@ -115,7 +115,8 @@ def test_gpu_prefill_matches_cpu_fp32(rng):
 def test_gpu_nemotron_h_prefill_matches_cpu_fp32(rng):
     """The Nemotron-H family (Mamba-2 SSD, relu^2 MoE, attention) on the GPU: the tiny preset's prefill of two
     sequences of different lengths (150 and 97 tokens: several SSD chunks, a partial last one) equals the CPU's in
-    fp32 (logits and every cache leaf), and the bf16 GPU prefill stays within 3e-2 of the fp32 one."""
+    fp32 (logits and every cache leaf), and the GPU's bf16 prefill is as far from its fp32 one as the CPU's bf16 is
+    from the CPU's fp32 (this random, undamped tiny model: 5-15% on the CPU), within 1.5x + 1e-2."""
     from flax import nnx
 
     from jax_dwdp.model import init_model
@@ -140,11 +141,14 @@ def test_gpu_nemotron_h_prefill_matches_cpu_fp32(rng):
     for leaf in ("conv", "recurrent", "key", "value"):
         errors[leaf] = rel_err(getattr(gpu_cache, leaf), getattr(cpu_cache, leaf))
     bf16_logits, _ = prefill(init_model(cfg, dtype=jnp.bfloat16, seed=seed, device=gpu))
-    errors["bf16 logits vs fp32"] = rel_err(np.asarray(bf16_logits, np.float32)[held], np.asarray(gpu_logits)[held])
+    with jax.default_device(cpu):
+        cpu_bf16, _ = prefill(init_model(cfg, dtype=jnp.bfloat16, seed=seed, device=cpu))
+    errors["bf16 vs fp32, GPU"] = rel_err(np.asarray(bf16_logits, np.float32)[held], np.asarray(gpu_logits)[held])
+    errors["bf16 vs fp32, CPU"] = rel_err(np.asarray(cpu_bf16, np.float32)[held], np.asarray(cpu_logits)[held])
     print(f"Nemotron-H tiny, GPU vs CPU fp32: {errors}")
     assert np.isfinite(np.asarray(gpu_logits)[held]).all()
     assert max(v for k, v in errors.items() if not k.startswith("bf16")) <= 1e-4, errors
-    assert errors["bf16 logits vs fp32"] <= 3e-2, errors
+    assert errors["bf16 vs fp32, GPU"] <= 1.5 * errors["bf16 vs fp32, CPU"] + 1e-2, errors
 
 
 @pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
