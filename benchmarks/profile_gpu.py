@@ -1,4 +1,4 @@
-"""GPU-INTENDED: measures one GPU and writes a GPU profile for the planner (`jax-dwdp plan --profile FILE`).
+"""Measures one GPU and writes a GPU profile for the planner (`jax-dwdp plan --profile FILE`).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/profile_gpu.py --preset 35b-a3b \
         --tokens 1024 4096 16384 32768 --link nvlink4 --out h100_mine.json
