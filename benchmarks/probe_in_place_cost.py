@@ -13,6 +13,9 @@ the same process, as in bench_dwdp.py in-place), each a layer-wise prefill of on
   nolink         the views with layer l+1's prefetch call inside layer l's program, its copies skipped, and the
                  wait before each MoE (the store with its copies off: bench_dwdp's column): what the two custom
                  calls cost (a prefetch that is not waited for is refused, so they come as a pair)
+  nolink, wait first
+                 nolink with each layer's wait at its program's start, beside the prefetch (`WaitFirst`): one split
+                 of the layer's command buffers instead of two
 
 Timings only: with the copies off, a layer's slots hold the peers' experts of the last layer that used the same
 slot set (from one prefill with copies), so "views" and "nolink" read the rank's own experts right and the peers'
@@ -69,6 +72,26 @@ class Views(FfiStoreSource):
         return pending
 
 
+class WaitFirst(FfiStoreSource):
+    """nolink with the wait for a layer's own experts moved to its program's start, beside the next layer's
+    prefetch: the two custom calls split the layer's command buffers in one place instead of two (the wait's
+    `after` operand is the layer's input instead of the MoE's). Layer l's copy then has layer l-1 only, not also
+    layer l's attention, to hide under."""
+
+    _start = None
+
+    def overlap(self, h, ahead):
+        h, token = super().overlap(h, ahead)
+        self._start = h  # read by `experts`, in the same layer's trace
+        return h, token
+
+    def experts(self, pending):
+        if pending is None:
+            return None
+        start, self._start = self._start, None  # (the last layer prefetches nothing: its MoE input, as nolink)
+        return lambda x: self.store.wait(pending, x if start is None else start)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="35b-a3b")
@@ -89,7 +112,7 @@ def main(argv=None):
             jax.block_until_ready(filled(tokens, lengths, logits="last", mode="layerwise"))  # the slots filled
         stores[0].skip_peers = True  # from here on the prefetches copy nothing
         variants = {"local": LocalSource(), "buffers": Buffers(model), "views": Views(stores[0]),
-                    "nolink": FfiStoreSource(stores[0])}
+                    "nolink": FfiStoreSource(stores[0]), "nolink, wait first": WaitFirst(stores[0])}
         want = {}
         for name, source in variants.items():
             runner = StageRunner(model, source, device=dev)
