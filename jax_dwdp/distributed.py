@@ -313,7 +313,8 @@ def host_gather(array, name: str, *, timeout_s: float = 600.0):
     for i, shard in enumerate(array.addressable_shards):
         bounds = [sl.indices(n)[:2] for sl, n in zip(shard.index, array.shape)]
         fields[f"bounds_{i}"] = np.asarray(bounds, np.int64).reshape(-1, 2)
-        fields[f"data_{i}"] = np.asarray(shard.data)
+        # raw bytes: np.save keeps no ml_dtypes type (bfloat16 would come back as void)
+        fields[f"data_{i}"] = np.ascontiguousarray(np.asarray(shard.data)).reshape(-1).view(np.uint8)
     buf = io.BytesIO()
     np.savez(buf, **fields)
     client.key_value_set_bytes(key + str(jax.process_index()), buf.getvalue())
@@ -327,7 +328,7 @@ def host_gather(array, name: str, *, timeout_s: float = 600.0):
         with np.load(io.BytesIO(blob)) as parts:
             for i in range(len(parts.files) // 2):
                 where = tuple(slice(a, b) for a, b in parts[f"bounds_{i}"])
-                out[where] = parts[f"data_{i}"]
+                out[where] = parts[f"data_{i}"].view(array.dtype).reshape(out[where].shape)
     return out
 
 

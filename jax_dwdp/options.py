@@ -11,7 +11,13 @@ from collections.abc import Callable
 DTYPES = ("bfloat16", "float32")
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take it
 
-_NAME = re.compile(r"\$([a-z_]+)")
+_NAME = re.compile(r"\$(\$|[a-z_]+)")  # $name, or $$: a literal $ (see `literal`)
+
+
+def literal(text) -> str:
+    """`text` (a path, another error's message) as it goes into an OptionError's message: every $ kept as it is,
+    not read as an option's name."""
+    return str(text).replace("$", "$$")
 
 
 class OptionError(ValueError):
@@ -24,7 +30,7 @@ class OptionError(ValueError):
         super().__init__(self.named(lambda name: spelled.get(name, name)))
 
     def named(self, spell: Callable[[str], str]) -> str:
-        return _NAME.sub(lambda m: spell(m[1]), self.message)
+        return _NAME.sub(lambda m: "$" if m[1] == "$" else spell(m[1]), self.message)
 
 
 def check_dtype(name: str, error: type[OptionError] = OptionError) -> str:

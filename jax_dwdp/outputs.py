@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jax_dwdp.options import OptionError
+from jax_dwdp.options import OptionError, literal
 
 
 class OutputError(OptionError):
@@ -26,21 +26,23 @@ def output_file(raw: str, what: str) -> Path:
     written through: its target is what gets replaced (atomically), the link stays. A device, FIFO, socket or folder
     is refused, so is a name ending in "/" (a folder's name)."""
     if raw.endswith("/"):
-        raise OutputError(f"{what} {raw}: names a folder (it ends with /); give a file name, e.g. {raw}logits.npy")
+        raise OutputError(f"{what} {literal(raw)}: names a folder (it ends with /); give a file name, e.g. "
+                          f"{literal(raw)}logits.npy")
     path = Path(raw)
     target = path.resolve() if path.is_symlink() else path
     if target.exists() and not target.is_file():
         kind = "a folder" if target.is_dir() else "not a regular file (a device, FIFO or socket)"
         via = f" (the target of the symlink {path})" if target != path else ""
         example = f"; give a file name, e.g. {target / 'logits.npy'}" if target.is_dir() else ""
-        raise OutputError(f"{what} {target}{via}: is {kind}{example}")
+        raise OutputError(f"{what} {literal(target)}{literal(via)}: is {kind}{literal(example)}")
     if not target.parent.is_dir():
-        raise OutputError(f"{what} {target}: folder {target.parent} does not exist")
+        raise OutputError(f"{what} {literal(target)}: folder {literal(target.parent)} does not exist")
     probe = partial_path(target)
     try:
         probe.open("xb").close()
     except OSError as e:
-        raise OutputError(f"{what} {target}: cannot write in {target.parent} ({e.strerror})") from None
+        raise OutputError(f"{what} {literal(target)}: cannot write in {literal(target.parent)} "
+                          f"({e.strerror})") from None
     probe.unlink()
     return target
 
@@ -54,7 +56,7 @@ def save_npy_atomically(path: Path, array, what: str) -> None:
         os.replace(tmp, path)
     except OSError as e:  # checked before the run; this is the file system changing meanwhile (or full)
         why = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e) or type(e).__name__)
-        raise OutputError(f"{what} {path}: cannot write {array.nbytes / 2**20:.1f} MiB ({why}); nothing was "
+        raise OutputError(f"{what} {literal(path)}: cannot write {array.nbytes / 2**20:.1f} MiB ({why}); nothing was "
                           "written") from None
     finally:
         tmp.unlink(missing_ok=True)

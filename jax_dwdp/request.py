@@ -27,12 +27,18 @@ from jax_dwdp.driver import PrefillSpec, last_logits, not_finite, preflight, pre
 from jax_dwdp.families import FamilyConfig
 from jax_dwdp.generate import top_k
 from jax_dwdp.native import build_status
-from jax_dwdp.options import OptionError
+from jax_dwdp.options import OptionError, literal
 from jax_dwdp.outputs import output_file, save_npy_atomically
 from jax_dwdp.prefill import InputError
 from jax_dwdp.text import Tokenizer, read_prompt_file
 from jax_dwdp.watchdog import DEFAULT_STALL_S, Watchdog
 from jax_dwdp.weights import checksums_checked, precision_notice
+
+
+# Why --share-gpu runs one microbatch of a batch the ranks divide: the output rows of a split batch live in several
+# processes, so padding dropped or microbatches joined on the devices is a collective, and NCCL refuses two ranks
+# on one GPU (benchmarks/RESULTS.md). The logits themselves are gathered through the host (distributed.host_gather).
+SHARED_GPU_COLLECTIVE = "outputs across processes is a device collective, which NCCL refuses on one GPU"
 
 
 class RequestError(OptionError):
@@ -104,6 +110,9 @@ class PrefillRequest:
                                "$num_processes")
         if self.share_gpu and self.num_processes < 2:
             raise RequestError("$share_gpu shares one GPU between the processes of a launch: give $num_processes N")
+        if self.share_gpu and self.spec.microbatches > 1:
+            raise RequestError(f"$share_gpu runs one microbatch, not {self.spec.microbatches}: joining microbatches' "
+                               f"{SHARED_GPU_COLLECTIVE}")
         if not self.text:
             if self.chat:
                 raise RequestError("$chat renders $prompts / $prompt_file text: give a prompt")
@@ -137,7 +146,7 @@ class PrefillRequest:
             try:
                 tokens = read_tokens(self.tokens)
             except InputError as e:
-                raise RequestError(f"$tokens {e}") from None
+                raise RequestError(f"$tokens {literal(e)}") from None
         elif self.tokens is not None:
             tokens = self.tokens
         shape = {name: getattr(self, name) for name in ("batch", "seq_len") if getattr(self, name) is not None}
@@ -146,11 +155,14 @@ class PrefillRequest:
         except InputError as e:
             if tokens is not None:
                 raise
-            raise RequestError(f"{e}; lower $batch or $seq_len") from None  # random tokens the host cannot hold
+            raise RequestError(f"{literal(e)}; lower $batch or $seq_len") from None  # random tokens the host cannot hold
         except OptionError:
             raise
         except ValueError as e:  # a layout that cannot take the batch (the library's plain ValueError)
             raise RequestError(str(e)) from None
+        if self.share_gpu and tokens.shape[0] % self.spec.ranks:
+            raise RequestError(f"$share_gpu needs a batch that the {self.spec.ranks} ranks divide, got "
+                               f"{tokens.shape[0]} sequences: dropping the padding rows' {SHARED_GPU_COLLECTIVE}")
         return Inputs(cfg, tokens, lengths, prompts, tokenizer, logits_out)
 
     def run(self, *, status: Callable[[str], None] | None = None, progress=None,

@@ -349,17 +349,18 @@ def _launch_ids(n: int = 2) -> list[str]:
 def test_host_gather_assembles_an_array_split_over_processes():
     """distributed.host_gather (the logits of processes that share one GPU, where NCCL does not run): arrays
     sharded by rows over two processes' devices come back whole on every process, equal to what every process drew
-    from the same seed; two gathers in a row, each under its own name."""
+    from the same seed; two gathers in a row, each under its own name, one of them bfloat16 (an ml_dtypes type)."""
     code = """
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_dwdp.distributed import host_gather
 mesh = Mesh(np.array(jax.devices()), ("r",))
-for name, shape in (("a", (6, 5)), ("b", (4, 3))):
-    want = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+import ml_dtypes
+for name, shape, dtype in (("a", (6, 5), np.float32), ("b", (4, 3), ml_dtypes.bfloat16)):
+    want = np.random.default_rng(7).standard_normal(shape).astype(dtype)
     arr = jax.make_array_from_callback(shape, NamedSharding(mesh, P("r")), lambda index: want[index])
     got = host_gather(arr, name)
-    print("OK" if got.shape == shape and np.array_equal(got, want) else f"BAD {got} {want}")
+    print("OK" if got.shape == shape and got.dtype == want.dtype and np.array_equal(got, want) else f"BAD {got} {want}")
 """
     assert _in_launch(code) == ["OK", "OK"] * 2
 

@@ -33,6 +33,9 @@ def flags(error) -> str:
                                         "prefill_chunk or num_processes"),
     (dict(spec=PrefillSpec(preset="tiny", prefill_chunk=4), generate=2), "generate continues one prefill's cache"),
     (dict(share_gpu=True), "share_gpu shares one GPU between the processes of a launch: give num_processes N"),
+    (dict(spec=PrefillSpec(preset="tiny", ranks=2, experts="ffi", microbatches=2), share_gpu=True, num_processes=2),
+     "share_gpu runs one microbatch, not 2: joining microbatches' outputs across processes is a device collective, "
+     "which NCCL refuses on one GPU"),
     (dict(chat=True), "chat renders prompts / prompt_file text: give a prompt"),
     (dict(prompts=["hi"]), "prompts needs checkpoint DIR with the model's tokenizer.json (a preset has random "
                            "weights and no tokenizer"),
@@ -94,3 +97,26 @@ def test_a_request_runs_what_the_command_runs(tmp_path, capsys):
     assert {k: v for k, v in got.items() if k not in timings} == {k: v for k, v in want.items() if k not in timings}
     assert list(got) == list(want) and got["generated_ids"] and got["logits_finite"]
     np.testing.assert_array_equal(np.load(tmp_path / "py.npy"), np.load(tmp_path / "cli.npy"))
+
+
+def test_a_dollar_in_a_path_stays_a_dollar(tmp_path):
+    """Messages name options as $name; a path's own $ (a folder named $run) is kept as written, from Python and on
+    the command line."""
+    from jax_dwdp.outputs import OutputError, output_file
+
+    missing = tmp_path / "$run" / "logits.npy"
+    with pytest.raises(OutputError) as e:
+        output_file(str(missing), "$logits_out")
+    assert str(e.value).startswith(f"logits_out {missing}: folder {missing.parent} does not exist"), str(e.value)
+    assert e.value.named(lambda name: "--" + name.replace("_", "-")).startswith(f"--logits-out {missing}:")
+
+
+def test_a_shared_gpu_takes_a_batch_the_ranks_divide():
+    """--share-gpu: padding rows dropped across processes would be a device collective (NCCL refuses two ranks on
+    one GPU), so a batch the ranks do not divide is refused before any process starts; one they divide passes."""
+    spec = PrefillSpec(preset="tiny", ranks=2, experts="ffi")
+    with pytest.raises(RequestError) as e:
+        PrefillRequest(spec, batch=3, seq_len=8, share_gpu=True, num_processes=2).prepare()
+    assert str(e.value).startswith("share_gpu needs a batch that the 2 ranks divide, got 3 sequences"), str(e.value)
+    assert flags(e.value).startswith("--share-gpu needs a batch")
+    assert PrefillRequest(spec, batch=4, seq_len=8, share_gpu=True, num_processes=2).prepare().tokens.shape == (4, 8)

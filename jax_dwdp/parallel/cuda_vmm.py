@@ -674,13 +674,6 @@ class VmmStore:
             raise StoreError(f"{where}: the store copies its experts out ({self.not_in_place})")
         if "in_place" not in self._attributes:
             layer_bytes = self.layer_view_bytes()
-            for row in range(len(self.devices)):  # the handler's arithmetic, checked once against the mappings
-                for layer in (0, self.layers - 1):
-                    base = self.devices[row].views_va + layer * layer_bytes
-                    if [self.view_address(row, layer, w) for w in range(2)] != [
-                            base, base + self.ranks * self.block_bytes(0)]:
-                        raise StoreError(f"{where}: row {row}'s views of layer {layer} are not where the handler "
-                                         "computes them (base + layer * layer bytes + N * gate_up block)")
             self._attributes["in_place"] = dict(
                 self._copy_attributes(),
                 timing=as_int64(e for layer in range(self.layers) for e in self._timing_events(layer)),
