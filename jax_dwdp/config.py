@@ -59,8 +59,44 @@ def read_json_file(path: str | Path, error: type[ValueError] | None = None) -> A
         raise error(f"{path}: not valid JSON (nested too deeply)") from None
 
 
+class LayerPatternConfig:
+    """What both families' configs (frozen dataclasses with `layer_types` and `num_hidden_layers`) share: the ids of
+    their layers of a kind, their presets (`presets`, the family's table, set where it is defined; `family`, its
+    name in messages), the model cut to its first layers, and reading the HF config.json."""
+
+    presets: dict = {}
+    family = ""
+
+    def layer_ids(self, kind: str, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
+        """Global ids of the layers of one kind inside [start_layer, end_layer)."""
+        end = self.num_hidden_layers if end_layer is None else end_layer
+        return tuple(i for i in range(start_layer, end) if self.layer_types[i] == kind)
+
+    @classmethod
+    def preset(cls, name: str):
+        try:
+            return cls.presets[name]
+        except KeyError:
+            raise ConfigError(f"unknown {cls.family}preset {name!r}; choose one of {sorted(cls.presets)}") from None
+
+    @classmethod
+    def from_json_file(cls, path: str | Path):
+        return cls.from_hf_dict(read_json_file(path), source=str(path))
+
+    def first_layers(self, n: int):
+        """This model cut to its first n layers (their types kept): a quick experiment on a big checkpoint."""
+        if not 1 <= n <= self.num_hidden_layers:
+            raise ConfigError(f"the first {n} layers: choose 1 to {self.num_hidden_layers}")
+        count = {"num_hidden_layers": n} if "num_hidden_layers" in {f.name for f in dataclasses.fields(self)} else {}
+        return dataclasses.replace(self, layer_types=self.layer_types[:n], **count)
+
+    def cuts(self, stored) -> bool:
+        """This config is `stored` (a checkpoint's) cut to fewer layers: a loader skips the others."""
+        return self.num_hidden_layers < stored.num_hidden_layers and stored.first_layers(self.num_hidden_layers) == self
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(LayerPatternConfig):
     """Every number the Qwen3.5-MoE text model needs (see shared/docs/qwen35_moe_spec.md)."""
 
     vocab_size: int = 248320
@@ -170,11 +206,6 @@ class ModelConfig:
         h, i = self.hidden_size, self.moe_intermediate_size
         return (2 * i, h), (h, i)
 
-    def layer_ids(self, kind: str, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
-        """Global ids of the layers of one kind inside [start_layer, end_layer)."""
-        end = self.num_hidden_layers if end_layer is None else end_layer
-        return tuple(i for i in range(start_layer, end) if self.layer_types[i] == kind)
-
     def moe_layer_ids(self, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
         """Global ids of the layers with routed experts inside [start_layer, end_layer): every Qwen3.5 layer."""
         return tuple(range(start_layer, self.num_hidden_layers if end_layer is None else end_layer))
@@ -266,10 +297,6 @@ class ModelConfig:
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from None
 
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf_dict(read_json_file(path), source=str(path))
-
     def to_hf_dict(self) -> dict[str, Any]:
         """The flat HF text config (model_type qwen3_5_moe_text) that rebuilds this config."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -282,23 +309,6 @@ class ModelConfig:
         out.pop("full_attention_interval")
         out.update(model_type="qwen3_5_moe_text", rope_parameters=rope, hidden_act="silu")
         return out
-
-    @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
-        try:
-            return PRESETS[name]
-        except KeyError:
-            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
-
-    def first_layers(self, n: int) -> "ModelConfig":
-        """This model cut to its first n layers (their types kept): a quick experiment on a big checkpoint."""
-        if not 1 <= n <= self.num_hidden_layers:
-            raise ConfigError(f"the first {n} layers: choose 1 to {self.num_hidden_layers}")
-        return dataclasses.replace(self, num_hidden_layers=n, layer_types=self.layer_types[:n])
-
-    def cuts(self, stored: "ModelConfig") -> bool:
-        """This config is `stored` (a checkpoint's) cut to fewer layers: a loader skips the others."""
-        return self.num_hidden_layers < stored.num_hidden_layers and stored.first_layers(self.num_hidden_layers) == self
 
     def replace(self, **changes: Any) -> "ModelConfig":
         if "num_hidden_layers" in changes and "layer_types" not in changes:
@@ -338,3 +348,5 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
     ),
 }
+
+ModelConfig.presets = PRESETS

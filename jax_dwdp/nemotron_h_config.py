@@ -8,10 +8,9 @@ V); `mlp` and `moe` layers leave nothing. See docs/nemotron_h_spec.md.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
-from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, read_json_file
+from jax_dwdp.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, LayerPatternConfig
 
 MAMBA = LINEAR_ATTENTION
 ATTENTION = FULL_ATTENTION
@@ -63,7 +62,7 @@ def pattern_of(layer_types: tuple[str, ...]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class NemotronHConfig:
+class NemotronHConfig(LayerPatternConfig):
     """Every number the Nemotron-H text model needs (defaults: Nemotron-3 Nano 30B-A3B)."""
 
     vocab_size: int = 131072
@@ -181,11 +180,6 @@ class NemotronHConfig:
         """A Mamba-2 layer's fp32 SSM state per sequence: [heads, head_dim, state size]."""
         return self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size
 
-    def layer_ids(self, kind: str, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
-        """Global ids of the layers of one kind inside [start_layer, end_layer)."""
-        end = self.num_hidden_layers if end_layer is None else end_layer
-        return tuple(i for i in range(start_layer, end) if self.layer_types[i] == kind)
-
     def moe_layer_ids(self, start_layer: int = 0, end_layer: int | None = None) -> tuple[int, ...]:
         """Global ids of the layers with routed experts (the MoE layers) inside [start_layer, end_layer)."""
         return self.layer_ids(MOE, start_layer, end_layer)
@@ -264,10 +258,6 @@ class NemotronHConfig:
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"{source}: {e}") from None
 
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> "NemotronHConfig":
-        return cls.from_hf_dict(read_json_file(path), source=str(path))
-
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config (model_type nemotron_h, transformers 5.17's field names) that rebuilds this config."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -275,24 +265,6 @@ class NemotronHConfig:
         out.update(model_type="nemotron_h", mlp_hidden_act="relu2", mamba_hidden_act="silu", use_bias=False,
                    mlp_bias=False, attention_bias=False, n_shared_experts=1)
         return out
-
-    @classmethod
-    def preset(cls, name: str) -> "NemotronHConfig":
-        try:
-            return PRESETS[name]
-        except KeyError:
-            raise ConfigError(f"unknown Nemotron-H preset {name!r}; choose one of {sorted(PRESETS)}") from None
-
-    def first_layers(self, n: int) -> "NemotronHConfig":
-        """This model cut to its first n layers (their types kept)."""
-        if not 1 <= n <= self.num_hidden_layers:
-            raise ConfigError(f"the first {n} layers: choose 1 to {self.num_hidden_layers}")
-        return dataclasses.replace(self, layer_types=self.layer_types[:n])
-
-    def cuts(self, stored: "NemotronHConfig") -> bool:
-        """This config is `stored` (a checkpoint's) cut to fewer layers: a loader skips the others."""
-        return (self.num_hidden_layers < stored.num_hidden_layers
-                and stored.first_layers(self.num_hidden_layers) == self)
 
     def replace(self, **changes: Any) -> "NemotronHConfig":
         return dataclasses.replace(self, **changes)
@@ -330,3 +302,5 @@ PRESETS: dict[str, NemotronHConfig] = {
         moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, routed_scaling_factor=5.0,
     ),
 }
+
+NemotronHConfig.presets, NemotronHConfig.family = PRESETS, "Nemotron-H "

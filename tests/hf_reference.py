@@ -18,13 +18,19 @@ def hf_text_config(cfg: ModelConfig) -> Qwen3_5MoeTextConfig:
     return Qwen3_5MoeTextConfig(**d)
 
 
+def eager_model(model_class, config, seed: int):
+    """(an fp32 HF model of `config` on the eager attention and per-expert paths (exact, any shape), the generator
+    of `seed` that draws its fresh weights)."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = "eager"
+    return model, torch.Generator().manual_seed(seed)
+
+
 def random_hf_model(cfg: ModelConfig, seed: int) -> Qwen3_5MoeForCausalLM:
     """An fp32 HF model whose every parameter is fresh random (norm weights too, so (1 + w) forms are tested)."""
-    torch.manual_seed(seed)
-    model = Qwen3_5MoeForCausalLM(hf_text_config(cfg)).eval()
-    model.config._attn_implementation = "eager"
-    model.config._experts_implementation = "eager"  # the per-expert loop: exact, any shape
-    gen = torch.Generator().manual_seed(seed)
+    model, gen = eager_model(Qwen3_5MoeForCausalLM, hf_text_config(cfg), seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):

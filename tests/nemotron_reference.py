@@ -14,6 +14,7 @@ from transformers import NemotronHForCausalLM as HfNemotronHForCausalLM
 from jax_dwdp.model import abstract_model
 from jax_dwdp.nemotron_h_config import ATTENTION, MAMBA, NemotronHConfig
 from jax_dwdp.weights import nemotron_h_names
+from tests.hf_reference import eager_model
 
 
 def hf_config(cfg: NemotronHConfig) -> HfNemotronHConfig:
@@ -25,11 +26,7 @@ def hf_config(cfg: NemotronHConfig) -> HfNemotronHConfig:
 def random_hf_model(cfg: NemotronHConfig, seed: int) -> HfNemotronHForCausalLM:
     """An fp32 HF model whose every parameter (and the router's correction bias) is fresh random at scales that keep
     every path sensitive: norms near 1, time steps around the clamp at time_step_min, decays of a few steps."""
-    torch.manual_seed(seed)
-    model = HfNemotronHForCausalLM(hf_config(cfg)).eval()
-    model.config._attn_implementation = "eager"
-    model.config._experts_implementation = "eager"  # the per-expert loop: exact, any shape
-    gen = torch.Generator().manual_seed(seed)
+    model, gen = eager_model(HfNemotronHForCausalLM, hf_config(cfg), seed)
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith("A_log"):
