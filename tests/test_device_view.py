@@ -4,6 +4,8 @@ same (only the device type differs)."""
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,13 +41,38 @@ def test_a_view_reads_the_memory_in_place(dtype):
     del owner
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloced_bytes() -> int:
+    """glibc's count of the bytes malloc has handed out and not had back."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    return libc.mallinfo2().uordblks
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc's mallinfo2")
 def test_views_are_freed_with_their_arrays():
+    """Each view's DLPack tensor is one malloc'd block that XLA frees (libc free) when the array goes, deleted or
+    garbage-collected: 8,000 more views leave malloc's count where it was (a leak would hold 8,000 blocks)."""
+    from jax_dwdp.parallel.device_view import _ManagedTensor
+
     owner, raw = _aligned(4096)
     device = jax.devices("cpu")[0]
-    for _ in range(2000):  # each view's DLPack tensor is freed by XLA (libc free), none by Python
+    for _ in range(2000):  # warm-up: the allocator's and XLA's own one-time structures
         view(raw.ctypes.data, (1024,), np.float32, device).delete()
-    views = [view(raw.ctypes.data, (32, 32), np.float32, device) for _ in range(50)]
-    del views  # garbage-collected arrays free theirs too
+    block = ctypes.sizeof(_ManagedTensor) + 8
+    before = _malloced_bytes()
+    for i in range(8000):
+        v = view(raw.ctypes.data, (1024,), np.float32, device)
+        if i % 2:
+            v.delete()
+        del v  # the other half garbage-collected
+    grown = _malloced_bytes() - before
+    print(f"8,000 views: malloc'd bytes grew by {grown} (a leak: >= {8000 * block})")
+    assert grown < 8000 * block // 4, grown
     del owner
 
 
