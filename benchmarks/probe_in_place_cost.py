@@ -11,11 +11,11 @@ the same process, as in bench_dwdp.py in-place), each a layer-wise prefill of on
   views          the store's views of the same experts, no custom call at all (the slots hold the peers' experts
                  from one prefill with copies): what reading VMM-mapped memory costs
   nolink         the views with layer l+1's prefetch call inside layer l's program, its copies skipped, and the
-                 wait before each MoE (the store with its copies off: bench_dwdp's column): what the two custom
-                 calls cost (a prefetch that is not waited for is refused, so they come as a pair)
+                 wait right before each MoE's first grouped matmul (the store with its copies off: bench_dwdp's
+                 column): what the two custom calls cost (a prefetch that is not waited for is refused, so they
+                 come as a pair)
   nolink, wait first
-                 nolink with each layer's wait at its program's start, beside the prefetch (`WaitFirst`): one split
-                 of the layer's command buffers instead of two
+                 nolink with each layer's wait at its program's start, beside the prefetch (`WaitFirst`)
 
 Timings only: with the copies off, a layer's slots hold the peers' experts of the last layer that used the same
 slot set (from one prefill with copies), so "views" and "nolink" read the rank's own experts right and the peers'
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_dwdp import random_tokens, store_pair, timed  # noqa: E402
 from jax_dwdp.config import ModelConfig  # noqa: E402
 from jax_dwdp.model import init_model  # noqa: E402
+from jax_dwdp.model.moe import AwaitedExperts  # noqa: E402
 from jax_dwdp.runner import StageRunner  # noqa: E402
 from jax_dwdp.sources import ExpertSource, FfiStoreSource, LocalSource  # noqa: E402
 
@@ -74,9 +75,8 @@ class Views(FfiStoreSource):
 
 class WaitFirst(FfiStoreSource):
     """nolink with the wait for a layer's own experts moved to its program's start, beside the next layer's
-    prefetch: the two custom calls split the layer's command buffers in one place instead of two (the wait's
-    `after` operand is the layer's input instead of the MoE's). Layer l's copy then has layer l-1 only, not also
-    layer l's attention, to hide under."""
+    prefetch (the wait's `after` operand is the layer's input instead of the grouped matmul's). Layer l's copy then
+    has layer l-1 only, not also layer l's attention, to hide under."""
 
     _start = None
 
@@ -88,8 +88,9 @@ class WaitFirst(FfiStoreSource):
     def experts(self, pending):
         if pending is None:
             return None
-        start, self._start = self._start, None  # (the last layer prefetches nothing: its MoE input, as nolink)
-        return lambda x: self.store.wait(pending, x if start is None else start)
+        start, self._start = self._start, None  # (the last layer prefetches nothing: where nolink waits)
+        return AwaitedExperts(pending, lambda experts, after: self.store.wait(experts, after if start is None
+                                                                              else start))
 
 
 def main(argv=None):

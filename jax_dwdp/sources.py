@@ -23,8 +23,9 @@ A source answers, for the runner:
   delivered(ahead, fetched)
                        what layer `index` gets: `ahead` (prefetch's answer) or `fetched` (what the program of layer
                        index - 1 returned for it, sources with `gathers`);
-  experts(pending)     (traced) the experts for the layer's MoE: arrays, a function of the MoE input, or None
-                       for the layer's own weights;
+  experts(pending)     (traced) the experts for the layer's MoE: arrays, AwaitedExperts (arrays a copy is still
+                       writing, waited for right before the MoE's first grouped matmul), or None for the layer's own
+                       weights;
   abort()              after a failed prefill: make sure no copy still writes into a buffer the failure dropped.
 
 Layers without routed experts (Nemotron-H's Mamba-2, attention and MLP layers) have nothing to fetch: a source
@@ -43,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_dwdp.model.moe import routed_experts
+from jax_dwdp.model.moe import AwaitedExperts, routed_experts
 
 AXIS = "dwdp"
 
@@ -176,8 +177,8 @@ class FfiStoreSource(ExpertSource):
       experts. Only the first layer's prefetch is a program of its own.
     - Copying out: a one-call program per layer, launched before layer l is enqueued, into XLA buffers that layer
       l+1 gets.
-    `experts` hands the MoE a function of its input that makes XLA's stream wait for that copy (the input orders the
-    wait after the layer's attention).
+    `experts` hands the MoE the experts with the store's wait (AwaitedExperts): XLA's stream waits for the copy right
+    before the MoE's first grouped matmul, beside that matmul's custom call.
 
     `layers` (a stage whose layers do not all have experts): per layer of the stage, its layer in the store (the
     stage's expert layers in order, `model.expert_slots`) or None; default: layer i is the store's layer i.
@@ -245,7 +246,7 @@ class FfiStoreSource(ExpertSource):
     def experts(self, pending):
         if pending is None:
             return None
-        return lambda x: self.store.wait(pending, x)
+        return AwaitedExperts(pending, self.store.wait)
 
     def abort(self):
         self.store.sync()  # a copy may still be running into a prefetch output the failure dropped

@@ -81,3 +81,37 @@ def test_a_runner_reads_each_devices_views_over_a_mesh():
     assert sorted(store.prefetched) == [0, 0, 1, 1, 2, 2]  # each layer once per device
     with pytest.raises(ValueError, match="are not the store's ranks"):
         store.sharded_layer_experts(0, Mesh(np.array(devices[::-1]), ("dwdp",)))
+
+
+@pytest.mark.parametrize("family", ["qwen35_moe", "nemotron_h"])
+def test_the_moe_reads_awaited_experts_only_through_their_wait(family):
+    """AwaitedExperts (the FFI store's experts): the MoE reads what `wait` returns, not the arrays it was handed
+    (here NaN-poisoned, as slots a copy has not yet written), and calls it once, with its first grouped matmul's
+    input (the dispatched rows [M*k + pad, H]), not the MoE's input."""
+    from jax_dwdp.model.moe import AwaitedExperts
+    from jax_dwdp.nemotron_h_config import NemotronHConfig
+
+    cfg = CFG if family == "qwen35_moe" else NemotronHConfig.preset("tiny")
+    model = init_model(cfg, dtype=jnp.float32, seed=3)
+    blocks = [getattr(layer, "mlp", None) or getattr(layer, "mixer", None) for layer in model.layers]
+    moe = next(block for block in blocks if hasattr(block, "experts"))
+    experts = moe.experts
+    own = (experts.gate_up_proj[...], experts.down_proj[...]) if family == "qwen35_moe" else (
+        experts.up_proj[...], experts.down_proj[...])
+    poisoned = tuple(jnp.full_like(w, jnp.nan) for w in own)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 37, cfg.hidden_size)), jnp.float32)
+    seen = []
+
+    def wait(weights, after):
+        seen.append(after.shape)
+        assert all(bool(jnp.isnan(w).all()) for w in weights)  # handed the arrays the copy writes
+        return own
+
+    got = moe(x, AwaitedExperts(poisoned, wait))
+    want = moe(x, own)
+    err = rel_err(got, want)
+    print(f"{family}: awaited vs own experts {err:.1e}; wait's `after` {seen}")
+    assert np.isfinite(np.asarray(got)).all() and err == 0.0
+    k = cfg.num_experts_per_tok
+    rows = 2 * 37 * k
+    assert len(seen) == 1 and seen[0][0] >= rows and seen[0][0] % 8 == 0 and seen[0][0] - rows < 8

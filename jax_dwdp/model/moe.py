@@ -7,6 +7,7 @@ parallel paths (DWDP, EP) can hand it expert weights that came from elsewhere wi
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,24 @@ from jax_dwdp.kernels import (
 from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.kernels.grouped_matmul import SWIGLU_BLOCK, default_implementation, swiglu
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
+
+
+class AwaitedExperts(NamedTuple):
+    """Expert weights that a copy may still be writing (DWDP's CUDA VMM store): `wait(weights, after)` returns
+    `weights` usable once XLA's stream has waited for that copy, ordered after `after`. The routed experts call it
+    with their first grouped matmul's input, right before that matmul, so the wait sits beside the matmul's custom
+    call: the layer's command buffers break there once, not also at the MoE's start (benchmarks/RESULTS.md,
+    "zero-copy DWDP")."""
+
+    weights: tuple[jax.Array, jax.Array]
+    wait: Callable[[tuple[jax.Array, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def split_awaited(experts) -> tuple[object, Callable | None]:
+    """(the weights, their `wait` or None) of what a MoE was handed as its experts."""
+    if isinstance(experts, AwaitedExperts):
+        return experts.weights, experts.wait
+    return experts, None
 
 
 def route(x: jax.Array, router_weight: jax.Array, top_k: int,
@@ -114,6 +133,7 @@ def routed_experts(
     gate_up_proj: jax.Array,
     down_proj: jax.Array,
     *,
+    wait: Callable | None = None,
     grouped_matmul_impl: str | None = None,
     gate_up_interleaved: bool = False,
     valid: jax.Array | None = None,
@@ -138,7 +158,8 @@ def routed_experts(
     id >= E, which sorts them after every group (no kernel computes them) and their rows, unspecified for some
     kernels, are masked out.
     `kernels`: the model's `KernelChoices` (default: the process's), handed to every kernel here;
-    `grouped_matmul_impl` forces the grouped matmuls' form.
+    `grouped_matmul_impl` forces the grouped matmuls' form. `wait` (AwaitedExperts.wait): the expert weights are
+    read only after `wait((gate_up_proj, down_proj), first matmul's input)`.
     """
     kernels = resolve(kernels)
     m, k = expert_ids.shape
@@ -147,8 +168,12 @@ def routed_experts(
     # Row count padded to the kernels' row multiple; the padded rows belong to no group and are never read back.
     pad = (-m * k) % GROUPED_MATMUL_ROW_MULTIPLE
     gemm = functools.partial(grouped_matmul, implementation=grouped_matmul_impl, kernels=kernels)
+
+    def ready(after):
+        return (gate_up_proj, down_proj) if wait is None else wait((gate_up_proj, down_proj), after)
     if gate_up_interleaved:
         rows = dispatch_rows(x, order, inverse, k, m * k + pad, kernels=kernels)  # [M*k + pad, H]
+        gate_up_proj, down_proj = ready(rows)
         act = grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl,
                                     kernels=kernels)
     else:
@@ -157,10 +182,12 @@ def routed_experts(
             # sorted row r reads token order[r] // k; the padded rows are in no group
             # (SiLU(gate) * up in the same kernel's epilogue, from bf16-rounded gate and up as below)
             row_token = jnp.pad((order // k).astype(jnp.int32), (0, pad))
+            gate_up_proj, down_proj = ready(row_token)
             act = grouped_matmul_gather_swiglu(x, row_token, gate_up_proj, group_sizes,
                                                implementation=grouped_matmul_impl, kernels=kernels)
         else:
             rows = dispatch_rows(x, order, inverse, k, m * k + pad, kernels=kernels)  # [M*k + pad, H]
+            gate_up_proj, down_proj = ready(rows)
             gate_up = gemm(rows, gate_up_proj, group_sizes)
             act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
     out = gemm(act, down_proj, group_sizes)
@@ -237,14 +264,12 @@ class SparseMoe(nnx.Module):
 
     def __call__(self, x: jax.Array, experts=None) -> jax.Array:
         """x [..., H]. `experts` = (gate_up_proj, down_proj) overrides this module's own expert weights (gate_up in
-        this module's layout, `self.experts.gate_up_interleaved`); it may also be a function of x returning them
-        (DWDP's FFI path waits for the layer's expert copy there), or an object whose `routed(x, ids, weights,
-        gate_up_interleaved=)` replaces `routed_experts` (DEP: the tokens travel to the ranks holding their
-        experts)."""
+        this module's layout, `self.experts.gate_up_interleaved`); it may also be AwaitedExperts (DWDP's FFI path:
+        the layer's expert copy is waited for right before the first grouped matmul), or an object whose
+        `routed(x, ids, weights, gate_up_interleaved=)` replaces `routed_experts` (DEP: the tokens travel to the
+        ranks holding their experts)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
-        if callable(experts):
-            experts = experts(flat)
         if merged_projection(tokens=flat.shape[0], kernels=self.kernels):
             logits, shared_gate, shared_up, shared_gate_logit = self._token_projections(flat)
             ids, weights = route_logits(logits, self.top_k, x.dtype, self.kernels)
@@ -257,10 +282,11 @@ class SparseMoe(nnx.Module):
         if hasattr(experts, "routed"):
             out = experts.routed(flat, ids, weights, gate_up_interleaved=interleaved, kernels=self.kernels) + shared
         else:
+            experts, wait = split_awaited(experts)
             gate_up, down = experts if experts is not None else (self.experts.gate_up_proj[...],
                                                                  self.experts.down_proj[...])
-            out = routed_experts(flat, ids, weights, gate_up, down, gate_up_interleaved=interleaved, add=shared,
-                                 kernels=self.kernels)
+            out = routed_experts(flat, ids, weights, gate_up, down, wait=wait, gate_up_interleaved=interleaved,
+                                 add=shared, kernels=self.kernels)
         return out.reshape(*lead, -1)
 
     def _token_projections(self, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:

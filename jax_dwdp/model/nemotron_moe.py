@@ -17,7 +17,7 @@ from flax import nnx
 from jax_dwdp.kernels import GROUPED_MATMUL_ROW_MULTIPLE, combine_rows, dispatch_rows, grouped_matmul
 from jax_dwdp.kernels.choices import KernelChoices, resolve
 from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
-from jax_dwdp.model.moe import combine_valid_rows, expert_order
+from jax_dwdp.model.moe import combine_valid_rows, expert_order, split_awaited
 from jax_dwdp.nemotron_h_config import NemotronHConfig
 
 
@@ -65,16 +65,21 @@ def route_sigmoid(
 def routed_relu2_experts(
     x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, up_proj: jax.Array, down_proj: jax.Array, *,
     add: jax.Array | None = None, valid: jax.Array | None = None, kernels: KernelChoices | None = None,
+    wait=None,
 ) -> jax.Array:
     """sum_k w_k * down_e(relu(up_e(x))^2) over each token's top-k experts e (+ `add`). x [M, D]; expert_ids,
     expert_weights [M, k]; up_proj [E, I, D]; down_proj [E, D, I]. `valid` [M, k] (DEP, a rank holding a block of
-    the experts): only these slots count, the others carry ids >= E (as in moe.routed_experts)."""
+    the experts): only these slots count, the others carry ids >= E (as in moe.routed_experts). `wait`
+    (moe.AwaitedExperts.wait): the expert weights are read only after `wait((up_proj, down_proj), first matmul's
+    input)`."""
     kernels = resolve(kernels)
     m, k = expert_ids.shape
     order, inverse, group_sizes = expert_order(expert_ids, up_proj.shape[0], valid, kernels)
     pad = (-m * k) % GROUPED_MATMUL_ROW_MULTIPLE  # padded rows are in no group and never read back
     gemm = functools.partial(grouped_matmul, kernels=kernels)
     rows = dispatch_rows(x, order, inverse, k, m * k + pad, kernels=kernels)
+    if wait is not None:
+        up_proj, down_proj = wait((up_proj, down_proj), rows)
     act = relu2(gemm(rows, up_proj, group_sizes).astype(jnp.float32)).astype(x.dtype)
     out = gemm(act, down_proj, group_sizes)
     weights = expert_weights.astype(x.dtype)
@@ -117,13 +122,11 @@ class NemotronHMoe(nnx.Module):
 
     def __call__(self, x: jax.Array, experts=None) -> jax.Array:
         """x [..., H]. `experts` replaces this module's own expert weights, as for Qwen3.5's SparseMoe: (up_proj,
-        down_proj), a function of the MoE input returning them (DWDP's FFI path waits for the layer's expert copy
-        there), or an object whose `routed(x, ids, weights, experts_fn=)` computes the routed experts (DEP: the
-        tokens, at the experts' width, travel to the ranks holding their experts)."""
+        down_proj), moe.AwaitedExperts (DWDP's FFI path: the layer's expert copy is waited for right before the
+        first grouped matmul), or an object whose `routed(x, ids, weights, experts_fn=)` computes the routed
+        experts (DEP: the tokens, at the experts' width, travel to the ranks holding their experts)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
-        if callable(experts):
-            experts = experts(flat)
         # The router runs in fp32 whatever the model dtype, as the reference's does.
         logits = jnp.einsum("mh,eh->me", flat.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32),
                             precision=matmul_precision(jnp.float32))
@@ -136,10 +139,11 @@ class NemotronHMoe(nnx.Module):
             routed = experts.routed(tokens, ids, weights, kernels=self.kernels, experts_fn=routed_relu2_experts)
             out = (self.fc2_latent_proj(routed) if self.latent else routed) + shared
         else:
+            experts, wait = split_awaited(experts)
             up, down = experts if experts is not None else (self.experts.up_proj[...], self.experts.down_proj[...])
             if self.latent:
-                out = self.fc2_latent_proj(routed_relu2_experts(tokens, ids, weights, up, down,
-                                                                kernels=self.kernels)) + shared
+                out = self.fc2_latent_proj(routed_relu2_experts(tokens, ids, weights, up, down, kernels=self.kernels,
+                                                                wait=wait)) + shared
             else:
-                out = routed_relu2_experts(flat, ids, weights, up, down, add=shared, kernels=self.kernels)
+                out = routed_relu2_experts(flat, ids, weights, up, down, add=shared, kernels=self.kernels, wait=wait)
         return out.reshape(*lead, -1)
