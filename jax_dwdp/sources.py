@@ -188,6 +188,7 @@ class FfiStoreSource(ExpertSource):
         self.store, self.mesh, self.layers = store, mesh, layers
         self.gathers = store.in_place
         self._programs: dict[int | str, object] = {}
+        self._sharded: dict[int, tuple[jax.Array, jax.Array]] = {}  # over a mesh: each layer's views, sharded
         self._lock = threading.Lock()  # independent ranks' threads may ask for the same program at once
 
     def _program(self, key, fetch):
@@ -201,7 +202,11 @@ class FfiStoreSource(ExpertSource):
 
     def _views(self, layer, h):
         if self.mesh is not None:
-            return self.store.sharded_layer_experts(layer, self.mesh)
+            # The store's views do not move while it is open: one sharded pair per layer serves every prefill.
+            with self._lock:
+                if layer not in self._sharded:
+                    self._sharded[layer] = self.store.sharded_layer_experts(layer, self.mesh)
+                return self._sharded[layer]
         device, = h.devices()
         return self.store.layer_experts(layer, device)
 

@@ -253,10 +253,23 @@ def test_one_rank_per_process_in_place_views_its_own_slots(fake):
 
 
 def _bound_attributes(binding: str) -> set[str]:
+    """The attribute names handlers.h binds for `binding` (an inline function), with those of the helpers it
+    calls (`CopyAttributes`)."""
     text = HANDLERS_H.read_text()
-    body = text[text.index(f"inline auto {binding}()"):]
-    body = body[:body.index(";")]
-    return set(re.findall(r'\.Attr<[^>]+>\("(\w+)"\)', body))
+
+    def body(start: str) -> str:
+        rest = text[text.index(start):]
+        return rest[:rest.index(";")]
+
+    own = body(f"inline auto {binding}()")
+    names = _attr_names(own)
+    if "CopyAttributes(" in own:
+        names |= _attr_names(body("auto CopyAttributes(Binding binding)"))
+    return names
+
+
+def _attr_names(body: str) -> set[str]:
+    return set(re.findall(r'\.(?:template )?Attr<[^>]+>\("(\w+)"\)', body))
 
 
 def test_attributes_are_the_handlers_interface(fake):

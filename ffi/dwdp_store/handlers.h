@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -91,6 +92,23 @@ class InPlaceTarget {
   std::string error_;
 };
 
+// The attributes both prefetches take after their own leading ones, in this order (their handlers' parameters
+// follow it): the table, the per-row CUDA objects, the timing events, the blocks' sources and sizes.
+template <typename Binding>
+auto CopyAttributes(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("table")
+      .template Attr<Ints>("ordinals")
+      .template Attr<Ints>("ranks")
+      .template Attr<Ints>("contexts")
+      .template Attr<Ints>("streams")
+      .template Attr<Ints>("ready")
+      .template Attr<Ints>("done")
+      .template Attr<Ints>("timing")
+      .template Attr<Ints>("sources")
+      .template Attr<Ints>("block_bytes");
+}
+
 ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, int64_t store, int64_t layer,
                     int64_t table, Ints ordinals, Ints ranks, Ints contexts, Ints streams, Ints ready, Ints done,
                     Ints timing, Ints sources, Ints block_bytes, ffi::Result<ffi::AnyBuffer> gate_up,
@@ -102,22 +120,12 @@ ffi::Error Prefetch(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep, int64_
 // where rank r's block of weight w of this layer is (N ranks); block_bytes[w] its size. All handles and addresses
 // are the integer values of the CUDA objects.
 inline auto PrefetchBinding() {
-  return ffi::Ffi::Bind()
+  return CopyAttributes(ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<CUstream>>()
       .Ctx<ffi::DeviceOrdinal>()
       .Arg<ffi::AnyBuffer>()  // dep: orders the copy after the work that produced it
       .Attr<int64_t>("store")
-      .Attr<int64_t>("layer")
-      .Attr<int64_t>("table")
-      .Attr<Ints>("ordinals")
-      .Attr<Ints>("ranks")
-      .Attr<Ints>("contexts")
-      .Attr<Ints>("streams")
-      .Attr<Ints>("ready")
-      .Attr<Ints>("done")
-      .Attr<Ints>("timing")
-      .Attr<Ints>("sources")
-      .Attr<Ints>("block_bytes")
+      .Attr<int64_t>("layer"))
       .Ret<ffi::AnyBuffer>()   // gate_up
       .Ret<ffi::AnyBuffer>();  // down
 }
@@ -133,22 +141,12 @@ ffi::Error PrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer dep,
 // bytes of E experts of weight w, and view_layout. The done event is keyed by the target's address (dwdp_wait's
 // gate_up operand is that view).
 inline auto PrefetchInPlaceBinding() {
-  return ffi::Ffi::Bind()
+  return CopyAttributes(ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<CUstream>>()
       .Ctx<ffi::DeviceOrdinal>()
       .Arg<ffi::AnyBuffer>()  // dep
       .Arg<ffi::AnyBuffer>()  // target: the layer's gate_up view (never read)
-      .Attr<int64_t>("store")
-      .Attr<int64_t>("table")
-      .Attr<Ints>("ordinals")
-      .Attr<Ints>("ranks")
-      .Attr<Ints>("contexts")
-      .Attr<Ints>("streams")
-      .Attr<Ints>("ready")
-      .Attr<Ints>("done")
-      .Attr<Ints>("timing")
-      .Attr<Ints>("sources")
-      .Attr<Ints>("block_bytes")
+      .Attr<int64_t>("store"))
       .Attr<Ints>("total_bytes")
       .Attr<Ints>("view_layout")
       .Ret<ffi::AnyBuffer>();  // token (never written)
