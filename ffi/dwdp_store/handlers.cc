@@ -8,7 +8,7 @@
 // - dwdp_prefetch(dep) -> (gate_up, down): the same into XLA-allocated outputs, the rank's own block copied too:
 //   for blocks that are not a multiple of the allocation granularity (no contiguous view).
 // - dwdp_wait(gate_up, down, after) -> token: makes XLA's stream wait for the done event of that address. `after` is
-//   the consuming layer's MoE input, so XLA cannot schedule the wait early; Python ties the experts' uses to the
+//   the input of the consuming MoE's first grouped matmul, so XLA schedules the wait right before that matmul; Python ties the experts' uses to the
 //   token with an optimization barrier. (Outputs aliased to the expert operands would make XLA copy a program
 //   parameter before the wait: a read racing the copy.)
 // None is marked command-buffer compatible: they do host work that must run on every execution.

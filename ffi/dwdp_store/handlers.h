@@ -163,7 +163,7 @@ inline auto WaitBinding() {
       .Ctx<ffi::DeviceOrdinal>()
       .Arg<ffi::AnyBuffer>()  // gate_up
       .Arg<ffi::AnyBuffer>()  // down
-      .Arg<ffi::AnyBuffer>()  // after: the consuming MoE's input
+      .Arg<ffi::AnyBuffer>()  // after: the input of the MoE's first grouped matmul
       .Attr<int64_t>("store")
       .Attr<int64_t>("table")
       .Attr<Ints>("ordinals")

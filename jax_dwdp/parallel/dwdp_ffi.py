@@ -19,7 +19,8 @@ made.
 - Otherwise (copy out) `store.prefetch(dep, layer)` returns the layer's full (gate_up [E, 2I, H], down [E, H, I])
   in fresh XLA buffers, every rank's block copied, the rank's own too.
 - `store.wait(experts, after)`: the experts (views or buffers), after XLA's stream has waited for their copy;
-  `after` (the MoE's input) keeps XLA from scheduling it early, and an optimization barrier on its token orders
+  `after` (the MoE calls it with its first grouped matmul's input: moe.AwaitedExperts) keeps XLA from
+  scheduling it early, and an optimization barrier on its token orders
   every use after it. The custom calls' whole interface is their attributes (`VmmStore.in_place_attributes` /
   `prefetch_attributes` / `wait_attributes` here, `PrefetchInPlaceBinding` / `PrefetchBinding` / `WaitBinding` in
   ffi/dwdp_store/handlers.h).
