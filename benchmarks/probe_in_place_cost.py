@@ -16,6 +16,11 @@ the same process, as in bench_dwdp.py in-place), each a layer-wise prefill of on
                  come as a pair)
   nolink, wait first
                  nolink with each layer's wait at its program's start, beside the prefetch (`WaitFirst`)
+  nolink, wait effect
+                 nolink with the wait a side effect to JAX (`has_side_effect=True`: a JAX effect on every layer
+                 program, which takes it off jax's C++ dispatch path; `SideEffectWait`)
+Each variant also reports its host dispatch time: how long the layer-wise prefill call takes to return, before
+its outputs are ready (a prefill whose dispatch nears its total time is bound by the host).
 
 Timings only: with the copies off, a layer's slots hold the peers' experts of the last layer that used the same
 slot set (from one prefill with copies), so "views" and "nolink" read the rank's own experts right and the peers'
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -40,6 +46,7 @@ from bench_dwdp import random_tokens, store_pair, timed  # noqa: E402
 from jax_dwdp.config import ModelConfig  # noqa: E402
 from jax_dwdp.model import init_model  # noqa: E402
 from jax_dwdp.model.moe import AwaitedExperts  # noqa: E402
+from jax_dwdp.parallel.dwdp_ffi import WAIT_TARGET  # noqa: E402
 from jax_dwdp.runner import StageRunner  # noqa: E402
 from jax_dwdp.sources import ExpertSource, FfiStoreSource, LocalSource  # noqa: E402
 
@@ -93,6 +100,33 @@ class WaitFirst(FfiStoreSource):
                                                                               else start))
 
 
+class SideEffectWait(FfiStoreSource):
+    """nolink with dwdp_wait marked as a side effect to JAX."""
+
+    def experts(self, pending):
+        if pending is None:
+            return None
+
+        def wait(experts, after):
+            call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
+            token = call(*experts, after, **self.store.vmm.wait_attributes())
+            gate_up, down, _ = jax.lax.optimization_barrier((*experts, token))
+            return gate_up, down
+        return AwaitedExperts(pending, wait)
+
+
+def dispatch_ms(run, iters) -> float:
+    """Median host time for `run()` to return (its outputs not waited for), each call after the last one's
+    outputs are ready."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return float(np.median(times)) * 1e3
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="35b-a3b")
@@ -113,7 +147,8 @@ def main(argv=None):
             jax.block_until_ready(filled(tokens, lengths, logits="last", mode="layerwise"))  # the slots filled
         stores[0].skip_peers = True  # from here on the prefetches copy nothing
         variants = {"local": LocalSource(), "buffers": Buffers(model), "views": Views(stores[0]),
-                    "nolink": FfiStoreSource(stores[0]), "nolink, wait first": WaitFirst(stores[0])}
+                    "nolink": FfiStoreSource(stores[0]), "nolink, wait first": WaitFirst(stores[0]),
+                    "nolink, wait effect": SideEffectWait(stores[0])}
         want = {}
         for name, source in variants.items():
             runner = StageRunner(model, source, device=dev)
@@ -124,10 +159,12 @@ def main(argv=None):
                 want.setdefault(seq, got)
                 diff = float(np.abs(got - want[seq]).max() / max(np.abs(want[seq]).max(), 1e-30))
                 t = timed(run, args.iters) * 1e3
+                host = dispatch_ms(run, args.iters)
                 rows[seq][f"{name}_ms"] = round(t, 3)
+                rows[seq][f"{name}_dispatch_ms"] = round(host, 3)
                 rows[seq][f"{name}_max_rel_diff"] = diff
-                print(json.dumps({"variant": name, "seq_len": seq, "ms": round(t, 3), "max_rel_diff": diff}),
-                      flush=True)
+                print(json.dumps({"variant": name, "seq_len": seq, "ms": round(t, 3), "dispatch_ms": round(host, 3),
+                                  "max_rel_diff": diff}), flush=True)
     finally:
         for store in stores:
             store.close()
@@ -138,6 +175,8 @@ def main(argv=None):
         cells = [f"{row[f'{n}_ms']:.2f}" for n in names]
         per_layer = [f"{(row[f'{n}_ms'] - row['local_ms']) / args.num_layers:+.3f}" for n in names[1:]]
         print(f"| {seq} | " + " | ".join(cells) + " | " + " / ".join(per_layer) + " |")
+        dispatch = [f"{row[f'{n}_dispatch_ms']:.2f}" for n in names]
+        print(f"| {seq} dispatch | " + " | ".join(dispatch) + " | host time to return |")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "device": str(dev), "rows": list(rows.values())},
                                              indent=1))

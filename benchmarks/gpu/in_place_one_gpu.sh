@@ -17,7 +17,8 @@
 #   profile    benchmarks/profile_gpu.py --tokens $PROFILE_TOKENS (default 4096 16384) --copy-layers 4 --reps 3
 #              --link nvlink4: a measured GPU profile for the planner in $OUT/profile.json
 #   probe      benchmarks/probe_in_place_cost.py --seq-lens 4096 with XLA's command buffers on (the default) and off
-#              (--xla_gpu_enable_command_buffer=): whether the store's custom calls cost by splitting them
+#              (--xla_gpu_enable_command_buffer=; $PROBE_CB, default "on off"): whether the store's custom calls
+#              cost by splitting them
 # Run from the repository root (carry ["jax_dwdp/_lib"] for the grouped GEMM library). Each command's limit is cut
 # to what is left of $DEADLINE seconds (default 560; _limits.sh). Logs under $OUT.
 set -o pipefail
@@ -60,7 +61,7 @@ for step in $STEPS; do
         --copy-layers 4 --reps 3 --link nvlink4 --out "$OUT/profile.json" 2>&1 | quiet > "$OUT/profile.log"
       echo "== profile rc $? ($SECONDS s)"; grep -E "tokens|rate|Error|error" "$OUT/profile.log" | tail -8 ;;
     probe)
-      for cb in on off; do
+      for cb in ${PROBE_CB:-on off}; do
         time_for "probe $cb" || continue
         flags=$([ $cb = off ] && echo "--xla_gpu_enable_command_buffer=" || echo "")
         XLA_FLAGS="$flags" timeout "$(limit 120)" python3 benchmarks/probe_in_place_cost.py --seq-lens 4096 \
