@@ -243,8 +243,8 @@ def main(argv=None):
 
 
 def variants(args, pallas, xla, heads, rng, jsync, calls, reps, gpu) -> list[dict]:
-    """The kernel's Tuning variants at --variants-tokens: fused and split, state rows per loop program, warps of
-    the loop kernel. A variant that fails to compile is reported and skipped."""
+    """The kernel's Tuning variants at --variants-tokens: fused and split, state rows per loop program, warps, row
+    blocks. A variant that fails to compile is reported and skipped."""
     from jax_dwdp.kernels.ssd_pallas import Tuning
     from tests.ssd_cases import ssd_inputs
 
@@ -252,9 +252,12 @@ def variants(args, pallas, xla, heads, rng, jsync, calls, reps, gpu) -> list[dic
     h, p, g, n = (heads[k] for k in ("h", "p", "g", "n"))
     x, dt, a, b, c, _ = ssd_inputs(rng, 1, t, h, p, g, n, initial=False)
     ref_y, ref_s = (np.asarray(v, np.float64) for v in xla(x, dt, a, b, c))
-    block_ps, warps = ((16,), (8,)) if args.smoke else ((16, 32, 64), (4, 8))  # (smoke: one of each form)
-    cases = [Tuning(fused=True, block_p=bp, num_warps=(4, w, 8)) for bp in block_ps for w in warps]
-    cases += [Tuning(fused=False, block_p=bp, num_warps=(4, 4, w)) for bp in block_ps for w in warps]
+    if args.smoke:  # one of each form
+        cases = [Tuning(block_p=16), Tuning(fused=False, block_p=16)]
+    else:  # state rows and warps of the fused loop, whole [L, L] tiles, then the split forms' output warps
+        cases = [Tuning(block_p=bp, num_warps=(4, w, 8)) for bp in (16, 32, 64) for w in (4, 8)]
+        cases += [Tuning(row_blocks=1)]
+        cases += [Tuning(fused=False, block_p=bp, num_warps=(4, 4, w)) for bp in (32, 64) for w in (4, 8)]
     out = []
     for tuning in cases:
         fn = pallas(tuning)

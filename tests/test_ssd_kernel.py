@@ -28,10 +28,10 @@ BOUND_FP32 = 1e-5
 H, P, G, N, CHUNK = 4, 32, 2, 16, 64
 
 
-def _run(x, dt, a, b, c, h0, *, fused=True, y_dtype=jnp.float32):
+def _run(x, dt, a, b, c, h0, *, fused=True, y_dtype=jnp.float32, row_blocks=2):
     out = poisoned(x.shape, y_dtype)
     return ssd_chunked_pallas(x, dt, a, b, c, h0, out, chunk_size=CHUNK, y_dtype=y_dtype,
-                              tuning=Tuning(fused=fused, block_p=16), interpret=True)
+                              tuning=Tuning(fused=fused, block_p=16, row_blocks=row_blocks), interpret=True)
 
 
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 1000])
@@ -68,22 +68,34 @@ def test_kernel_fp32_inputs_match_float64_tightly_interpreted(rng, fused):
 
 
 def test_kernel_bf16_output_and_one_head_per_group_interpreted(rng):
-    """y_dtype=bf16 (what mamba_ssm returns) and G = H (no group sharing), fused and split agree with float64."""
+    """y_dtype=bf16 (what mamba_ssm returns) and G = H (no group sharing) agree with float64."""
     x, dt, a, b, c, h0 = ssd_inputs(rng, 2, 150, 2, P, 2, N, initial=True)
-    ref = reference_per_sequence(x, dt, a, b, c, h0, [150, 150])
-    for fused in (True, False):
-        y, state = _run(x, dt, a, b, c, h0, fused=fused, y_dtype=jnp.bfloat16)
-        assert y.dtype == jnp.bfloat16
-        check_against_reference(y, state, ref, [150, 150], f"bf16 y, fused={fused}", BOUND)
+    y, state = _run(x, dt, a, b, c, h0, y_dtype=jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    check_against_reference(y, state, reference_per_sequence(x, dt, a, b, c, h0, [150, 150]), [150, 150], "bf16 y",
+                            BOUND)
+
+
+@pytest.mark.parametrize("fused,row_blocks", [(True, 1), (False, 4)])
+def test_kernel_row_blocks_interpreted(rng, fused, row_blocks):
+    """The chunk's rows as one block (whole [L, L] tiles) or four (tiles on and below the diagonal only): the same
+    results, on lengths that end inside a block and inside a chunk."""
+    lengths = np.array([300, 17, 40])
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 3, 300, H, P, G, N, initial=True, lengths=lengths)
+    y, state = _run(x, dt, a, b, c, h0, fused=fused, row_blocks=row_blocks)
+    check_against_reference(y, state, reference_per_sequence(x, dt, a, b, c, h0, lengths), lengths,
+                            f"row blocks {row_blocks}, fused={fused}", BOUND)
 
 
 def test_kernel_in_two_pieces_equals_one_interpreted(rng):
     """A prompt in two pieces, the second from the first's final state (chunked prefill): the same y and state as
-    one call, within bf16 rounding."""
-    x, dt, a, b, c, _ = ssd_inputs(rng, 1, 300, H, P, G, N, initial=False)
-    y, state = _run(x, dt, a, b, c, None)
-    cut = 77
-    y1, s1 = _run(*(v[:, :cut] for v in (x, dt)), a, *(v[:, :cut] for v in (b, c)), None)
+    one call, within bf16 rounding. (A zero initial state, not None, so that the whole and the first piece reuse the
+    single-length test's programs.)"""
+    x, dt, a, b, c, _ = ssd_inputs(rng, 1, 1000, H, P, G, N, initial=False)
+    zero = jnp.zeros((1, H, P, N), jnp.float32)
+    y, state = _run(x, dt, a, b, c, zero)
+    cut = 63
+    y1, s1 = _run(*(v[:, :cut] for v in (x, dt)), a, *(v[:, :cut] for v in (b, c)), zero)
     y2, s2 = _run(*(v[:, cut:] for v in (x, dt)), a, *(v[:, cut:] for v in (b, c)), s1)
     err_y, err_s = rel_err(jnp.concatenate([y1, y2], axis=1), f64(y)), rel_err(s2, f64(state))
     print(f"two pieces vs one: y {err_y:.2e}, state {err_s:.2e}")
@@ -101,13 +113,12 @@ def test_float64_chunked_reference_equals_the_recurrence(rng):
     assert err <= 1e-12
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_kernel_4096_tokens_interpreted(rng, fused):
+def test_kernel_4096_tokens_interpreted(rng):
     """4,096 tokens (64 chunks) in one sequence with a random initial state."""
     x, dt, a, b, c, h0 = ssd_inputs(rng, 1, 4096, H, P, G, N, initial=True)
-    y, state = _run(x, dt, a, b, c, h0, fused=fused)
+    y, state = _run(x, dt, a, b, c, h0)
     ref = reference_per_sequence(x, dt, a, b, c, h0, [4096], chunked=True)
-    check_against_reference(y, state, ref, [4096], f"T=4096 fused={fused}", BOUND)
+    check_against_reference(y, state, ref, [4096], "T=4096", BOUND)
 
 
 def test_implementation_switch():
@@ -138,6 +149,9 @@ def test_implementation_switch():
                            interpret=True)
     with pytest.raises(ValueError, match="block_p=24"):
         Tuning(block_p=24)
+    with pytest.raises(ValueError, match="row_blocks=3"):
+        Tuning(row_blocks=3)
+    assert (Tuning().blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
 
 
 def _lowered_for_cuda(fn, *args) -> str:

@@ -67,123 +67,165 @@ def _iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _load(ref, n, chunk: int, t: int):
-    """ref[...] for rows [n*chunk, n*chunk + rows) of a [.., t, ..] array (t static, the array not padded to the
-    chunk): rows past t read as zeros (a masked load; a plain load when t is a multiple of the chunk)."""
-    if t % chunk == 0:
-        return ref[...]
-    return plgpu.load(ref, mask=n * chunk + _iota(ref.shape, 0) < t, other=jnp.zeros((), ref.dtype))
+class _Rows:
+    """Rows [first, first + size) of the chunk at global row `start` (the rows' index in the sequence) of refs whose
+    rows are the sequence's (`local`: where those rows sit in the ref: start + first in a whole-sequence block, first
+    in a one-chunk block). Rows at or past t (static; x, B, C and y are not padded to the chunk) load as zeros and
+    are not stored; when t is a multiple of the chunk nothing is masked."""
+
+    def __init__(self, local, start, first: int, size: int, t: int, masked: bool):
+        self.local, self.start, self.first, self.size, self.t, self.masked = local, start, first, size, t, masked
+
+    def _mask(self, shape):
+        return self.start + self.first + _iota(shape, 0) < self.t
+
+    def load(self, ref):
+        view = ref.at[pl.ds(self.local + self.first, self.size)]
+        if not self.masked:
+            return view[...]
+        return plgpu.load(view, mask=self._mask(view.shape), other=jnp.zeros((), ref.dtype))
+
+    def store(self, ref, value):
+        view = ref.at[pl.ds(self.local + self.first, self.size)]
+        if not self.masked:
+            view[...] = value.astype(ref.dtype)
+        else:
+            plgpu.store(view, value.astype(ref.dtype), mask=self._mask(view.shape))
 
 
-def _store(ref, value, n, chunk: int, t: int):
-    """ref[...] = value for rows [n*chunk, ...) of a [.., t, ..] array: rows past t are not written."""
-    if t % chunk == 0:
-        ref[...] = value.astype(ref.dtype)
-    else:
-        plgpu.store(ref, value.astype(ref.dtype), mask=n * chunk + _iota(ref.shape, 0) < t)
+def _row_blocks(local, start, chunk: int, blocks: int, t: int) -> list[_Rows]:
+    size = chunk // blocks
+    return [_Rows(local, start, k * size, size, t, t % chunk != 0) for k in range(blocks)]
 
 
-def _decay(dt, a):
-    """The chunk's dt [L] fp32 and A (a scalar) -> (cum [L], the chunk's total log decay)."""
-    da = dt * a
-    return jnp.cumsum(da), jnp.sum(da)
+def _decays(dt_ref, rows: list[_Rows], a):
+    """Per row block: dt [size] fp32 (zero past T), cum [size] (the log decay from the chunk's start), and the
+    chunk's total log decay."""
+    dts, cums = [], []
+    total = jnp.zeros((), _F32)
+    for r in rows:
+        dt = dt_ref[pl.ds(r.local + r.first, r.size)]
+        da = dt * a
+        cums.append(jnp.cumsum(da) + total)
+        total = total + jnp.sum(da)
+        dts.append(dt)
+    return dts, cums, total
 
 
-def _own_output(cb, cum, dt, x):
-    """The chunk's output from its own tokens: (causal(CB exp(cum_i - cum_j)) dt_j) @ x, [L, BP] fp32. The
-    exponent is masked before exp: above the diagonal it is positive and could overflow."""
-    chunk = cb.shape[0]
-    causal = _iota((chunk, chunk), 0) >= _iota((chunk, chunk), 1)
-    decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0))
-    weights = jnp.where(causal, cb.astype(_F32) * decay * dt[None, :], 0.0)
-    return _dot(weights.astype(x.dtype), x)
+def _outputs(cb_ref, rows: list[_Rows], xs, cs, state, dts, cums):
+    """y of each row block k of the chunk: sum_{j <= k} (CB exp(cum_i - cum_j) dt_j)[k, j] @ x_j (blocks above the
+    diagonal are zero and skipped) + exp(cum_k) (C_k @ S^T), [size, BP] fp32, S [BP, N] rounded to C's dtype for its
+    product. On the diagonal the exponent is masked before exp (above it, it is positive and could overflow); below
+    it every exponent is <= 0."""
+    size = rows[0].size
+    causal = _iota((size, size), 0) >= _iota((size, size), 1)
+    ys = []
+    for k, rk in enumerate(rows):
+        y = _dot(cs[k], state.astype(cs[k].dtype), trans_b=True) * jnp.exp(cums[k])[:, None]
+        for j in range(k + 1):
+            cb = cb_ref[pl.ds(rk.local + rk.first, size), pl.ds(rows[j].first, size)].astype(_F32)
+            exponent = cums[k][:, None] - cums[j][None, :]
+            if j == k:
+                weights = jnp.where(causal, cb * jnp.exp(jnp.where(causal, exponent, 0.0)) * dts[j][None, :], 0.0)
+            else:
+                weights = cb * jnp.exp(exponent) * dts[j][None, :]
+            y = y + _dot(weights.astype(xs[j].dtype), xs[j])
+        ys.append(y)
+    return ys
 
 
-def _state_output(c, state, cum):
-    """The output from the state entering the chunk: exp(cum_i) (C @ S^T) [L, BP] fp32 (S [BP, N], rounded to C's
-    dtype for the product)."""
-    return _dot(c, state.astype(c.dtype), trans_b=True) * jnp.exp(cum)[:, None]
-
-
-def _state_update(state, x, b, cum, total, dt):
-    """The state at the chunk's end: exp(total) S + x^T @ (B exp(total - cum) dt), [BP, N] fp32."""
-    weighted = (b.astype(_F32) * (jnp.exp(total - cum) * dt)[:, None]).astype(b.dtype)
-    return state * jnp.exp(total) + _dot(x, weighted, trans_a=True)
+def _updated(state, xs, bs, dts, cums, total):
+    """The state at the chunk's end: exp(total) S + sum_k x_k^T @ (B_k exp(total - cum_k) dt_k), [BP, N] fp32."""
+    state = state * jnp.exp(total)
+    for x, b, dt, cum in zip(xs, bs, dts, cums):
+        weighted = (b.astype(_F32) * (jnp.exp(total - cum) * dt)[:, None]).astype(b.dtype)
+        state = state + _dot(x, weighted, trans_a=True)
+    return state
 
 
 def _scores_kernel(c_ref, b_ref, cb_ref, *, chunk: int, t: int):
-    n = pl.program_id(1)
-    cb_ref[...] = _dot(_load(c_ref, n, chunk, t), _load(b_ref, n, chunk, t), trans_b=True).astype(cb_ref.dtype)
+    [rows] = _row_blocks(0, pl.program_id(1) * chunk, chunk, 1, t)
+    cb_ref[...] = _dot(rows.load(c_ref), rows.load(b_ref), trans_b=True).astype(cb_ref.dtype)
 
 
 def _initial(h0_ref, shape):
     return jnp.zeros(shape, _F32) if h0_ref is None else h0_ref[...].astype(_F32)
 
 
-def _scan_kernel(a_ref, dt_ref, x_ref, b_ref, c_ref, cb_ref, *rest, chunk: int, t: int, has_initial: bool):
+def _scan_kernel(a_ref, dt_ref, x_ref, b_ref, c_ref, cb_ref, *rest, chunk: int, blocks: int, t: int,
+                 has_initial: bool):
     """The fused loop: per chunk the output (its own part and the state's) and the state's update."""
     h0_ref = rest[0] if has_initial else None
     y_ref, final_ref = rest[-2], rest[-1]  # (an aliased `out` buffer, if any, sits before them: the same memory)
     a = a_ref[pl.program_id(1)]
 
     def step(n, state):
-        rows = pl.ds(n * chunk, chunk)
-        dt = dt_ref[rows]
-        cum, total = _decay(dt, a)
-        x = _load(x_ref.at[rows, :], n, chunk, t)
-        c = _load(c_ref.at[rows, :], n, chunk, t)
-        y = _own_output(cb_ref[rows, :], cum, dt, x) + _state_output(c, state, cum)
-        _store(y_ref.at[rows, :], y, n, chunk, t)
-        return _state_update(state, x, _load(b_ref.at[rows, :], n, chunk, t), cum, total, dt)
+        rows = _row_blocks(n * chunk, n * chunk, chunk, blocks, t)
+        dts, cums, total = _decays(dt_ref, rows, a)
+        xs = [r.load(x_ref) for r in rows]
+        ys = _outputs(cb_ref, rows, xs, [r.load(c_ref) for r in rows], state, dts, cums)
+        for r, y in zip(rows, ys):
+            r.store(y_ref, y)
+        return _updated(state, xs, [r.load(b_ref) for r in rows], dts, cums, total)
 
     final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
 
 
-def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, t: int, has_initial: bool):
+def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, t: int, has_initial: bool):
     """The split loop: the state entering each chunk (operand dtype) and the final state (fp32)."""
     h0_ref = rest[0] if has_initial else None
     states_ref, final_ref = rest[-2], rest[-1]
     a = a_ref[pl.program_id(1)]
 
     def step(n, state):
-        rows = pl.ds(n * chunk, chunk)
         states_ref[n] = state.astype(states_ref.dtype)
-        dt = dt_ref[rows]
-        cum, total = _decay(dt, a)
-        return _state_update(state, _load(x_ref.at[rows, :], n, chunk, t), _load(b_ref.at[rows, :], n, chunk, t),
-                             cum, total, dt)
+        rows = _row_blocks(n * chunk, n * chunk, chunk, blocks, t)
+        dts, cums, total = _decays(dt_ref, rows, a)
+        return _updated(state, [r.load(x_ref) for r in rows], [r.load(b_ref) for r in rows], dts, cums, total)
 
     final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
 
 
-def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, t: int):
+def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, blocks: int, t: int):
     """The split output, one chunk of one head: its own part and the entering state's."""
     y_ref = rest[-1]
-    n = pl.program_id(1)
-    dt = dt_ref[...]
-    cum, _ = _decay(dt, a_ref[pl.program_id(2)])
-    y = (_own_output(cb_ref[...], cum, dt, _load(x_ref, n, chunk, t))
-         + _state_output(_load(c_ref, n, chunk, t), states_ref[...], cum))
-    _store(y_ref, y, n, chunk, t)
+    rows = _row_blocks(0, pl.program_id(1) * chunk, chunk, blocks, t)
+    dts, cums, _ = _decays(dt_ref, rows, a_ref[pl.program_id(2)])
+    ys = _outputs(cb_ref, rows, [r.load(x_ref) for r in rows], [r.load(c_ref) for r in rows], states_ref[...],
+                  dts, cums)
+    for r, y in zip(rows, ys):
+        r.store(y_ref, y)
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Launch parameters. `fused`: the output inside the chunk loop (two kernels) or by a parallel kernel after it
     (three). `block_p`: rows of the state per loop program (None: `_block_p`, about one program per
-    multiprocessor). `num_warps` / `num_stages`: per kernel, (scores, loop, output); the output entry is used
-    split only. Not yet measured on a GPU: the defaults are first guesses (8 warps for the loop, whose [L, L]
-    fp32 weights take 64 registers a thread at L = 128 with 8 warps and 128 with 4); benchmarks/bench_ssd.py
-    --variants times the alternatives."""
+    multiprocessor). `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16, Triton's smallest
+    tile): the [L, L] decay-weighted scores are then computed as tiles on and below the diagonal only, (b + 1) / 2b
+    of the exps and products of whole [L, L] tiles, and fewer registers live at once. `num_warps` / `num_stages`:
+    per kernel, (scores, loop, output); the output entry is used split only.
+
+    Not yet measured on a GPU: the defaults are first guesses from Triton's compile of the kernels for sm_90
+    (ptxas -v, on the CPU): at 30B-A3B's heads the fused loop with 2 row blocks and 8 warps keeps its registers
+    (255 a thread, no spills), with 3 stages its shared memory would pass the 227 KB a block may have.
+    benchmarks/bench_ssd.py --variants times the alternatives."""
 
     fused: bool = True
     block_p: int | None = None
+    row_blocks: int = 2
     num_warps: tuple[int, int, int] = (4, 8, 8)
     num_stages: tuple[int, int, int] = (2, 2, 2)
 
     def __post_init__(self):
         if self.block_p is not None and (self.block_p < 16 or self.block_p & (self.block_p - 1)):
             raise ValueError(f"Tuning.block_p={self.block_p}: a power of two >= 16, or None")
+        if self.row_blocks not in (1, 2, 4, 8):
+            raise ValueError(f"Tuning.row_blocks={self.row_blocks}: 1, 2, 4 or 8")
+
+    def blocks(self, chunk: int) -> int:
+        """Row blocks of a chunk of `chunk` rows: `row_blocks`, at most chunk / 16."""
+        return max(1, min(self.row_blocks, chunk // 16))
 
     def params(self, i: int) -> plgpu.CompilerParams:
         return plgpu.CompilerParams(num_warps=self.num_warps[i], num_stages=self.num_stages[i])
@@ -248,7 +290,8 @@ def scan(a, dt, x, b, c, cb, initial_state=None, out=None, *, chunk: int, y_dtyp
         in_specs.append(y_spec)
         args.append(out)
     return pl.pallas_call(
-        functools.partial(_scan_kernel, chunk=chunk, t=t, has_initial=initial_state is not None),
+        functools.partial(_scan_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
+                          has_initial=initial_state is not None),
         grid=(bsz, h, p // bp),
         in_specs=in_specs,
         out_specs=[y_spec, state],
@@ -274,7 +317,8 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
         in_specs.append(state)
         args.append(initial_state.astype(_F32))
     return pl.pallas_call(
-        functools.partial(_states_kernel, chunk=chunk, t=t, has_initial=initial_state is not None),
+        functools.partial(_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
+                          has_initial=initial_state is not None),
         grid=(bsz, h, p // bp),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, nc, bp, n), lambda i, hh, j: (i, hh, 0, j, 0)), state],
@@ -304,7 +348,7 @@ def output(a, dt, x, c, cb, entering, out=None, *, chunk: int, y_dtype, tuning: 
         in_specs.append(y_spec)
         args.append(out)
     return pl.pallas_call(
-        functools.partial(_output_kernel, chunk=chunk, t=t),
+        functools.partial(_output_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t),
         grid=(bsz, nc, h),
         in_specs=in_specs,
         out_specs=y_spec,
