@@ -11,8 +11,10 @@ cum_i = sum_{j <= i} dt_j A_h and the state S [P, N]:
    the group's R heads share (computed once instead of R times), in the operand dtype.
 2. `_scan_kernel` (the default, `Tuning.fused`), one program per (sequence, head, block of P rows of the state):
    a loop over the chunks carrying S [BP, N] in fp32 and writing y as it goes. Only the state's update is on the
-   loop's dependency chain (S -> S); the chunk's own output products depend on nothing carried, so they fill the
-   chain's latency, and neither the per-chunk states nor partial outputs go through memory.
+   loop's dependency chain (S -> S); the products of the chunk's own tokens depend on nothing carried, so they can
+   overlap it, and neither the per-chunk states nor partial outputs go through memory. Within a chunk the rows are
+   taken in `Tuning.row_blocks` blocks, so that the [L, L] decay-weighted scores are computed as the tiles on and
+   below the diagonal only.
    Split instead (`Tuning(fused=False)`): `_states_kernel` runs the same loop without the output and writes the
    state entering each chunk (operand dtype), and `_output_kernel`, one program per (sequence, chunk, head), computes
    y from it in parallel: the states' round trip through memory against a loop with less work per step.
@@ -68,10 +70,10 @@ def _iota(shape, dim):
 
 
 class _Rows:
-    """Rows [first, first + size) of the chunk at global row `start` (the rows' index in the sequence) of refs whose
-    rows are the sequence's (`local`: where those rows sit in the ref: start + first in a whole-sequence block, first
-    in a one-chunk block). Rows at or past t (static; x, B, C and y are not padded to the chunk) load as zeros and
-    are not stored; when t is a multiple of the chunk nothing is masked."""
+    """Rows [first, first + size) of one chunk. `local`: where the chunk starts in the refs read and written (n L in
+    a whole-sequence block, 0 in a one-chunk block); `start`: where it starts in the sequence (n L). Rows at or past
+    t (static; x, B, C and y are not padded to the chunk) load as zeros and are not stored; when t is a multiple of
+    the chunk nothing is masked."""
 
     def __init__(self, local, start, first: int, size: int, t: int, masked: bool):
         self.local, self.start, self.first, self.size, self.t, self.masked = local, start, first, size, t, masked
@@ -206,10 +208,11 @@ class Tuning:
     of the exps and products of whole [L, L] tiles, and fewer registers live at once. `num_warps` / `num_stages`:
     per kernel, (scores, loop, output); the output entry is used split only.
 
-    Not yet measured on a GPU: the defaults are first guesses from Triton's compile of the kernels for sm_90
-    (ptxas -v, on the CPU): at 30B-A3B's heads the fused loop with 2 row blocks and 8 warps keeps its registers
-    (255 a thread, no spills), with 3 stages its shared memory would pass the 227 KB a block may have.
-    benchmarks/bench_ssd.py --variants times the alternatives."""
+    Not yet measured on a GPU: the defaults are first guesses from Triton 3.6's compile of the kernels for sm_90
+    (on the CPU, ptxas -v): at 30B-A3B's heads the fused loop with 2 row blocks and 8 warps spills 8 bytes a thread
+    (whole [L, L] tiles: 52; 4 warps: 156; 4 row blocks: 1.2 KB, and its 32-row tiles lose wgmma), and with 3
+    stages its shared memory would pass the 227 KB a block may have. benchmarks/bench_ssd.py --variants times the
+    alternatives."""
 
     fused: bool = True
     block_p: int | None = None
