@@ -36,8 +36,8 @@ for step in $STEPS; do
       echo "== tests/test_gpu_ssd.py ($SECONDS s)"
       JAX_DWDP_TEST_GPU=1 timeout "$(limit ${TEST_TIMEOUT:-150})" python3 -m pytest -q -rs -s -p no:cacheprovider \
         tests/test_gpu_ssd.py > "$OUT/tests.log" 2>&1
-      echo "rc $?"; grep -E "seq 0|T=|pieces|mixer|XLA scan|passed|failed|skipped|FAILED|rror" "$OUT/tests.log" | grep -v "^E  " \
-        | tail -${TEST_LINES:-30} ;;
+      echo "rc $?"; grep -E "seq 0|T=|pieces|mixer|XLA scan|passed|failed|skipped|FAILED|rror" "$OUT/tests.log" \
+        | grep -v "^E  " | tail -${TEST_LINES:-30} ;;
     bench)
       time_for "$step" || continue
       echo "== bench_ssd.py ($SECONDS s)"
