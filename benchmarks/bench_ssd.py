@@ -170,6 +170,11 @@ def main(argv=None):
     def tsync(_):
         torch.cuda.synchronize()
 
+    def save():  # after every length too: a run stopped by its time limit keeps what it measured
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
+
     def pallas(tuning=Tuning(), y_dtype=jnp.float32):
         return jax.jit(lambda *v: ssd_chunked_pallas(*v, chunk_size=chunk, y_dtype=y_dtype, tuning=tuning,
                                                      interpret=not gpu))
@@ -225,6 +230,7 @@ def main(argv=None):
             if base is not None:
                 r["vs_mamba_ssm"] = base / r["ms"]
         results["rows"].extend(rows)
+        save()
 
     if args.variants:
         results["variants"] = variants(args, pallas, xla, heads, rng, jsync, calls, reps)
@@ -239,9 +245,7 @@ def main(argv=None):
               f"{r['y_rel_err']:.2e} | {r['y_max_abs_err']:.2e} | {r['state_rel_err']:.2e} |")
     if results["rows"] and any("do_bench_ms" in r for r in results["rows"]):
         print("(torch rows: wall-clock ms, do_bench's median in parentheses)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
+    save()
     return results
 
 
