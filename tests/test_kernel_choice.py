@@ -82,12 +82,14 @@ def _custom_calls(text: str) -> collections.Counter:
 
 def test_defaults_per_platform(monkeypatch):
     """Only the grouped matmul and the gated delta rule differ by platform: on a GPU host CUTLASS (Mosaic without
-    its library) and the Pallas gated delta rule, elsewhere XLA; every other kernel's GPU form is the default
-    wherever (it is chosen when lowered for CUDA). An empty environment gives the defaults."""
+    its library) and the Pallas gated delta rule, elsewhere XLA; the SSD scan is XLA on both (its kernel not yet
+    measured on a GPU); every other kernel's GPU form is the default wherever (it is chosen when lowered for CUDA).
+    An empty environment gives the defaults."""
     from jax_dwdp.kernels import _cutlass
 
     cpu, gpu = KernelChoices.defaults("cpu"), KernelChoices.defaults("gpu")
     assert (cpu.grouped_matmul, cpu.gdn) == ("xla", "xla") and gpu.gdn == "pallas"
+    assert cpu.ssd == gpu.ssd == "xla"  # the SSD kernel waits for its GPU measurement
     assert {f for f in FIELDS if getattr(cpu, f) != getattr(gpu, f)} == {"grouped_matmul", "gdn"}
     assert (cpu.routing, cpu.dispatch, cpu.norm_rope, cpu.conv, cpu.conv_silu) == ("pallas", "pallas", "pallas",
                                                                                   None, "ex2")
@@ -107,13 +109,13 @@ def test_environment_sets_each_field():
                "JAX_DWDP_GMM_CMD_BUFFER": "1", "JAX_DWDP_GATHER_CONFIG": "1", "JAX_DWDP_GATHER_SWIGLU_CONFIG": "0",
                "JAX_DWDP_MOE_GATHER": "0", "JAX_DWDP_MOE_MERGED_PROJECTION": "1", "JAX_DWDP_ROUTING": "xla",
                "JAX_DWDP_DISPATCH": "xla", "JAX_DWDP_CONV": "pallas", "JAX_DWDP_CONV_SILU": "tanh",
-               "JAX_DWDP_NORM_ROPE": "xla", "JAX_DWDP_GDN": "pallas"}
+               "JAX_DWDP_NORM_ROPE": "xla", "JAX_DWDP_GDN": "pallas", "JAX_DWDP_SSD": "pallas"}
     assert sorted(environ) == sorted(env_var(f) for f in FIELDS)
     got = KernelChoices.read_environment(environ, "cpu")
     assert got == KernelChoices(grouped_matmul="mosaic", gmm_config="coop_128x256x64_c2x1", gmm_cmd_buffer=True,
                                 gather_config="1", gather_swiglu_config="0", moe_gather=False,
                                 moe_merged_projection=True, routing="xla", dispatch="xla", conv="pallas",
-                                conv_silu="tanh", norm_rope="xla", gdn="pallas")
+                                conv_silu="tanh", norm_rope="xla", gdn="pallas", ssd="pallas")
     assert all(getattr(got, f) != getattr(CPU, f) for f in FIELDS)
 
 
@@ -125,6 +127,7 @@ def test_environment_sets_each_field():
     ("JAX_DWDP_CONV_SILU", "exact", "'ex2', 'tanh'"),
     ("JAX_DWDP_NORM_ROPE", "nope", "'pallas', 'xla'"),
     ("JAX_DWDP_GDN", "fast", "'pallas', 'xla'"),
+    ("JAX_DWDP_SSD", "triton", "'pallas', 'xla'"),
     ("JAX_DWDP_MOE_GATHER", "yes", "use 1 or 0"),
     ("JAX_DWDP_MOE_MERGED_PROJECTION", "true", "use 1 or 0"),
     ("JAX_DWDP_GMM_CMD_BUFFER", "on", "use 1 or 0"),

@@ -26,6 +26,7 @@ from jax_dwdp.weights.hf_loader import load_hf_checkpoint
 from jax_dwdp.weights.safetensors_reader import CheckpointError
 from tests.nemotron_reference import (hf_config, hf_prefill_and_step, jit_prefill_and_step, random_hf_model, rel_err,
                                       to_jax)
+from tests.ssd_cases import ssd_float64
 
 TOLERANCE = 1e-4
 # Chunks of 8 tokens so that every prompt spans several; time_step_min 0.05 so that the lower clamp of the time
@@ -44,19 +45,6 @@ def fresh_rng():
     seed = int(os.environ.get("NEMOTRON_TEST_SEED") or np.random.SeedSequence().entropy % (1 << 32))
     print(f"seed {seed}")
     return np.random.default_rng(seed)
-
-
-def ssd_float64(x, dt, a, b, c, state):
-    """The SSD recurrence one step at a time in float64 numpy: x [B,T,H,P], dt [B,T,H], a [H], b, c [B,T,G,N],
-    state [B,H,P,N] -> y [B,T,H,P] (without D) and the final state."""
-    heads_per_group = x.shape[2] // b.shape[2]
-    ys = []
-    for t in range(x.shape[1]):
-        bt, ct = (np.repeat(m[:, t], heads_per_group, axis=1) for m in (b, c))  # [B, H, N]
-        state = (np.exp(dt[:, t] * a)[..., None, None] * state
-                 + (dt[:, t, :, None] * x[:, t])[..., None] * bt[:, :, None, :])
-        ys.append(np.einsum("bhpn,bhn->bhp", state, ct))
-    return np.stack(ys, 1), state
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])

@@ -43,6 +43,7 @@ _VALUES: dict[str, tuple | None] = {
     "conv_silu": SILU_FORMS,
     "norm_rope": KERNEL_FORMS,
     "gdn": KERNEL_FORMS,
+    "ssd": KERNEL_FORMS,
 }
 # Variables of forms that are gone: set, they are refused rather than silently ignored.
 REMOVED = {
@@ -77,6 +78,7 @@ class KernelChoices:
     conv_silu: str  # the SiLU inside the Pallas conv kernel
     norm_rope: str  # attention's q/k norm + partial RoPE (`kernels.norm_rope`)
     gdn: str  # the chunked gated delta rule of bf16/fp16 inputs (`kernels.gated_delta_rule`)
+    ssd: str  # Mamba-2's chunked SSD scan of bf16/fp16 inputs (`kernels.ssd`)
 
     def __post_init__(self):
         for field, allowed in _VALUES.items():
@@ -128,6 +130,7 @@ class KernelChoices:
             conv_silu="ex2",  # the kernel 0.256 vs 0.271 ms (exact SiLU) at 16K, within a bf16 step (H100)
             norm_rope="pallas",  # the attention mixer 5.292 vs 5.387 ms at 16K (H200, 2026-12-01)
             gdn="pallas" if gpu else "xla",  # 0.957 ms vs 13.05 ms for the XLA scan at 16K (H200, 2026-12-01)
+            ssd="xla",  # the Pallas kernel is not yet measured on a GPU (benchmarks/bench_ssd.py)
         )
 
     @classmethod

@@ -7,6 +7,13 @@ block the outputs are a masked (C B^T) * decay matrix applied to dt * x, like ca
 the states at block ends travel, through a scan over blocks. All of it runs in fp32 whatever the inputs' dtype (the
 state is fp32 in the cache too). Steps with dt = 0 leave the state as it is and add nothing: that is how a
 right-padded batch keeps each sequence's state at its own length.
+
+Two implementations of the chunked scan, chosen by `KernelChoices.ssd` (`default_implementation`) or
+`implementation=`:
+- "xla" (`ssd_chunked_xla`, below): fp32 XLA, the numerical reference and the CPU path; the default everywhere
+  until the kernel is measured on a GPU.
+- "pallas" (`ssd_pallas.py`): the same chunked form as Pallas Triton kernels with bf16 / fp16 tensor-core operands
+  and an fp32 state, for bf16 / fp16 inputs.
 """
 
 from __future__ import annotations
@@ -14,8 +21,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_dwdp.kernels._backend import IMPLEMENTATIONS, by_platform, check
+from jax_dwdp.kernels.choices import KernelChoices, resolve
+
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
+
+
+def default_implementation(dtype, chunk_size: int, head_dim: int, state_size: int,
+                           kernels: KernelChoices | None = None) -> str:
+    """The form without `implementation=`: `kernels.ssd` (default the process's `KernelChoices`) for bf16 / fp16
+    inputs whose chunk, head and state sizes the kernel takes (powers of two >= 16), else "xla" (fp32 inputs are
+    the reference precision). "pallas" here means the kernel where the program is lowered for a CUDA GPU and XLA
+    elsewhere (`ssd_chunked(..., implementation="pallas")` runs the kernel wherever it is lowered)."""
+    if resolve(kernels).ssd == "xla" or dtype not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    from jax_dwdp.kernels import ssd_pallas
+
+    return "pallas" if ssd_pallas.supported(chunk_size, head_dim, state_size) else "xla"
 
 
 def ssd_chunked(
@@ -27,13 +50,58 @@ def ssd_chunked(
     *,
     chunk_size: int,
     initial_state: jax.Array | None = None,
+    implementation: str | None = None,
+    kernels: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The SSD scan over a sequence, in blocks of `chunk_size` tokens.
 
     x [B, T, H, P]; dt [B, T, H] (already discretised: softplus, limits, zeros on padding); a [H] (negative);
-    b, c [B, T, G, N] with H % G == 0; initial_state [B, H, P, N] or None (zeros).
+    b, c [B, T, G, N] with H % G == 0; initial_state [B, H, P, N] or None (zeros). The form: `implementation`,
+    else `default_implementation`.
     Returns y [B, T, H, P] fp32 (without the D skip) and the final state [B, H, P, N] fp32.
     """
+    bsz, t, h, p = x.shape
+    g, n = b.shape[-2:]
+    if (dt.shape != (bsz, t, h) or a.shape != (h,) or b.shape[:2] != (bsz, t) or c.shape != b.shape or b.ndim != 4
+            or h % g):
+        raise ValueError(f"ssd_chunked: x {x.shape}, dt {dt.shape}, a {a.shape}, b {b.shape}, c {c.shape} do not fit "
+                         "x [B, T, H, P], dt [B, T, H], a [H], b, c [B, T, G, N] (H a multiple of G)")
+    if initial_state is not None and initial_state.shape != (bsz, h, p, n):
+        raise ValueError(f"ssd_chunked: initial_state {initial_state.shape}, expected {(bsz, h, p, n)}")
+    impl = implementation or default_implementation(x.dtype, chunk_size, p, n, kernels)
+    check(impl, IMPLEMENTATIONS, "ssd_chunked: implementation")
+
+    def xla(x, dt, a, b, c, initial_state):
+        return ssd_chunked_xla(x, dt, a, b, c, chunk_size=chunk_size, initial_state=initial_state)
+
+    args = (x, dt, a, b, c, initial_state)
+    if impl == "xla":
+        return xla(*args)
+    from jax_dwdp.kernels import ssd_pallas
+
+    if not ssd_pallas.supported(chunk_size, p, n):
+        raise ValueError(f"ssd_chunked: the pallas kernel needs chunk_size, head_dim and state_size powers of two "
+                         f">= 16, got {chunk_size}, {p}, {n}")
+
+    def pallas(x, dt, a, b, c, initial_state):
+        return ssd_pallas.ssd_chunked_pallas(x, dt, a, b, c, initial_state, chunk_size=chunk_size)
+
+    # asked for by name (tests, benchmarks): the kernel wherever it is lowered; from the choices: the kernel where
+    # lowered for a CUDA GPU, XLA elsewhere (a bf16 model placed on the CPU of a GPU host)
+    return by_platform(xla, pallas, *args, implementation=implementation, choice=impl, what="ssd_chunked")
+
+
+def ssd_chunked_xla(
+    x: jax.Array,
+    dt: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    *,
+    chunk_size: int,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`ssd_chunked` in fp32 XLA (the reference): the same arguments and results."""
     bsz, t, h, p = x.shape
     g, n = b.shape[-2:]
     r = h // g

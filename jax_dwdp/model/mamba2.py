@@ -109,7 +109,7 @@ class Mamba2Mixer(nnx.Module):
         dt = jnp.where(valid[..., None], dt, 0.0)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         y, state = ssd_chunked(x, dt, a, b, c, chunk_size=self.chunk_size,
-                               initial_state=None if cache is None else cache[1])
+                               initial_state=None if cache is None else cache[1], kernels=self.kernels)
         return self._output(y, x, z, h.dtype), (conv_state, state)
 
     def decode(

@@ -1,0 +1,289 @@
+"""Mamba-2's chunked SSD scan (prefill, forward) on one GPU: jax_dwdp's Pallas kernels beside the XLA scan,
+mamba_ssm's Triton kernels (`mamba_chunk_scan_combined`, the established implementation) and transformers' torch
+chunked path, side by side on identical inputs.
+
+The inputs are those the Nemotron-H mixer feeds the scan (`tests.ssd_cases.ssd_inputs`): bf16 x, B, C, fp32 dt
+(softplus'd and clamped), fp32 A, batch 1, Nemotron-3 Nano 30B-A3B's heads (64 heads of 64, 8 groups, state 128,
+chunks of 128) unless --smoke. torch reads the same device buffers through DLPack (no copies). Each result is
+checked against one reference, the XLA scan in fp32 with exact products (`ssd_chunked_xla`, within 1e-5 of a
+float64 recurrence in tests/test_nemotron_h.py), and its relative error (norm) and largest absolute error printed.
+
+Times are the wall time of --calls back-to-back calls divided by --calls, median of --reps, after two warm-up calls,
+for every implementation alike (so launch and host overheads count the same way); torch's rows also carry
+triton.testing.do_bench's median (CUDA events, L2 flushed). TFLOP/s counts the chunked form's products (C B^T per
+group and chunk; per head and chunk the intra-chunk product, the chunk's state and the state's output); GB/s the
+bytes that must move at least (inputs read once, y and the final state written once).
+
+    python benchmarks/bench_ssd.py --out results/ssd.json [--seq-lens 4096 16384 32768] [--variants]
+    python benchmarks/bench_ssd.py --seq-lens --variants --out results/ssd_variants.json   # the variants alone
+    python benchmarks/bench_ssd.py --smoke --out /tmp/ssd.json     # CPU: tiny heads, JAX variants (interpret mode)
+
+mamba_ssm is imported lazily: carried as a wheel built without its CUDA extensions (`MAMBA_SKIP_CUDA_BUILD=TRUE`),
+whose package __init__ imports one (`selective_scan_cuda`), so the package is entered without running it (the SSD
+ops are Triton only); absent, its rows are skipped and the reason printed. transformers' torch path
+(`modeling_nemotron_h.mamba2_chunk_scan`, unwrapped from its kernel-hub decorator so that it is the torch code and
+not mamba_ssm's) materialises [chunks, L, L, heads, head_dim]- and [chunks, L, heads, head_dim, state]-sized
+products (17 GB each at 4K tokens): it runs up to --torch-max-tokens (default 4096).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# JAX and torch share the GPU here: JAX takes memory as it needs it instead of 75% at start.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+HEADS_30B = dict(h=64, p=64, g=8, n=128, chunk=128)  # NemotronHConfig.preset("nano-30b-a3b")
+HEADS_SMOKE = dict(h=4, p=32, g=2, n=16, chunk=32)
+
+
+def wall_ms(fn, sync, calls: int = 10, reps: int = 5) -> float:
+    sync(fn())
+    sync(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        sync(out)
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def load_mamba():
+    """(mamba_chunk_scan_combined, version) or (None, why not)."""
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None:
+        return None, "mamba_ssm is not installed (the wheel in .whl/, pip install --no-deps)"
+    if "mamba_ssm" not in sys.modules:  # the package without its __init__ (which imports the CUDA extension)
+        package = types.ModuleType("mamba_ssm")
+        package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec
+        sys.modules["mamba_ssm"] = package
+    try:
+        from importlib.metadata import version
+
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001 (any import failure is reported as the reason for the skipped rows)
+        return None, f"mamba_ssm's Triton SSD ops do not import: {type(e).__name__}: {e}"
+    return mamba_chunk_scan_combined, version("mamba_ssm")
+
+
+def load_transformers_scan():
+    """(the torch chunked scan of transformers' Nemotron-H, version) or (None, why not)."""
+    try:
+        import transformers
+        from transformers.models.nemotron_h import modeling_nemotron_h
+    except Exception as e:  # noqa: BLE001
+        return None, f"transformers' nemotron_h does not import: {type(e).__name__}: {e}"
+    scan = inspect.unwrap(getattr(modeling_nemotron_h, "mamba2_chunk_scan", None) or (lambda: None))
+    if getattr(scan, "__name__", "") != "mamba2_chunk_scan":
+        return None, f"transformers {transformers.__version__} has no function mamba2_chunk_scan to call"
+    return scan, transformers.__version__
+
+
+def flops(t: int, h: int, p: int, g: int, n: int, chunk: int) -> float:
+    nc = -(-t // chunk)
+    return nc * (g * 2 * chunk * chunk * n + h * (2 * chunk * chunk * p + 4 * chunk * n * p))
+
+
+def min_bytes(t: int, h: int, p: int, g: int, n: int, y_bytes: int) -> float:
+    return t * h * p * 2 + 2 * t * g * n * 2 + t * h * 4 + t * h * p * y_bytes + h * p * n * 4
+
+
+def errors(y, state, ref_y, ref_state) -> dict:
+    y, state = np.asarray(y, np.float64), np.asarray(state, np.float64)
+    return {"y_rel_err": float(np.linalg.norm(y - ref_y) / np.linalg.norm(ref_y)),
+            "y_max_abs_err": float(np.abs(y - ref_y).max()),
+            "state_rel_err": float(np.linalg.norm(state - ref_state) / np.linalg.norm(ref_state))}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq-lens", type=int, nargs="*", default=None,
+                    help="default 4096 16384 32768 (smoke: 100); none: only --variants")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny heads, JAX variants only, kernels interpreted")
+    ap.add_argument("--variants", action="store_true", help="time the kernel's Tuning variants at --variants-tokens")
+    ap.add_argument("--variants-tokens", type=int, default=16384)
+    ap.add_argument("--no-mamba", action="store_true")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--torch-max-tokens", type=int, default=4096)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_dwdp.kernels.ssd import ssd_chunked_xla
+    from jax_dwdp.kernels.ssd_pallas import Tuning, ssd_chunked_pallas
+    from tests.ssd_cases import ssd_inputs
+
+    gpu = jax.default_backend() == "gpu"
+    if not gpu and not args.smoke:
+        ap.error("no GPU: run with --smoke (tiny heads, JAX variants only)")
+    heads = HEADS_SMOKE if args.smoke else HEADS_30B
+    h, p, g, n, chunk = (heads[k] for k in ("h", "p", "g", "n", "chunk"))
+    seq_lens = args.seq_lens if args.seq_lens is not None else ([100] if args.smoke else [4096, 16384, 32768])
+    calls, reps = (1, 1) if args.smoke else (args.calls, args.reps)
+    jsync = jax.block_until_ready
+    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "heads": heads, "rows": [],
+               "variants": [], "skipped": {}}
+
+    torch = mamba = hf_scan = None
+    if not gpu or args.no_mamba:
+        results["skipped"]["mamba_ssm"] = "no GPU" if not gpu else "--no-mamba"
+    else:
+        mamba, why = load_mamba()
+        if mamba is None:
+            results["skipped"]["mamba_ssm"] = why
+        else:
+            results["mamba_ssm"] = why
+    if not gpu or args.no_torch:
+        results["skipped"]["transformers"] = "no GPU" if not gpu else "--no-torch"
+    else:
+        hf_scan, why = load_transformers_scan()
+        if hf_scan is None:
+            results["skipped"]["transformers"] = why
+        else:
+            results["transformers"] = why
+    for name, why in results["skipped"].items():
+        print(f"{name}: skipped ({why})", flush=True)
+    if mamba is not None or hf_scan is not None:
+        import torch
+
+        results["torch"] = torch.__version__
+
+    def tsync(_):
+        torch.cuda.synchronize()
+
+    def save():  # after every length too: a run stopped by its time limit keeps what it measured
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
+
+    def pallas(tuning=Tuning(), y_dtype=jnp.float32):
+        return jax.jit(lambda *v: ssd_chunked_pallas(*v, chunk_size=chunk, y_dtype=y_dtype, tuning=tuning,
+                                                     interpret=not gpu))
+
+    xla = jax.jit(lambda *v: ssd_chunked_xla(*v, chunk_size=chunk))
+    rng = np.random.default_rng(0)
+    for t in seq_lens:
+        x, dt, a, b, c, _ = ssd_inputs(rng, 1, t, h, p, g, n, initial=False)
+        args_j = (x, dt, a, b, c)
+        ref_y, ref_s = (np.asarray(v, np.float64) for v in xla(*args_j))
+        work = flops(t, h, p, g, n, chunk)
+        rows = []
+
+        def record(name, ms, y, state, y_bytes, **extra):
+            row = {"tokens": t, "impl": name, "ms": ms, "tflops": work / ms / 1e9,
+                   "gbps": min_bytes(t, h, p, g, n, y_bytes) / ms / 1e6, **errors(y, state, ref_y, ref_s), **extra}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+        record("xla (fp32 reference)", wall_ms(lambda: xla(*args_j), jsync, calls, reps), ref_y, ref_s, 4)
+        for label, fn, y_bytes in (("pallas fused", pallas(), 4), ("pallas split", pallas(Tuning(fused=False)), 4),
+                                   ("pallas fused, bf16 y", pallas(y_dtype=jnp.bfloat16), 2)):
+            y, s = fn(*args_j)
+            record(label, wall_ms(lambda fn=fn: fn(*args_j), jsync, calls, reps), jnp.asarray(y, jnp.float32), s,
+                   y_bytes)
+        if mamba is not None or hf_scan is not None:
+            from triton.testing import do_bench
+
+            tx, tdt, ta, tb, tc = (torch.from_dlpack(v) for v in args_j)
+            with torch.inference_mode():
+                if mamba is not None:
+                    def run_mamba():
+                        return mamba(tx, tdt, ta, tb, tc, chunk, return_final_states=True)
+
+                    my, ms_ = run_mamba()  # (the first call autotunes mamba_ssm's kernels)
+                    wall = wall_ms(run_mamba, tsync, calls, reps)
+                    record(f"mamba_ssm {results['mamba_ssm']} (bf16 y, bf16 state)", wall, my.float().cpu().numpy(),
+                           ms_.float().cpu().numpy(), 2, do_bench_ms=do_bench(run_mamba, return_mode="median"))
+                    del my, ms_
+                if hf_scan is not None and t <= args.torch_max_tokens:
+                    def run_hf():
+                        return hf_scan(tx, tdt, ta, tb, tc, chunk, return_final_states=True)
+
+                    hy, hs = run_hf()
+                    wall = wall_ms(run_hf, tsync, min(calls, 3), min(reps, 3))
+                    record(f"transformers {results['transformers']} torch path (fp32)", wall, hy.cpu().numpy(),
+                           hs.cpu().numpy(), 4, do_bench_ms=do_bench(run_hf, rep=200, return_mode="median"))
+                    del hy, hs
+                    torch.cuda.empty_cache()
+            del tx, tdt, ta, tb, tc
+        base = next((r["ms"] for r in rows if r["impl"].startswith("mamba_ssm")), None)
+        for r in rows:
+            if base is not None:
+                r["vs_mamba_ssm"] = base / r["ms"]
+        results["rows"].extend(rows)
+        save()
+
+    if args.variants:
+        results["variants"] = variants(args, pallas, xla, heads, rng, jsync, calls, reps)
+
+    print("\n| tokens | implementation | ms | TFLOP/s | GB/s | vs mamba_ssm | y rel err | y max abs err "
+          "| state rel err |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results["rows"]:
+        ratio = f"{r['vs_mamba_ssm']:.2f}x" if "vs_mamba_ssm" in r else "-"
+        ms = f"{r['ms']:.3f}" + (f" ({r['do_bench_ms']:.3f})" if "do_bench_ms" in r else "")
+        print(f"| {r['tokens']} | {r['impl']} | {ms} | {r['tflops']:.1f} | {r['gbps']:.0f} | {ratio} | "
+              f"{r['y_rel_err']:.2e} | {r['y_max_abs_err']:.2e} | {r['state_rel_err']:.2e} |")
+    if results["rows"] and any("do_bench_ms" in r for r in results["rows"]):
+        print("(torch rows: wall-clock ms, do_bench's median in parentheses)")
+    save()
+    return results
+
+
+def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
+    """The kernel's Tuning variants at --variants-tokens: fused and split, state rows per loop program, warps, row
+    blocks. A variant that fails to compile is reported and skipped."""
+    from jax_dwdp.kernels.ssd_pallas import Tuning
+    from tests.ssd_cases import ssd_inputs
+
+    t = 256 if args.smoke else args.variants_tokens
+    h, p, g, n = (heads[k] for k in ("h", "p", "g", "n"))
+    x, dt, a, b, c, _ = ssd_inputs(rng, 1, t, h, p, g, n, initial=False)
+    ref_y, ref_s = (np.asarray(v, np.float64) for v in xla(x, dt, a, b, c))
+    if args.smoke:  # one of each form
+        cases = [Tuning(block_p=16), Tuning(fused=False, block_p=16)]
+    else:  # state rows and warps of the fused loop, whole [L, L] tiles, then the split forms' output warps
+        cases = [Tuning(block_p=bp, num_warps=(4, w, 8)) for bp in (16, 32, 64) for w in (4, 8)]
+        cases += [Tuning(row_blocks=1)]
+        cases += [Tuning(fused=False, block_p=bp, num_warps=(4, 4, w)) for bp in (32, 64) for w in (4, 8)]
+    out = []
+    for tuning in cases:
+        fn = pallas(tuning)
+        try:
+            y, s = fn(x, dt, a, b, c)
+            row = {"tokens": t, "tuning": str(tuning), "ms": wall_ms(lambda fn=fn: fn(x, dt, a, b, c), jsync, calls,
+                                                                     reps),
+                   **errors(y, s, ref_y, ref_s)}
+        except Exception as e:  # noqa: BLE001 (a variant Triton cannot compile is skipped, and said so)
+            print(f"variant {tuning}: failed ({type(e).__name__}: {str(e)[:300]})", flush=True)
+            continue
+        out.append(row)
+        print(f"variant {json.dumps(row)}", flush=True)
+    if out:
+        best = min((r for r in out if r["y_rel_err"] <= 1e-2), key=lambda r: r["ms"], default=None)
+        print(f"best variant at {t} tokens: {best['tuning'] if best else 'none within 1e-2'}"
+              + (f" {best['ms']:.3f} ms" if best else ""), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

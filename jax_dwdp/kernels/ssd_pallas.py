@@ -1,0 +1,406 @@
+"""Mamba-2's chunked SSD scan on the GPU: Pallas (Triton) kernels, two by default (three split).
+
+The math and the contract are `ssd.ssd_chunked_xla`'s (the fp32 reference). Per sequence, head h (of group
+g = h // R, R = H / G) and chunk of L = chunk_size tokens, with the in-chunk cumulative log decay
+cum_i = sum_{j <= i} dt_j A_h and the state S [P, N]:
+
+    y_i  = sum_{j <= i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j  +  exp(cum_i) S C_i      (S: entering the chunk)
+    S   <- exp(cum_L) S + sum_j exp(cum_L - cum_j) dt_j x_j B_j^T
+
+1. `_scores_kernel`, one program per (sequence, chunk, group), all in parallel: the chunk's C B^T [L, L], which
+   the group's R heads share (computed once instead of R times), in the operand dtype.
+2. `_scan_kernel` (the default, `Tuning.fused`), one program per (sequence, head, block of P rows of the state):
+   a loop over the chunks carrying S [BP, N] in fp32 and writing y as it goes. Only the state's update is on the
+   loop's dependency chain (S -> S); the products of the chunk's own tokens depend on nothing carried, so they can
+   overlap it, and neither the per-chunk states nor partial outputs go through memory. Within a chunk the rows are
+   taken in `Tuning.row_blocks` blocks, so that the [L, L] decay-weighted scores are computed as the tiles on and
+   below the diagonal only.
+   Split instead (`Tuning(fused=False)`): `_states_kernel` runs the same loop without the output and writes the
+   state entering each chunk (operand dtype), and `_output_kernel`, one program per (sequence, chunk, head), computes
+   y from it in parallel: the states' round trip through memory against a loop with less work per step.
+
+Why Pallas Triton and not Mosaic GPU: the other kernels of this package are Triton ones (the same tools, tests and
+tuning knobs), Triton issues Hopper's wgmma for these tile shapes itself and software-pipelines the loads of the
+chunk loop (`num_stages`), and the Triton kernels run in Pallas' interpret mode on the CPU, where the tests check
+them; Mosaic GPU would need the TMA and barrier pipeline written by hand for the same dataflow.
+
+Operands of the tensor-core products are bf16 / fp16 when x is (B and C are cast to x's dtype; the decay-weighted
+scores, the state where it enters a product and B weighted by its decay are rounded to it), with fp32
+accumulation; the state is accumulated in fp32. fp32 inputs keep fp32 operands with exact (IEEE) products: the
+reference precision, not a fast path. x, B, C and y are not padded to the chunk: the last chunk's rows past T are
+loaded as zeros and not stored, and only dt (fp32, laid out [B, H, T'], T' = T rounded up to L, zero past T) is
+copied. Steps with dt = 0 leave the state as it is and add nothing, as in the reference: that is how a right-padded
+batch keeps each sequence's state at its own length (y past a length is then unspecified, finite).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_F32 = jnp.float32
+_HALF = (jnp.bfloat16, jnp.float16)
+_SMS = 128  # about one program per multiprocessor of an H100 / H200 (132): the loop kernels' target parallelism
+
+
+def supported(chunk_size: int, head_dim: int, state_size: int) -> bool:
+    """Triton tiles need power-of-two sizes of at least 16."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (chunk_size, head_dim, state_size))
+
+
+def operand_dtype(dtype) -> jnp.dtype:
+    """The tensor-core operand type of inputs of `dtype`: bf16 / fp16 as they are, anything else fp32."""
+    return jnp.dtype(dtype) if jnp.dtype(dtype) in map(jnp.dtype, _HALF) else jnp.dtype(_F32)
+
+
+def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """a @ b with fp32 accumulation; fp32 operands multiply exactly (IEEE, not TF32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == _F32 else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+class _Rows:
+    """Rows [first, first + size) of one chunk. `local`: where the chunk starts in the refs read and written (n L in
+    a whole-sequence block, 0 in a one-chunk block); `start`: where it starts in the sequence (n L). Rows at or past
+    t (static; x, B, C and y are not padded to the chunk) load as zeros and are not stored; when t is a multiple of
+    the chunk nothing is masked."""
+
+    def __init__(self, local, start, first: int, size: int, t: int, masked: bool):
+        self.local, self.start, self.first, self.size, self.t, self.masked = local, start, first, size, t, masked
+
+    def _mask(self, shape):
+        return self.start + self.first + _iota(shape, 0) < self.t
+
+    def load(self, ref):
+        view = ref.at[pl.ds(self.local + self.first, self.size)]
+        if not self.masked:
+            return view[...]
+        return plgpu.load(view, mask=self._mask(view.shape), other=jnp.zeros((), ref.dtype))
+
+    def store(self, ref, value):
+        view = ref.at[pl.ds(self.local + self.first, self.size)]
+        if not self.masked:
+            view[...] = value.astype(ref.dtype)
+        else:
+            plgpu.store(view, value.astype(ref.dtype), mask=self._mask(view.shape))
+
+
+def _row_blocks(local, start, chunk: int, blocks: int, t: int) -> list[_Rows]:
+    size = chunk // blocks
+    return [_Rows(local, start, k * size, size, t, t % chunk != 0) for k in range(blocks)]
+
+
+def _decays(dt_ref, rows: list[_Rows], a):
+    """Per row block: dt [size] fp32 (zero past T), cum [size] (the log decay from the chunk's start), and the
+    chunk's total log decay."""
+    dts, cums = [], []
+    total = jnp.zeros((), _F32)
+    for r in rows:
+        dt = dt_ref[pl.ds(r.local + r.first, r.size)]
+        da = dt * a
+        cums.append(jnp.cumsum(da) + total)
+        total = total + jnp.sum(da)
+        dts.append(dt)
+    return dts, cums, total
+
+
+def _outputs(cb_ref, rows: list[_Rows], xs, cs, state, dts, cums):
+    """y of each row block k of the chunk: sum_{j <= k} (CB exp(cum_i - cum_j) dt_j)[k, j] @ x_j (blocks above the
+    diagonal are zero and skipped) + exp(cum_k) (C_k @ S^T), [size, BP] fp32, S [BP, N] rounded to C's dtype for its
+    product. On the diagonal the exponent is masked before exp (above it, it is positive and could overflow); below
+    it every exponent is <= 0."""
+    size = rows[0].size
+    causal = _iota((size, size), 0) >= _iota((size, size), 1)
+    ys = []
+    for k, rk in enumerate(rows):
+        y = _dot(cs[k], state.astype(cs[k].dtype), trans_b=True) * jnp.exp(cums[k])[:, None]
+        for j in range(k + 1):
+            cb = cb_ref[pl.ds(rk.local + rk.first, size), pl.ds(rows[j].first, size)].astype(_F32)
+            exponent = cums[k][:, None] - cums[j][None, :]
+            if j == k:
+                weights = jnp.where(causal, cb * jnp.exp(jnp.where(causal, exponent, 0.0)) * dts[j][None, :], 0.0)
+            else:
+                weights = cb * jnp.exp(exponent) * dts[j][None, :]
+            y = y + _dot(weights.astype(xs[j].dtype), xs[j])
+        ys.append(y)
+    return ys
+
+
+def _updated(state, xs, bs, dts, cums, total):
+    """The state at the chunk's end: exp(total) S + sum_k x_k^T @ (B_k exp(total - cum_k) dt_k), [BP, N] fp32."""
+    state = state * jnp.exp(total)
+    for x, b, dt, cum in zip(xs, bs, dts, cums):
+        weighted = (b.astype(_F32) * (jnp.exp(total - cum) * dt)[:, None]).astype(b.dtype)
+        state = state + _dot(x, weighted, trans_a=True)
+    return state
+
+
+def _scores_kernel(c_ref, b_ref, cb_ref, *, chunk: int, t: int):
+    [rows] = _row_blocks(0, pl.program_id(1) * chunk, chunk, 1, t)
+    cb_ref[...] = _dot(rows.load(c_ref), rows.load(b_ref), trans_b=True).astype(cb_ref.dtype)
+
+
+def _initial(h0_ref, shape):
+    return jnp.zeros(shape, _F32) if h0_ref is None else h0_ref[...].astype(_F32)
+
+
+def _scan_kernel(a_ref, dt_ref, x_ref, b_ref, c_ref, cb_ref, *rest, chunk: int, blocks: int, t: int,
+                 has_initial: bool):
+    """The fused loop: per chunk the output (its own part and the state's) and the state's update."""
+    h0_ref = rest[0] if has_initial else None
+    y_ref, final_ref = rest[-2], rest[-1]  # (an aliased `out` buffer, if any, sits before them: the same memory)
+    a = a_ref[pl.program_id(1)]
+
+    def step(n, state):
+        rows = _row_blocks(n * chunk, n * chunk, chunk, blocks, t)
+        dts, cums, total = _decays(dt_ref, rows, a)
+        xs = [r.load(x_ref) for r in rows]
+        ys = _outputs(cb_ref, rows, xs, [r.load(c_ref) for r in rows], state, dts, cums)
+        for r, y in zip(rows, ys):
+            r.store(y_ref, y)
+        return _updated(state, xs, [r.load(b_ref) for r in rows], dts, cums, total)
+
+    final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
+
+
+def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, t: int, has_initial: bool):
+    """The split loop: the state entering each chunk (operand dtype) and the final state (fp32)."""
+    h0_ref = rest[0] if has_initial else None
+    states_ref, final_ref = rest[-2], rest[-1]
+    a = a_ref[pl.program_id(1)]
+
+    def step(n, state):
+        states_ref[n] = state.astype(states_ref.dtype)
+        rows = _row_blocks(n * chunk, n * chunk, chunk, blocks, t)
+        dts, cums, total = _decays(dt_ref, rows, a)
+        return _updated(state, [r.load(x_ref) for r in rows], [r.load(b_ref) for r in rows], dts, cums, total)
+
+    final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
+
+
+def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, blocks: int, t: int):
+    """The split output, one chunk of one head: its own part and the entering state's."""
+    y_ref = rest[-1]
+    rows = _row_blocks(0, pl.program_id(1) * chunk, chunk, blocks, t)
+    dts, cums, _ = _decays(dt_ref, rows, a_ref[pl.program_id(2)])
+    ys = _outputs(cb_ref, rows, [r.load(x_ref) for r in rows], [r.load(c_ref) for r in rows], states_ref[...],
+                  dts, cums)
+    for r, y in zip(rows, ys):
+        r.store(y_ref, y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch parameters. `fused`: the output inside the chunk loop (two kernels) or by a parallel kernel after it
+    (three). `block_p`: rows of the state per loop program (None: `_block_p`, about one program per
+    multiprocessor). `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16, Triton's smallest
+    tile): the [L, L] decay-weighted scores are then computed as tiles on and below the diagonal only, (b + 1) / 2b
+    of the exps and products of whole [L, L] tiles, and fewer registers live at once. `num_warps` / `num_stages`:
+    per kernel, (scores, loop, output); the output entry is used split only.
+
+    Not yet measured on a GPU: the defaults are first guesses from Triton 3.6's compile of the kernels for sm_90
+    (on the CPU, ptxas -v): at 30B-A3B's heads the fused loop with 2 row blocks and 8 warps spills 8 bytes a thread
+    (whole [L, L] tiles: 52; 4 warps: 156; 4 row blocks: 1.2 KB, and its 32-row tiles lose wgmma), and with 3
+    stages its shared memory would pass the 227 KB a block may have. benchmarks/bench_ssd.py --variants times the
+    alternatives."""
+
+    fused: bool = True
+    block_p: int | None = None
+    row_blocks: int = 2
+    num_warps: tuple[int, int, int] = (4, 8, 8)
+    num_stages: tuple[int, int, int] = (2, 2, 2)
+
+    def __post_init__(self):
+        if self.block_p is not None and (self.block_p < 16 or self.block_p & (self.block_p - 1)):
+            raise ValueError(f"Tuning.block_p={self.block_p}: a power of two >= 16, or None")
+        if self.row_blocks not in (1, 2, 4, 8):
+            raise ValueError(f"Tuning.row_blocks={self.row_blocks}: 1, 2, 4 or 8")
+
+    def blocks(self, chunk: int) -> int:
+        """Row blocks of a chunk of `chunk` rows: `row_blocks`, at most chunk / 16."""
+        return max(1, min(self.row_blocks, chunk // 16))
+
+    def params(self, i: int) -> plgpu.CompilerParams:
+        return plgpu.CompilerParams(num_warps=self.num_warps[i], num_stages=self.num_stages[i])
+
+
+def _block_p(batch: int, heads: int, p: int) -> int:
+    """State rows per loop program: halved from P (down to 16) until about one program per multiprocessor."""
+    bp = p
+    while bp > 16 and batch * heads * (p // bp) < _SMS:
+        bp //= 2
+    return bp
+
+
+def scores(c, b, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = False):
+    """Kernel 1. c, b [B, T, G, N] (operand dtype) -> C B^T per chunk and group, [B, G, T', L] (T' = T rounded up to
+    L; rows past T zero)."""
+    bsz, t, g, n = c.shape
+    nc = pl.cdiv(t, chunk)
+    rows = pl.BlockSpec((None, chunk, None, n), lambda i, j, k: (i, j, k, 0))
+    return pl.pallas_call(
+        functools.partial(_scores_kernel, chunk=chunk, t=t),
+        grid=(bsz, nc, g),
+        in_specs=[rows, rows],
+        out_specs=pl.BlockSpec((None, None, chunk, chunk), lambda i, j, k: (i, k, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((bsz, g, nc * chunk, chunk), c.dtype),
+        compiler_params=tuning.params(0),
+        interpret=interpret,
+        name="ssd_scores",
+    )(c, b)
+
+
+def _loop_specs(a, dt, x, b, bp: int, rep: int):
+    """BlockSpecs of the loop kernels' common inputs (grid (B, H, P / bp)): A whole, a head's dt [T'], its rows of x
+    [T', bp], its group's B (or C) [T', N]. The blocks span T' rows; x's, B's and C's rows past T are masked."""
+    tp = dt.shape[-1]
+    n = b.shape[-1]
+    return [pl.BlockSpec(a.shape, lambda *_: (0,)),
+            pl.BlockSpec((None, None, tp), lambda i, h, j: (i, h, 0)),
+            pl.BlockSpec((None, tp, None, bp), lambda i, h, j: (i, 0, h, j)),
+            pl.BlockSpec((None, tp, None, n), lambda i, h, j: (i, 0, h // rep, 0))]
+
+
+def scan(a, dt, x, b, c, cb, initial_state=None, out=None, *, chunk: int, y_dtype, tuning: Tuning = Tuning(),
+         interpret: bool = False):
+    """Kernel 2, fused. a [H] fp32; dt [B, H, T'] fp32 (zero past T); x [B, T, H, P], b, c [B, T, G, N] (operand
+    dtype); cb from `scores`; initial_state [B, H, P, N] or None; out an optional [B, T, H, P] buffer of y_dtype
+    that y is written into. Returns (y [B, T, H, P] y_dtype, final state [B, H, P, N] fp32)."""
+    bsz, t, h, p = x.shape
+    g, n = b.shape[-2:]
+    rep = h // g
+    tp = dt.shape[-1]
+    bp = min(tuning.block_p or _block_p(bsz, h, p), p)
+    state = pl.BlockSpec((None, None, bp, n), lambda i, hh, j: (i, hh, j, 0))
+    y_spec = pl.BlockSpec((None, tp, None, bp), lambda i, hh, j: (i, 0, hh, j))
+    common = _loop_specs(a, dt, x, b, bp, rep)
+    in_specs = [*common, common[-1], pl.BlockSpec((None, None, tp, chunk), lambda i, hh, j: (i, hh // rep, 0, 0))]
+    args = [a, dt, x, b, c, cb]
+    if initial_state is not None:
+        in_specs.append(state)
+        args.append(initial_state.astype(_F32))
+    if out is not None:
+        in_specs.append(y_spec)
+        args.append(out)
+    return pl.pallas_call(
+        functools.partial(_scan_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
+                          has_initial=initial_state is not None),
+        grid=(bsz, h, p // bp),
+        in_specs=in_specs,
+        out_specs=[y_spec, state],
+        out_shape=[jax.ShapeDtypeStruct((bsz, t, h, p), y_dtype), jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
+        input_output_aliases={len(args) - 1: 0} if out is not None else {},
+        compiler_params=tuning.params(1),
+        interpret=interpret,
+        name="ssd_scan",
+    )(*args)
+
+
+def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = False):
+    """Kernel 2, split. Returns (the state entering each chunk [B, H, T'/L, P, N] in x's dtype, final state
+    [B, H, P, N] fp32)."""
+    bsz, t, h, p = x.shape
+    g, n = b.shape[-2:]
+    nc = dt.shape[-1] // chunk
+    bp = min(tuning.block_p or _block_p(bsz, h, p), p)
+    state = pl.BlockSpec((None, None, bp, n), lambda i, hh, j: (i, hh, j, 0))
+    in_specs = _loop_specs(a, dt, x, b, bp, h // g)
+    args = [a, dt, x, b]
+    if initial_state is not None:
+        in_specs.append(state)
+        args.append(initial_state.astype(_F32))
+    return pl.pallas_call(
+        functools.partial(_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
+                          has_initial=initial_state is not None),
+        grid=(bsz, h, p // bp),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, nc, bp, n), lambda i, hh, j: (i, hh, 0, j, 0)), state],
+        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype), jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
+        compiler_params=tuning.params(1),
+        interpret=interpret,
+        name="ssd_states",
+    )(*args)
+
+
+def output(a, dt, x, c, cb, entering, out=None, *, chunk: int, y_dtype, tuning: Tuning = Tuning(),
+           interpret: bool = False):
+    """Kernel 3, split: y [B, T, H, P] in y_dtype from the states entering each chunk (`states`)."""
+    bsz, t, h, p = x.shape
+    g, n = c.shape[-2:]
+    rep = h // g
+    nc = dt.shape[-1] // chunk
+    y_spec = pl.BlockSpec((None, chunk, None, p), lambda i, j, hh: (i, j, hh, 0))
+    in_specs = [pl.BlockSpec(a.shape, lambda *_: (0,)),
+                pl.BlockSpec((None, None, chunk), lambda i, j, hh: (i, hh, j)),
+                y_spec,
+                pl.BlockSpec((None, chunk, None, n), lambda i, j, hh: (i, j, hh // rep, 0)),
+                pl.BlockSpec((None, None, chunk, chunk), lambda i, j, hh: (i, hh // rep, j, 0)),
+                pl.BlockSpec((None, None, None, p, n), lambda i, j, hh: (i, hh, j, 0, 0))]
+    args = [a, dt, x, c, cb, entering]
+    if out is not None:
+        in_specs.append(y_spec)
+        args.append(out)
+    return pl.pallas_call(
+        functools.partial(_output_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t),
+        grid=(bsz, nc, h),
+        in_specs=in_specs,
+        out_specs=y_spec,
+        out_shape=jax.ShapeDtypeStruct((bsz, t, h, p), y_dtype),
+        input_output_aliases={len(args) - 1: 0} if out is not None else {},
+        compiler_params=tuning.params(2),
+        interpret=interpret,
+        name="ssd_output",
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "y_dtype", "tuning", "interpret"))
+def ssd_chunked_pallas(
+    x: jax.Array,
+    dt: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    initial_state: jax.Array | None = None,
+    out: jax.Array | None = None,
+    *,
+    chunk_size: int,
+    y_dtype=jnp.float32,
+    tuning: Tuning = Tuning(),
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """`ssd.ssd_chunked`'s contract: x [B, T, H, P]; dt [B, T, H] (discretised, zero on padding); a [H]; b, c
+    [B, T, G, N]; initial_state [B, H, P, N] or None (zeros). Returns (y [B, T, H, P] in `y_dtype` (fp32, as the
+    reference, unless asked otherwise), without the D skip; final state [B, H, P, N] fp32). `out`: an optional
+    [B, T, H, P] buffer of `y_dtype` that y is written into (the tests fill it with NaN: every element must be
+    written)."""
+    bsz, t, h, p = x.shape
+    g, n = b.shape[-2:]
+    if not supported(chunk_size, p, n):
+        raise ValueError(f"ssd_chunked_pallas: chunk_size {chunk_size}, head_dim {p} and state_size {n} must be "
+                         "powers of two >= 16")
+    if out is not None and (out.shape != x.shape or out.dtype != jnp.dtype(y_dtype)):
+        raise ValueError(f"ssd_chunked_pallas: out is {out.dtype} {out.shape}; expected {jnp.dtype(y_dtype)} "
+                         f"{x.shape} (y's)")
+    operand = operand_dtype(x.dtype)
+    x, b, c = (v.astype(operand) for v in (x, b, c))
+    pad = (-t) % chunk_size
+    dt = jnp.pad(dt.astype(_F32), ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)  # [B, H, T']
+    a = a.astype(_F32)
+    cb = scores(c, b, chunk=chunk_size, tuning=tuning, interpret=interpret)
+    if tuning.fused:
+        return scan(a, dt, x, b, c, cb, initial_state, out, chunk=chunk_size, y_dtype=y_dtype, tuning=tuning,
+                    interpret=interpret)
+    entering, final = states(a, dt, x, b, initial_state, chunk=chunk_size, tuning=tuning, interpret=interpret)
+    y = output(a, dt, x, c, cb, entering, out, chunk=chunk_size, y_dtype=y_dtype, tuning=tuning,
+               interpret=interpret)
+    return y, final

@@ -1,0 +1,196 @@
+"""Mamba-2's SSD scan as Pallas kernels (`kernels/ssd_pallas.py`) in interpret mode on the CPU against a float64
+sequential recurrence: single lengths around the chunk, a right-padded batch of mixed lengths (dt = 0 on padding),
+zero and random initial states, several heads per B/C group, fused and split, bf16 and fp32 inputs, outputs written
+into NaN-filled buffers; the implementation switch; the Triton lowering of every variant at 30B-A3B's heads."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dwdp.kernels import ssd
+from jax_dwdp.kernels.choices import KernelChoices
+from jax_dwdp.kernels.ssd_pallas import Tuning, ssd_chunked_pallas
+from tests.ssd_cases import (check_against_reference, f64, poisoned, reference_per_sequence, rel_err, ssd_float64,
+                             ssd_float64_chunked, ssd_inputs)
+
+# bf16 inputs (compared with float64 on their bf16 values): the kernels round the chunk's C B^T, its decay-weighted
+# scores, the state where it meets C and B weighted by its decay to bf16 (unit roundoff 2^-9 = 2e-3) before the
+# tensor-core products, accumulating in fp32: a few roundings in a row give a few 1e-3 (measured 2-4e-3), so 1e-2
+# leaves room without hiding a wrong term (a missing decay, chunk or state gives errors of order 1).
+BOUND = 1e-2
+# fp32 inputs: exact fp32 products, so only fp32 rounding over a few hundred terms (measured below 1e-6).
+BOUND_FP32 = 1e-5
+# Small heads so that interpret mode stays quick: 4 heads in 2 groups of B/C, P = 32 in two blocks of 16 state rows
+# (the loop kernels' grid covers P in pieces), N = 16, chunks of 64 (lengths 63, 64, 65 sit around a boundary).
+H, P, G, N, CHUNK = 4, 32, 2, 16, 64
+
+
+def _run(x, dt, a, b, c, h0, *, fused=True, y_dtype=jnp.float32, row_blocks=2):
+    out = poisoned(x.shape, y_dtype)
+    return ssd_chunked_pallas(x, dt, a, b, c, h0, out, chunk_size=CHUNK, y_dtype=y_dtype,
+                              tuning=Tuning(fused=fused, block_p=16, row_blocks=row_blocks), interpret=True)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 1000])
+def test_kernel_single_lengths_match_float64_interpreted(rng, t):
+    """One sequence of each length (T not a multiple of the chunk: the last chunk's rows are masked, not padded),
+    random initial state, bf16."""
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 1, t, H, P, G, N, initial=True)
+    y, state = _run(x, dt, a, b, c, h0)
+    assert y.shape == x.shape and y.dtype == jnp.float32 and state.shape == (1, H, P, N) and state.dtype == jnp.float32
+    check_against_reference(y, state, reference_per_sequence(x, dt, a, b, c, h0, [t]), [t], f"T={t}", BOUND)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("initial", [False, True])
+def test_kernel_mixed_lengths_match_each_sequence_alone_interpreted(rng, fused, initial):
+    """Lengths 1000, 1, 63, 64, 65 in one right-padded batch of T = 1000 (dt = 0 past each length): each
+    sequence's y and final state are those of the sequence alone; y is written everywhere (NaN-poisoned buffer)."""
+    lengths = np.array([1000, 1, 63, 64, 65])
+    x, dt, a, b, c, h0 = ssd_inputs(rng, len(lengths), 1000, H, P, G, N, initial=initial, lengths=lengths)
+    y, state = _run(x, dt, a, b, c, h0, fused=fused)
+    ref = reference_per_sequence(x, dt, a, b, c, h0, lengths)
+    check_against_reference(y, state, ref, lengths, f"fused={fused} initial={initial}", BOUND)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_kernel_fp32_inputs_match_float64_tightly_interpreted(rng, fused):
+    """fp32 inputs keep fp32 operands (exact products): the chunked algebra itself to fp32 rounding, with no bf16
+    rounding that could hide a small wrong term. Lengths 200, 37, 130 with a random initial state."""
+    lengths = np.array([200, 37, 130])
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 3, 200, H, P, G, N, initial=True, dtype=jnp.float32, lengths=lengths)
+    y, state = _run(x, dt, a, b, c, h0, fused=fused)
+    ref = reference_per_sequence(x, dt, a, b, c, h0, lengths)
+    check_against_reference(y, state, ref, lengths, f"fp32 fused={fused}", BOUND_FP32)
+
+
+def test_kernel_bf16_output_and_one_head_per_group_interpreted(rng):
+    """y_dtype=bf16 (what mamba_ssm returns) and G = H (no group sharing) agree with float64."""
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 2, 150, 2, P, 2, N, initial=True)
+    y, state = _run(x, dt, a, b, c, h0, y_dtype=jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    check_against_reference(y, state, reference_per_sequence(x, dt, a, b, c, h0, [150, 150]), [150, 150], "bf16 y",
+                            BOUND)
+
+
+@pytest.mark.parametrize("fused,row_blocks", [(True, 1), (False, 4)])
+def test_kernel_row_blocks_interpreted(rng, fused, row_blocks):
+    """The chunk's rows as one block (whole [L, L] tiles) or four (tiles on and below the diagonal only): the same
+    results, on lengths that end inside a block and inside a chunk."""
+    lengths = np.array([300, 17, 40])
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 3, 300, H, P, G, N, initial=True, lengths=lengths)
+    y, state = _run(x, dt, a, b, c, h0, fused=fused, row_blocks=row_blocks)
+    check_against_reference(y, state, reference_per_sequence(x, dt, a, b, c, h0, lengths), lengths,
+                            f"row blocks {row_blocks}, fused={fused}", BOUND)
+
+
+def test_kernel_in_two_pieces_equals_one_interpreted(rng):
+    """A prompt in two pieces, the second from the first's final state (chunked prefill): the same y and state as
+    one call, within bf16 rounding. (A zero initial state, not None, so that the whole and the first piece reuse the
+    single-length test's programs.)"""
+    x, dt, a, b, c, _ = ssd_inputs(rng, 1, 1000, H, P, G, N, initial=False)
+    zero = jnp.zeros((1, H, P, N), jnp.float32)
+    y, state = _run(x, dt, a, b, c, zero)
+    cut = 63
+    y1, s1 = _run(*(v[:, :cut] for v in (x, dt)), a, *(v[:, :cut] for v in (b, c)), zero)
+    y2, s2 = _run(*(v[:, cut:] for v in (x, dt)), a, *(v[:, cut:] for v in (b, c)), s1)
+    err_y, err_s = rel_err(jnp.concatenate([y1, y2], axis=1), f64(y)), rel_err(s2, f64(state))
+    print(f"two pieces vs one: y {err_y:.2e}, state {err_s:.2e}")
+    assert err_y <= BOUND and err_s <= BOUND
+
+
+def test_float64_chunked_reference_equals_the_recurrence(rng):
+    """The GPU tests' float64 reference by chunks is the step-by-step recurrence (to float64 rounding), at a length
+    that ends inside a chunk, with several heads per group and an initial state."""
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 2, 150, 6, 8, 2, 5, initial=True, dtype=jnp.float32)
+    args = (f64(x), f64(dt), f64(a), f64(b), f64(c), f64(h0))
+    (y, s), (y_ref, s_ref) = ssd_float64_chunked(*args, chunk=64), ssd_float64(*args)
+    err = max(rel_err(y, y_ref), rel_err(s, s_ref))
+    print(f"float64 chunked vs recurrence: {err:.1e}")
+    assert err <= 1e-12
+
+
+def test_kernel_4096_tokens_interpreted(rng):
+    """4,096 tokens (64 chunks) in one sequence with a random initial state."""
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 1, 4096, H, P, G, N, initial=True)
+    y, state = _run(x, dt, a, b, c, h0)
+    ref = reference_per_sequence(x, dt, a, b, c, h0, [4096], chunked=True)
+    check_against_reference(y, state, ref, [4096], "T=4096", BOUND)
+
+
+def test_implementation_switch():
+    """Without `implementation=`: `KernelChoices.ssd` for bf16 / fp16 inputs of power-of-two sizes >= 16 (XLA by
+    default until the kernel is measured), XLA for fp32 inputs (the reference) and other sizes; bad forms, shapes
+    and sizes are named."""
+    cpu, gpu = KernelChoices.defaults("cpu"), KernelChoices.defaults("gpu")
+    chosen = gpu.replace(ssd="pallas")
+    assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, gpu) == "xla"
+    assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, cpu.replace(ssd="pallas")) == "pallas"
+    assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, chosen) == "pallas"
+    assert ssd.default_implementation(jnp.float16, 16, 16, 16, chosen) == "pallas"
+    assert ssd.default_implementation(jnp.float32, 128, 64, 128, chosen) == "xla"
+    assert ssd.default_implementation(jnp.bfloat16, 128, 8, 128, chosen) == "xla"
+    assert ssd.default_implementation(jnp.bfloat16, 100, 64, 128, chosen) == "xla"
+    x, dt, a, b, c, _ = ssd_inputs(np.random.default_rng(0), 1, 8, 4, 8, 2, 16, initial=False)
+    with pytest.raises(ValueError, match="implementation='fast' is none of"):
+        ssd.ssd_chunked(x, dt, a, b, c, chunk_size=16, implementation="fast")
+    with pytest.raises(ValueError, match="powers of two"):
+        ssd.ssd_chunked(x, dt, a, b, c, chunk_size=16, implementation="pallas")
+    with pytest.raises(ValueError, match="do not fit"):
+        ssd.ssd_chunked(x, dt, a[:3], b, c, chunk_size=16)
+    with pytest.raises(ValueError, match="initial_state"):
+        ssd.ssd_chunked(x, dt, a, b, c, chunk_size=16, initial_state=jnp.zeros((1, 4, 16, 8)))
+    x, dt, a, b, c, _ = ssd_inputs(np.random.default_rng(0), 1, 8, 4, 16, 2, 16, initial=False)
+    with pytest.raises(ValueError, match="out is float32"):
+        ssd_chunked_pallas(x, dt, a, b, c, None, jnp.zeros(x.shape), chunk_size=16, y_dtype=jnp.bfloat16,
+                           interpret=True)
+    with pytest.raises(ValueError, match="block_p=24"):
+        Tuning(block_p=24)
+    with pytest.raises(ValueError, match="row_blocks=3"):
+        Tuning(row_blocks=3)
+    assert (Tuning().blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
+
+
+def _lowered_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_to_triton_at_30b_a3b_heads(fused, dtype):
+    """Every variant lowers to Triton for CUDA (on the CPU: the lowering, not the compile) at the 30B-A3B heads and
+    a length off the chunk, with and without an initial state: the kernels it names, and no XLA fallback."""
+    shape = jax.ShapeDtypeStruct
+    t, h, p, g, n = 1000, 64, 64, 8, 128
+    args = [shape((1, t, h, p), dtype), shape((1, t, h), jnp.float32), shape((h,), jnp.float32),
+            shape((1, t, g, n), dtype), shape((1, t, g, n), dtype)]
+    names = ["ssd_scores", "ssd_scan"] if fused else ["ssd_scores", "ssd_states", "ssd_output"]
+    for initial in ([], [shape((1, h, p, n), jnp.float32)]):
+        text = _lowered_for_cuda(lambda *v: ssd_chunked_pallas(*v, chunk_size=128, tuning=Tuning(fused=fused)),
+                                 *args, *initial)
+        assert all(f'"{name}"' in text for name in names), [name for name in names if f'"{name}"' not in text]
+
+
+@pytest.mark.parametrize("choice", ["pallas", "xla"])
+def test_mamba_mixer_lowered_for_cuda_takes_the_chosen_form(choice):
+    """The bf16 Mamba-2 mixer lowered for CUDA: with `KernelChoices.ssd="pallas"` the kernels (also continuing a
+    cache), with "xla" none of them."""
+    from flax import nnx
+
+    from jax_dwdp.model.mamba2 import Mamba2Mixer
+    from jax_dwdp.nemotron_h_config import NemotronHConfig
+
+    cfg = NemotronHConfig.preset("tiny").replace(mamba_head_dim=16)
+    mixer = Mamba2Mixer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                        kernels=KernelChoices.defaults("cpu").replace(ssd=choice))
+    graph, state = nnx.split(mixer)
+    x = jax.ShapeDtypeStruct((2, 100, cfg.hidden_size), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = jax.jit(lambda s, x, n, c: nnx.merge(graph, s)(x, n, c)[0])
+    for cache in (None, (jax.ShapeDtypeStruct((2, cfg.mamba_conv_dim, cfg.conv_kernel - 1), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((2, cfg.mamba_num_heads, 16, cfg.ssm_state_size), jnp.float32))):
+        text = fn.trace(state, x, lengths, cache).lower(lowering_platforms=("cuda",)).as_text()
+        assert ('"ssd_scores"' in text and '"ssd_scan"' in text) == (choice == "pallas")
