@@ -1,8 +1,10 @@
 """Prefill throughput of one model on one device: tokens/s, TFLOP/s, MFU, compile time, peak memory.
 
     python benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 4096 16384 --out results.json
+    python benchmarks/bench_prefill.py --preset nemotron-h:nano-30b-a3b --seq-lens 4096 16384 --layerwise
 
-Random weights are generated on the device once; each sequence length is compiled and timed in turn (shortest
+A preset of either family, named as the CLI names them (jax_dwdp.families: FAMILY:NAME, a bare name is
+Qwen3.5-MoE's); each family's own config, model and FLOP count (`prefill_flops`). Random weights are generated on the device once; each sequence length is compiled and timed in turn (shortest
 first, so the peak-memory reading after each run belongs to the largest run so far; with --scan it also covers the
 building: the model made one layer at a time into its stacks, `ScannedModel.from_layers`, the model plus one
 layer). MFU is against 781 TFLOP/s,
@@ -23,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dwdp.config import ModelConfig
+from jax_dwdp.config import ConfigError, ModelConfig
+from jax_dwdp.families import config_from_preset
 from jax_dwdp.kernels.grouped_matmul import default_implementation
 from jax_dwdp.model import fused_swiglu_enabled, init_model
 from jax_dwdp.prefill import jit_prefill
@@ -52,10 +55,29 @@ def host_profile(call, top: int) -> None:
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()), flush=True)
 
 
+def model_config(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """The preset's config (of its family), cut to --num-layers; a bad name or option is a usage error."""
+    try:
+        cfg = config_from_preset(args.preset)
+    except ConfigError as e:
+        ap.error(str(e))
+    if isinstance(cfg, ModelConfig):  # Qwen3.5-MoE: its layer pattern follows num_hidden_layers
+        return cfg.replace(num_hidden_layers=args.num_layers) if args.num_layers else cfg
+    if args.fused_swiglu:
+        ap.error(f"--fused-swiglu: {args.preset}'s experts have no gate (relu^2), there is no SwiGLU to fuse")
+    if args.num_layers:
+        try:
+            cfg = cfg.first_layers(args.num_layers)
+        except ConfigError as e:
+            ap.error(f"--num-layers: {e}")
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="35b-a3b")
-    ap.add_argument("--num-layers", type=int)
+    ap.add_argument("--preset", default="35b-a3b",
+                    help="FAMILY:NAME (qwen3.5:35b-a3b, nemotron-h:nano-30b-a3b, ...; a bare name is Qwen3.5-MoE's)")
+    ap.add_argument("--num-layers", type=int, help="keep only the first N layers")
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -73,9 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="expert gate_up weights in the fused SwiGLU epilogue's layout (CUTLASS only; default: off)")
     args = ap.parse_args(argv)
 
-    cfg = ModelConfig.preset(args.preset)
-    if args.num_layers:
-        cfg = cfg.replace(num_hidden_layers=args.num_layers)
+    cfg = model_config(ap, args)
     t0 = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
     scanned = model = None
