@@ -4,13 +4,13 @@
     python benchmarks/bench_prefill.py --preset nemotron-h:nano-30b-a3b --seq-lens 4096 16384 --layerwise
 
 A preset of either family, named as the CLI names them (jax_dwdp.families: FAMILY:NAME, a bare name is
-Qwen3.5-MoE's); each family's own config, model and FLOP count (`prefill_flops`). Random weights are generated on the device once; each sequence length is compiled and timed in turn (shortest
-first, so the peak-memory reading after each run belongs to the largest run so far; with --scan it also covers the
-building: the model made one layer at a time into its stacks, `ScannedModel.from_layers`, the model plus one
-layer). MFU is against 781 TFLOP/s,
-the dense bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md). "host ms" is one more call's host time
-(until it returns, before the device is waited for): near "prefill ms", the prefill is bound by the host's
-dispatch, not the GPU.
+Qwen3.5-MoE's); each family's own config, model and FLOP count (`prefill_flops`). Random weights are generated on the
+device once; each sequence length is compiled and timed in turn (shortest first, so the peak-memory reading after
+each run belongs to the largest run so far; with --scan it also covers the building: the model made one layer at a
+time into its stacks, `ScannedModel.from_layers`, the model plus one layer). MFU is against 781 TFLOP/s, the dense
+bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md). "host ms" is one more call's host time (until it
+returns, before the device is waited for): near "prefill ms", the prefill is bound by the host's dispatch, not the
+GPU.
 """
 
 from __future__ import annotations
