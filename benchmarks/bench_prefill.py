@@ -25,15 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dwdp.config import ConfigError, ModelConfig
-from jax_dwdp.families import config_from_preset
+from jax_dwdp.config import ModelConfig
 from jax_dwdp.kernels.grouped_matmul import default_implementation
 from jax_dwdp.model import fused_swiglu_enabled, init_model
 from jax_dwdp.prefill import jit_prefill
 from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
 from jax_dwdp.timing import median_seconds
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # trace_summary, when loaded by path (tests)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # presets, trace_summary, when loaded by path (tests)
+from presets import add_model_args, model_config  # noqa: E402
 
 PEAK_TFLOPS = 781.0
 
@@ -55,29 +55,9 @@ def host_profile(call, top: int) -> None:
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()), flush=True)
 
 
-def model_config(ap: argparse.ArgumentParser, args: argparse.Namespace):
-    """The preset's config (of its family), cut to --num-layers; a bad name or option is a usage error."""
-    try:
-        cfg = config_from_preset(args.preset)
-    except ConfigError as e:
-        ap.error(str(e))
-    if isinstance(cfg, ModelConfig):  # Qwen3.5-MoE: its layer pattern follows num_hidden_layers
-        return cfg.replace(num_hidden_layers=args.num_layers) if args.num_layers else cfg
-    if args.fused_swiglu:
-        ap.error(f"--fused-swiglu: {args.preset}'s experts have no gate (relu^2), there is no SwiGLU to fuse")
-    if args.num_layers:
-        try:
-            cfg = cfg.first_layers(args.num_layers)
-        except ConfigError as e:
-            ap.error(f"--num-layers: {e}")
-    return cfg
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="35b-a3b",
-                    help="FAMILY:NAME (qwen3.5:35b-a3b, nemotron-h:nano-30b-a3b, ...; a bare name is Qwen3.5-MoE's)")
-    ap.add_argument("--num-layers", type=int, help="keep only the first N layers")
+    add_model_args(ap)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -96,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     cfg = model_config(ap, args)
+    if args.fused_swiglu and not isinstance(cfg, ModelConfig):
+        ap.error(f"--fused-swiglu: {args.preset}'s experts have no gate (relu^2), there is no SwiGLU to fuse")
     t0 = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
     scanned = model = None
