@@ -477,6 +477,86 @@ def test_transformers_reference_runs_the_same_rows(tmp_path):
     assert row["prefill_ms"] > 0 and row["tokens_per_s"] > 0
 
 
+def test_prefill_bench_runs_nemotron_h_with_its_own_flop_count(tmp_path, monkeypatch):
+    """bench_prefill on nemotron-h:tiny (layer-wise, as the GPU script runs it): the Qwen rows' fields, MFU from
+    NemotronHConfig.prefill_flops; --num-layers keeps the first layers of the pattern; an unknown preset and
+    --fused-swiglu (relu^2 experts have no gate) are usage errors."""
+    from jax_dwdp.nemotron_h_config import NemotronHConfig
+
+    counted, flops = [], NemotronHConfig.prefill_flops
+    monkeypatch.setattr(NemotronHConfig, "prefill_flops", lambda cfg, *a: (counted.append(a), flops(cfg, *a))[1])
+    result, saved = run("bench_prefill", ["--preset", "nemotron-h:tiny", "--seq-lens", "32", "--iters", "1",
+                                          "--dtype", "float32", "--layerwise", "--num-layers", "5"],
+                        tmp_path / "prefill.json")
+    (row,) = saved["rows"]
+    assert list(row) == ["preset", "grouped_matmul", "fused_swiglu", "layerwise", "scan", "layers", "batch",
+                         "seq_len", "dtype", "compile_s", "prefill_ms", "tokens_per_s", "tflops", "mfu", "peak_gib",
+                         "logits_finite", "times_ms", "host_ms", "trace"]
+    assert (row["preset"], row["layers"], row["seq_len"], row["logits_finite"]) == ("nemotron-h:tiny", 5, 32, True)
+    assert counted == [(1, 32, 1)]
+    for bad in (["--preset", "nemotron-h:nano"], ["--preset", "nemotron-h:tiny", "--fused-swiglu"],
+                ["--preset", "nemotron-h:tiny", "--num-layers", "7"]):
+        with pytest.raises(SystemExit):
+            load("bench_prefill").main(bad)
+
+
+def test_transformers_reference_runs_nemotron_h_and_says_which_mamba_kernels_ran(tmp_path):
+    """bench_transformers on nemotron-h:tiny: the rows' fields with `mamba_path` (here transformers' PyTorch forms:
+    no mamba_ssm on the CPU) and how often the first call ran the chunked scan and the conv (once per Mamba-2
+    layer)."""
+    result, saved = run("bench_transformers", ["--preset", "nemotron-h:tiny", "--seq-lens", "40", "--iters", "1"],
+                        tmp_path / "hf.json")
+    (row,) = saved["rows"]
+    assert (row["seq_len"], row["layers"], row["impl"], row["logits_finite"]) == (40, 6, "transformers", True)
+    assert row["prefill_ms"] > 0 and row["mamba_path"] == saved["mamba"]["mamba_path"] == "torch"
+    assert saved["mamba"]["ssd_scan"] == "transformers.models.nemotron_h.modeling_nemotron_h.mamba2_chunk_scan"
+    assert row["mamba_calls_first_call"] == {"ssd_scan": 2, "conv1d": 2}
+
+
+FAKE_MAMBA_SSM = '''
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False):
+    """The released function's signature, transformers' own PyTorch form inside (the Triton kernel needs a GPU)."""
+    import inspect
+    from transformers.models.nemotron_h import modeling_nemotron_h as m
+
+    return inspect.unwrap(m.mamba2_chunk_scan)(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                                               initial_states=initial_states, dt_softplus=dt_softplus,
+                                               dt_limit=dt_limit, return_final_states=return_final_states)
+'''
+
+
+def test_transformers_reference_binds_mamba_ssm_without_its_cuda_extension(tmp_path):
+    """A mamba_ssm whose package imports the Mamba-1 CUDA extension `selective_scan_cuda` it was built without (as
+    the wheel on the GPU machine does): bench_transformers puts a stand-in there, transformers then binds mamba_ssm's
+    mamba_chunk_scan_combined, and the rows say so (a fake package on the CPU, in a process of its own: transformers
+    binds its kernels once per process). The stand-in refuses any use."""
+    import subprocess
+
+    package = tmp_path / "site" / "mamba_ssm"
+    (package / "ops" / "triton").mkdir(parents=True)
+    (package / "__init__.py").write_text("import selective_scan_cuda  # noqa: F401 (Mamba-1's CUDA scan)\n")
+    (package / "ops" / "__init__.py").write_text("")
+    (package / "ops" / "triton" / "__init__.py").write_text("")
+    (package / "ops" / "triton" / "ssd_combined.py").write_text(FAKE_MAMBA_SSM)
+    out = tmp_path / "hf.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(BENCHMARKS.parent)]))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_transformers.py"), "--preset", "nemotron-h:tiny",
+                           "--seq-lens", "40", "--iters", "1", "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["mamba"]["mamba_path"] == saved["rows"][0]["mamba_path"] == "mamba_ssm"
+    assert saved["mamba"]["ssd_scan"] == "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined"
+    note = saved["mamba"]["note"]
+    assert "selective_scan_cuda" in note and "stand-in" in note and "causal_conv1d is not installed" in note
+    assert saved["rows"][0]["mamba_calls_first_call"] == {"ssd_scan": 2, "conv1d": 2}
+    assert saved["rows"][0]["logits_finite"] and "Mamba-2 path mamba_ssm" in done.stdout
+    with pytest.raises(AttributeError, match="stand-in"):
+        load("bench_transformers").MissingExtension("selective_scan_cuda").fwd
+
+
 def test_probe_power_summarizes_loaded_samples_and_runs_without_nvidia_smi(tmp_path, monkeypatch):
     """probe_power: the samples under --min-watts (idle) and unparsable ones are left out, the median / min / max and
     the throttle-reason counts come from the rest; without nvidia-smi the matmul and the command still run, with no
