@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,6 +54,16 @@ def host_profile(call, top: int) -> None:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+
+
+def save(out: str | None, device, rows: list[dict]) -> None:
+    """The results so far as JSON at `out` (after every length, whole files only: a run cut by its time limit keeps
+    the lengths it finished)."""
+    if out:
+        tmp = f"{out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+        os.replace(tmp, out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -138,11 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(f"{t:>8} {compile_s:>9.1f} {sec * 1e3:>10.1f} {n / sec:>10.0f} {tflops:>8.1f} {tflops / PEAK_TFLOPS:>6.1%} "
               f"{row['peak_gib'] or float('nan'):>8.2f} {host_ms:>8.1f}  finite={finite}", flush=True)
-    result = {"device": device.device_kind, "jax": jax.__version__, "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+        save(args.out, device, rows)
+    return {"device": device.device_kind, "jax": jax.__version__, "rows": rows}
 
 
 if __name__ == "__main__":
