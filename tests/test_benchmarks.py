@@ -704,6 +704,30 @@ def test_gmm_configs_summary_orders_each_case_fastest_first():
         assert times == sorted(times) and len(times) == 7
 
 
+def test_prefill_ratio_puts_both_sides_by_length_and_shows_what_did_not_finish(tmp_path):
+    """gpu/prefill_ratio.py: per length jax_dwdp's and transformers' ms and MFU and transformers ms / jax_dwdp ms; a
+    length one side did not run is "-", one that ran out of memory shows the error; a missing file reads as no rows;
+    transformers' Mamba-2 path is named."""
+    spec = importlib.util.spec_from_file_location("prefill_ratio", BENCHMARKS / "gpu" / "prefill_ratio.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ours = tmp_path / "prefill.json"
+    ours.write_text(json.dumps({"rows": [dict(seq_len=4096, prefill_ms=80.0, mfu=0.4),
+                                         dict(seq_len=16384, prefill_ms=300.0, mfu=0.5),
+                                         dict(seq_len=32768, prefill_ms=700.0, mfu=0.5)]}))
+    theirs = tmp_path / "hf.json"
+    theirs.write_text(json.dumps({"rows": [
+        dict(seq_len=4096, prefill_ms=200.0, mfu=0.16, mamba_path="mamba_ssm"),
+        dict(seq_len=16384, error="out of device memory: CUDA", mamba_path="torch")]}))
+    header, *rows, path = mod.lines(mod.read(ours), mod.read(theirs))
+    assert header.split() == ["tokens", "jax_dwdp", "ms", "MFU", "transformers", "ms", "MFU", "ratio"]
+    assert rows[0].split() == ["4096", "80.0", "40.0%", "200.0", "16.0%", "2.50x"]
+    assert "out of device memory" in rows[1] and rows[1].endswith("-")
+    assert rows[2].split() == ["32768", "700.0", "50.0%", "-", "-"]
+    assert path == "transformers' Mamba-2 path: mamba_ssm, torch"
+    assert mod.read(tmp_path / "missing.json") == {} and len(mod.lines(mod.read(ours), {})) == 4
+
+
 def test_layer_kernel_probe_names_each_fusion(tmp_path):
     """probe_layer_kernels on the tiny preset: both layer types traced (host events on the CPU), their optimized HLO
     written, and every fusion of the HLO described by its ops (a multi-output fusion's tuple shape too)."""
