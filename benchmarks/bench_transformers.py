@@ -19,8 +19,8 @@ chunked scan in torch ops that materialises [chunks, L, L, heads, state] product
 its Mamba-1 CUDA extension `selective_scan_cuda` at the top, which a wheel built without CUDA extensions lacks: with
 `--mamba-kernels auto` (the default) a stand-in module takes its place (Nemotron-H never calls Mamba-1's scan; the
 stand-in refuses any use), so the Triton scan runs wherever mamba_ssm and triton import; `--mamba-kernels torch`
-keeps transformers' PyTorch forms. The output says which functions ran (`mamba_path`: "mamba_ssm" or "torch";
-`ssd_scan` and `conv1d` by name; how often the first call ran each).
+keeps transformers' PyTorch forms. The output says which functions ran (`mamba_path`: "mamba_ssm", "torch", or
+"unknown" where it cannot tell; `ssd_scan` and `conv1d` by name; how often the first call ran each).
 
 Same table and JSON fields as bench_prefill.py; MFU against the same 781 TFLOP/s and the same FLOP count (the
 family's `prefill_flops`). A length that runs out of device memory is a row with `error`, and the longer ones are
@@ -102,10 +102,12 @@ def bound_function(wrapper) -> str:
 
 def mamba_functions() -> dict[str, str]:
     """What Nemotron-H's Mamba-2 prefill calls: per MAMBA_FUNCTIONS name, the bound function; and `mamba_path`,
-    "mamba_ssm" when the chunked scan is mamba_ssm's (Triton) kernel, else "torch"."""
+    "mamba_ssm" when the chunked scan is mamba_ssm's (Triton) kernel, "torch" when it is transformers' own, else
+    "unknown"."""
     modeling = sys.modules[NEMOTRON_MODELING]
     bound = {key: bound_function(getattr(modeling, name)) for key, name in MAMBA_FUNCTIONS.items()}
-    path = "mamba_ssm" if bound["ssd_scan"].startswith("mamba_ssm.") else "torch"
+    scan = bound["ssd_scan"]
+    path = "mamba_ssm" if scan.startswith("mamba_ssm.") else "torch" if scan.startswith("transformers.") else "unknown"
     return dict(mamba_path=path, **bound)
 
 
