@@ -1,20 +1,23 @@
 """Prefill throughput of one model on one device: tokens/s, TFLOP/s, MFU, compile time, peak memory.
 
     python benchmarks/bench_prefill.py --preset 35b-a3b --seq-lens 4096 16384 --out results.json
+    python benchmarks/bench_prefill.py --preset nemotron-h:nano-30b-a3b --seq-lens 4096 16384 --layerwise
 
-Random weights are generated on the device once; each sequence length is compiled and timed in turn (shortest
-first, so the peak-memory reading after each run belongs to the largest run so far; with --scan it also covers the
-building: the model made one layer at a time into its stacks, `ScannedModel.from_layers`, the model plus one
-layer). MFU is against 781 TFLOP/s,
-the dense bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md). "host ms" is one more call's host time
-(until it returns, before the device is waited for): near "prefill ms", the prefill is bound by the host's
-dispatch, not the GPU.
+A preset of either family, named as the CLI names them (jax_dwdp.families: FAMILY:NAME, a bare name is
+Qwen3.5-MoE's); each family's own config, model and FLOP count (`prefill_flops`). Random weights are generated on the
+device once; each sequence length is compiled and timed in turn (shortest first, so the peak-memory reading after
+each run belongs to the largest run so far; with --scan it also covers the building: the model made one layer at a
+time into its stacks, `ScannedModel.from_layers`, the model plus one layer). MFU is against 781 TFLOP/s, the dense
+bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md). "host ms" is one more call's host time (until it
+returns, before the device is waited for): near "prefill ms", the prefill is bound by the host's dispatch, not the
+GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,7 +33,8 @@ from jax_dwdp.prefill import jit_prefill
 from jax_dwdp.scan import ScannedModel, jit_prefill_scanned
 from jax_dwdp.timing import median_seconds
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # trace_summary, when loaded by path (tests)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # presets, trace_summary, when loaded by path (tests)
+from presets import add_model_args, model_config  # noqa: E402
 
 PEAK_TFLOPS = 781.0
 
@@ -52,10 +56,19 @@ def host_profile(call, top: int) -> None:
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()), flush=True)
 
 
+def save(out: str | None, device, rows: list[dict]) -> None:
+    """The results so far as JSON at `out` (after every length, whole files only: a run cut by its time limit keeps
+    the lengths it finished)."""
+    if out:
+        tmp = f"{out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+        os.replace(tmp, out)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="35b-a3b")
-    ap.add_argument("--num-layers", type=int)
+    add_model_args(ap)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -73,9 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="expert gate_up weights in the fused SwiGLU epilogue's layout (CUTLASS only; default: off)")
     args = ap.parse_args(argv)
 
-    cfg = ModelConfig.preset(args.preset)
-    if args.num_layers:
-        cfg = cfg.replace(num_hidden_layers=args.num_layers)
+    cfg = model_config(ap, args)
+    if args.fused_swiglu and not isinstance(cfg, ModelConfig):
+        ap.error(f"--fused-swiglu: {args.preset}'s experts have no gate (relu^2), there is no SwiGLU to fuse")
     t0 = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
     scanned = model = None
@@ -136,11 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(f"{t:>8} {compile_s:>9.1f} {sec * 1e3:>10.1f} {n / sec:>10.0f} {tflops:>8.1f} {tflops / PEAK_TFLOPS:>6.1%} "
               f"{row['peak_gib'] or float('nan'):>8.2f} {host_ms:>8.1f}  finite={finite}", flush=True)
-    result = {"device": device.device_kind, "jax": jax.__version__, "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+        save(args.out, device, rows)
+    return {"device": device.device_kind, "jax": jax.__version__, "rows": rows}
 
 
 if __name__ == "__main__":

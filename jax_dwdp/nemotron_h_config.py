@@ -191,16 +191,47 @@ class NemotronHConfig(LayerPatternConfig):
         return best_period(self.layer_types[start_layer:end])
 
     def prefill_flops(self, batch: int, seq_len: int, logits_positions: int) -> float:
-        """Forward FLOPs of a causal prefill (matmuls + attention), for MFU: as ModelConfig.prefill_flops, the
-        weights' matmuls at the activated parameters and QK^T / PV of the attention layers; the SSD scan's own
-        products (like Gated DeltaNet's recurrence there) are not counted. lm_head only at the positions whose
-        logits are computed."""
-        counts = self.param_counts()
-        embed = head = self.vocab_size * self.hidden_size
-        layer_params = counts["active"] - head - embed
-        n_attn = len(self.layer_ids(ATTENTION))
-        attn_per_token = n_attn * 2 * 2 * self.num_attention_heads * self.head_dim * (seq_len / 2)
-        return batch * seq_len * (2.0 * layer_params + attn_per_token) + 2.0 * head * logits_positions
+        """Forward FLOPs of a causal prefill of `batch` sequences of `seq_len` tokens, for MFU: every layer's
+        `layer_flops` per token, and lm_head only at the positions whose logits are computed (1 per sequence for
+        "last"); the embedding is a lookup, not a product."""
+        per_token = sum(self.layer_flops(t, seq_len) for t in self.layer_types)
+        return batch * seq_len * per_token + 2.0 * self.vocab_size * self.hidden_size * logits_positions
+
+    def layer_flops(self, layer_type: str, seq_len: int) -> float:
+        """FLOPs per token (2 per multiply-add) of one layer of `layer_type` in a prefill of `seq_len` tokens: its
+        products only (norms, activations, gates, softplus and the routing's top-k are elementwise and left out).
+
+        - Mamba-2: in_proj; the depthwise conv (conv_kernel multiply-adds per channel); the SSD chunked scan; out_proj.
+          The scan in chunks of L = chunk_size tokens: inside a chunk C B^T (per group) and its decay-masked product
+          with dt x (per head) over the causal half of the chunk, min(L, seq_len) / 2 positions on average, as
+          attention's QK^T and PV count seq_len / 2; each chunk's own state (dt x)^T B and the states' read-out
+          C . state, one multiply-add per state entry (head_dim x state size per head) and token each. The carry of
+          the states across chunks (one multiply-add per state entry per chunk, 1/L of the last two) is left out.
+        - attention: the q, k, v, o projections; QK^T and PV over the average causal context seq_len / 2.
+        - MLP: up_proj and down_proj.
+        - MoE: the router (n_routed_experts x hidden); the top-k routed experts (up and down, at the latent width
+          when moe_latent_size is set) and the latent projections in and out; the shared expert.
+        """
+        h = self.hidden_size
+        if layer_type == MAMBA:
+            heads, p, n = self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size
+            context = min(self.chunk_size, seq_len) / 2
+            ssd = context * (self.n_groups * n + heads * p) + 2 * heads * p * n
+            macs = h * self.mamba_in_proj_size + self.conv_kernel * self.mamba_conv_dim + ssd
+            macs += self.mamba_intermediate_size * h
+        elif layer_type == ATTENTION:
+            q = self.num_attention_heads * self.head_dim
+            macs = h * (q + 2 * self.num_key_value_heads * self.head_dim) + q * h + 2 * q * (seq_len / 2)
+        elif layer_type == MLP:
+            macs = 2 * h * self.intermediate_size
+        elif layer_type == MOE:
+            expert = 2 * self.expert_input_size * self.moe_intermediate_size
+            macs = self.n_routed_experts * h + self.num_experts_per_tok * expert
+            macs += 2 * h * self.moe_shared_expert_intermediate_size
+            macs += 2 * h * self.moe_latent_size if self.moe_latent_size else 0
+        else:
+            raise ConfigError(f"layer type {layer_type!r}: expected one of {LAYER_TYPES}")
+        return 2.0 * macs
 
     def param_counts(self) -> dict[str, int]:
         """Parameter counts of the text model (MTP head excluded): total and activated per token."""

@@ -491,6 +491,86 @@ def test_transformers_reference_runs_the_same_rows(tmp_path):
     assert row["prefill_ms"] > 0 and row["tokens_per_s"] > 0
 
 
+def test_prefill_bench_runs_nemotron_h_with_its_own_flop_count(tmp_path, monkeypatch):
+    """bench_prefill on nemotron-h:tiny (layer-wise, as the GPU script runs it): the Qwen rows' fields, MFU from
+    NemotronHConfig.prefill_flops; --num-layers keeps the first layers of the pattern; an unknown preset and
+    --fused-swiglu (relu^2 experts have no gate) are usage errors."""
+    from jax_dwdp.nemotron_h_config import NemotronHConfig
+
+    counted, flops = [], NemotronHConfig.prefill_flops
+    monkeypatch.setattr(NemotronHConfig, "prefill_flops", lambda cfg, *a: (counted.append(a), flops(cfg, *a))[1])
+    result, saved = run("bench_prefill", ["--preset", "nemotron-h:tiny", "--seq-lens", "32", "--iters", "1",
+                                          "--dtype", "float32", "--layerwise", "--num-layers", "5"],
+                        tmp_path / "prefill.json")
+    (row,) = saved["rows"]
+    assert list(row) == ["preset", "grouped_matmul", "fused_swiglu", "layerwise", "scan", "layers", "batch",
+                         "seq_len", "dtype", "compile_s", "prefill_ms", "tokens_per_s", "tflops", "mfu", "peak_gib",
+                         "logits_finite", "times_ms", "host_ms", "trace"]
+    assert (row["preset"], row["layers"], row["seq_len"], row["logits_finite"]) == ("nemotron-h:tiny", 5, 32, True)
+    assert counted == [(1, 32, 1)]
+    for bad in (["--preset", "nemotron-h:nano"], ["--preset", "nemotron-h:tiny", "--fused-swiglu"],
+                ["--preset", "nemotron-h:tiny", "--num-layers", "7"]):
+        with pytest.raises(SystemExit):
+            load("bench_prefill").main(bad)
+
+
+def test_transformers_reference_runs_nemotron_h_and_says_which_mamba_kernels_ran(tmp_path):
+    """bench_transformers on nemotron-h:tiny: the rows' fields with `mamba_path` (here transformers' PyTorch forms:
+    no mamba_ssm on the CPU) and how often the first call ran the chunked scan and the conv (once per Mamba-2
+    layer)."""
+    result, saved = run("bench_transformers", ["--preset", "nemotron-h:tiny", "--seq-lens", "40", "--iters", "1"],
+                        tmp_path / "hf.json")
+    (row,) = saved["rows"]
+    assert (row["seq_len"], row["layers"], row["impl"], row["logits_finite"]) == (40, 6, "transformers", True)
+    assert row["prefill_ms"] > 0 and row["mamba_path"] == saved["mamba"]["mamba_path"] == "torch"
+    assert saved["mamba"]["ssd_scan"] == "transformers.models.nemotron_h.modeling_nemotron_h.mamba2_chunk_scan"
+    assert row["mamba_calls_first_call"] == {"ssd_scan": 2, "conv1d": 2}
+
+
+FAKE_MAMBA_SSM = '''
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False):
+    """The released function's signature, transformers' own PyTorch form inside (the Triton kernel needs a GPU)."""
+    import inspect
+    from transformers.models.nemotron_h import modeling_nemotron_h as m
+
+    return inspect.unwrap(m.mamba2_chunk_scan)(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                                               initial_states=initial_states, dt_softplus=dt_softplus,
+                                               dt_limit=dt_limit, return_final_states=return_final_states)
+'''
+
+
+def test_transformers_reference_binds_mamba_ssm_without_its_cuda_extension(tmp_path):
+    """A mamba_ssm whose package imports the Mamba-1 CUDA extension `selective_scan_cuda` it was built without (as
+    the wheel on the GPU machine does): bench_transformers puts a stand-in there, transformers then binds mamba_ssm's
+    mamba_chunk_scan_combined, and the rows say so (a fake package on the CPU, in a process of its own: transformers
+    binds its kernels once per process). The stand-in refuses any use."""
+    import subprocess
+
+    package = tmp_path / "site" / "mamba_ssm"
+    (package / "ops" / "triton").mkdir(parents=True)
+    (package / "__init__.py").write_text("import selective_scan_cuda  # noqa: F401 (Mamba-1's CUDA scan)\n")
+    (package / "ops" / "__init__.py").write_text("")
+    (package / "ops" / "triton" / "__init__.py").write_text("")
+    (package / "ops" / "triton" / "ssd_combined.py").write_text(FAKE_MAMBA_SSM)
+    out = tmp_path / "hf.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(BENCHMARKS.parent)]))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_transformers.py"), "--preset", "nemotron-h:tiny",
+                           "--seq-lens", "40", "--iters", "1", "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["mamba"]["mamba_path"] == saved["rows"][0]["mamba_path"] == "mamba_ssm"
+    assert saved["mamba"]["ssd_scan"] == "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined"
+    note = saved["mamba"]["note"]
+    assert "selective_scan_cuda" in note and "stand-in" in note and "causal_conv1d is not installed" in note
+    assert saved["rows"][0]["mamba_calls_first_call"] == {"ssd_scan": 2, "conv1d": 2}
+    assert saved["rows"][0]["logits_finite"] and "Mamba-2 path mamba_ssm" in done.stdout
+    with pytest.raises(AttributeError, match="stand-in"):
+        load("bench_transformers").MissingExtension("selective_scan_cuda").fwd
+
+
 def test_probe_power_summarizes_loaded_samples_and_runs_without_nvidia_smi(tmp_path, monkeypatch):
     """probe_power: the samples under --min-watts (idle) and unparsable ones are left out, the median / min / max and
     the throttle-reason counts come from the rest; without nvidia-smi the matmul and the command still run, with no
@@ -636,6 +716,30 @@ def test_gmm_configs_summary_orders_each_case_fastest_first():
         assert line.startswith(f"{row['model']:9} {row['proj']:7}") and f"({row['cutlass_auto_config']})" in line
         times = [float(cell.split("=")[1]) for cell in line.split("| ")[1].split()]
         assert times == sorted(times) and len(times) == 7
+
+
+def test_prefill_ratio_puts_both_sides_by_length_and_shows_what_did_not_finish(tmp_path):
+    """gpu/prefill_ratio.py: per length jax_dwdp's and transformers' ms and MFU and transformers ms / jax_dwdp ms; a
+    length one side did not run is "-", one that ran out of memory shows the error; a missing file reads as no rows;
+    transformers' Mamba-2 path is named."""
+    spec = importlib.util.spec_from_file_location("prefill_ratio", BENCHMARKS / "gpu" / "prefill_ratio.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ours = tmp_path / "prefill.json"
+    ours.write_text(json.dumps({"rows": [dict(seq_len=4096, prefill_ms=80.0, mfu=0.4),
+                                         dict(seq_len=16384, prefill_ms=300.0, mfu=0.5),
+                                         dict(seq_len=32768, prefill_ms=700.0, mfu=0.5)]}))
+    theirs = tmp_path / "hf.json"
+    theirs.write_text(json.dumps({"rows": [
+        dict(seq_len=4096, prefill_ms=200.0, mfu=0.16, mamba_path="mamba_ssm"),
+        dict(seq_len=16384, error="out of device memory: CUDA", mamba_path="torch")]}))
+    header, *rows, path = mod.lines(mod.read(ours), mod.read(theirs))
+    assert header.split() == ["tokens", "jax_dwdp", "ms", "MFU", "transformers", "ms", "MFU", "ratio"]
+    assert rows[0].split() == ["4096", "80.0", "40.0%", "200.0", "16.0%", "2.50x"]
+    assert "out of device memory" in rows[1] and rows[1].endswith("-")
+    assert rows[2].split() == ["32768", "700.0", "50.0%", "-", "-"]
+    assert path == "transformers' Mamba-2 path: mamba_ssm, torch"
+    assert mod.read(tmp_path / "missing.json") == {} and len(mod.lines(mod.read(ours), {})) == 4
 
 
 def test_layer_kernel_probe_names_each_fusion(tmp_path):

@@ -207,6 +207,31 @@ def test_presets_have_the_published_sizes():
     assert isinstance(init_model(NemotronHConfig.preset("tiny"), dtype=jnp.float32), NemotronHForCausalLM)
 
 
+def test_prefill_flops_equal_a_hand_count_of_the_tiny_preset():
+    """prefill_flops (the benchmarks' MFU) against the tiny preset's products counted by hand, 2 FLOPs a
+    multiply-add: "ME*-ME", hidden 64; Mamba 8 heads x 8 dims, state 16, 2 groups, conv 4 over 64 + 2*2*16 = 128
+    channels, in_proj to 64 + 128 + 8 = 200, chunks of 16; attention 4 heads (2 KV) of 16; MLP 96; MoE: 8 experts,
+    top-2 of width 32, shared 48. Then the latent MoE (the routed experts at width 16) and a prompt shorter than a
+    chunk."""
+    tiny = NemotronHConfig.preset("tiny")
+    t = 64  # 4 chunks: 8 positions of causal context inside a chunk on average
+    ssd = 8 * (2 * 16 + 8 * 8) + 2 * 8 * 8 * 16  # C B^T per group, its product with dt x per head; states in / out
+    mamba = 2 * (64 * 200 + 4 * 128 + ssd + 64 * 64)
+    attention = 2 * (64 * (4 + 2 * 2) * 16 + 64 * 64 + 2 * 64 * (t / 2))  # projections; QK^T and PV
+    mlp = 2 * (2 * 64 * 96)
+    moe = 2 * (8 * 64 + 2 * (2 * 64 * 32) + 2 * 64 * 48)  # router, 2 routed experts, shared expert
+    head = 2 * 512 * 64
+    per_token = 2 * mamba + 2 * moe + attention + mlp
+    assert tiny.prefill_flops(2, t, 2) == 2 * t * per_token + 2 * head == 25_427_968
+    latent = tiny.replace(moe_latent_size=16)
+    latent_moe = 2 * (8 * 64 + 2 * (2 * 16 * 32) + 2 * 64 * 16 + 2 * 64 * 48)  # + fc1 / fc2 latent projections
+    assert latent.prefill_flops(1, t, 1) == t * (per_token + 2 * (latent_moe - moe)) + head
+    short = 2 * (64 * 200 + 4 * 128 + 4 * (2 * 16 + 8 * 8) + 2 * 8 * 8 * 16 + 64 * 64)  # 4 positions on average
+    assert tiny.layer_flops(MAMBA, 8) == short
+    with pytest.raises(ConfigError, match="layer type"):
+        tiny.layer_flops("mamba", 8)
+
+
 def test_hf_checkpoint_loads_through_the_name_map(tmp_path, fresh_rng):
     """What transformers saves (the released layout: `backbone.`, per-expert pieces) loads into the model the name
     map builds, bit for bit; a stage's load reads only its layers; a missing expert piece is named."""
