@@ -26,8 +26,8 @@ LAYERS = [
 ]
 
 # Imported inside functions on purpose: CUDA-only code, loaded when a GPU path is chosen (importing jax_dwdp must
-# work without CUDA).
-LAZY = {"jax_dwdp.kernels.gdn_pallas", "jax_dwdp.kernels._cutlass", "jax_dwdp.parallel.dwdp_ffi",
+# work without CUDA), and the Pallas Triton kernels (GPU kernels that the CPU runs only in the tests' interpret mode).
+LAZY = {"jax_dwdp.kernels.gdn_pallas", "jax_dwdp.kernels.ssd_pallas", "jax_dwdp.kernels._cutlass", "jax_dwdp.parallel.dwdp_ffi",
         "jax_dwdp.parallel.cuda_vmm"}
 # The command line answers --help and bad input before jax (a second to import) is loaded: its imports of the
 # library are deferred to the command that needs them.
