@@ -12,7 +12,7 @@ the run goes on).
 Accuracy: every implementation's output against a float64 numpy reference on a sample of query rows (the last
 `--ref-rows` of the sequence plus the first 64, where the causal window is longest and shortest), and against cuDNN
 over the whole output; both printed before any timing. Times: 10 back-to-back calls / 10, median of 5
-(bench_gdn.wall_ms); TF/s counts the causal FLOPs, 4 T^2 Hq D / 2. `--trace` adds each implementation's kernel time
+(jax_dwdp.timing.wall_ms); TF/s counts the causal FLOPs, 4 T^2 Hq D / 2. `--trace` adds each implementation's kernel time
 and span per call from a profiler trace (an H200, 2026-12-03: cuDNN's 16K call, 3.484 ms of wall time, is 3.277 ms
 of kernels in a 3.334 ms span, benchmarks/RESULTS.md, "Attention"; a probe of the kernel alone timed it at 3.14 ms
 on a higher clock).
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from bench_gdn import wall_ms
+    from jax_dwdp.timing import wall_ms
     from jax_dwdp import kernels
 
     hq, hkv = map(int, args.heads.split("/"))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,20 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def wall_ms(fn, sync, calls: int = 10, reps: int = 5) -> float:
-    out = fn()
-    sync(out)
-    for _ in range(2):
-        sync(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn()
-        sync(out)
-        times.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(times)
+from jax_dwdp.timing import wall_ms  # noqa: E402
 
 
 def main() -> None:

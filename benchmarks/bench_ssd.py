@@ -33,33 +33,20 @@ import importlib.util
 import inspect
 import json
 import os
-import statistics
 import sys
-import time
 import types
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jax_dwdp.timing import wall_ms  # noqa: E402
 # JAX and torch share the GPU here: JAX takes memory as it needs it instead of 75% at start.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 HEADS_30B = dict(h=64, p=64, g=8, n=128, chunk=128)  # NemotronHConfig.preset("nano-30b-a3b")
 HEADS_SMOKE = dict(h=4, p=32, g=2, n=16, chunk=32)
-
-
-def wall_ms(fn, sync, calls: int = 10, reps: int = 5) -> float:
-    sync(fn())
-    sync(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn()
-        sync(out)
-        times.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def load_mamba():
