@@ -289,9 +289,7 @@ class ExpertStore:
         operands are not aliased: XLA would copy an aliased program parameter first, racing the copy); an
         optimization barrier makes every use of the experts come after it."""
         self.check_open()
-        # Not a side effect to JAX: the barrier below consumes the token, so XLA keeps the call, and a program with
-        # a JAX effect leaves jax's fast dispatch path (benchmarks/probe_in_place_cost.py measures both).
-        call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct((), jnp.int32))
+        call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
         token = call(*experts, after, **self.vmm.wait_attributes())
         gate_up, down, _ = jax.lax.optimization_barrier((*experts, token))
         return gate_up, down
