@@ -12,6 +12,13 @@
 #             GPU): each of $PIPE_MODES (default "--layerwise --scan")
 #   cli       the CLI's one-device prefill on $PLAYERS layers, batch 1 x $PSEQ tokens: --layerwise, then --scan
 #   probe     probe_scan.py --run at 16K: memory after restacking, the scanned program's memory, one run's peak
+# Not in the default:
+#   flags     whether XLA reads the scan's dense weights inside the stacks under other GEMM lowerings: for each
+#             XLA_FLAGS set in $FLAG_SETS (";"-separated; default: legacy cuBLAS with neither cuBLASLt nor Triton
+#             GEMMs, whose __cublas$gemm XLA's dynamic-slice fusion takes as its hero; then Triton GEMMs with no
+#             cuBLAS fallback, whose fusions take a dynamic-slice of the weight), the layer-wise and the scanned
+#             prefill at $FLAG_SEQS (default 16384) tokens, traced, and trace_summary.py of the two (the
+#             device-to-device copies, kernel time)
 # $LAYERS defaults to 40 on a GPU with more than 100 GB (H200), else 32 (H100). Each command's time limit is cut to
 # what is left of $DEADLINE seconds (default 570), and a command with under 40 s left is skipped (_limits.sh). Logs
 # and JSON under $OUT.
@@ -74,6 +81,24 @@ for step in $STEPS; do
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PIPE_TIMEOUT:-100}) "${CLI[@]}" prefill --preset 35b-a3b \
           --num-layers "$PLAYERS" --batch 1 --seq-len "$PSEQ" --iters 3 $mode > "$OUT/cli${mode}.log" 2>&1
         echo "rc $?"; quiet < "$OUT/cli${mode}.log" | grep -E "model:|compile|tokens/s|peak|rror" | tail -6
+      done ;;
+    flags)
+      IFS=';' read -ra sets <<< "${FLAG_SETS:---xla_gpu_enable_cublaslt=false --xla_gpu_enable_triton_gemm=false;--xla_gpu_cublas_fallback=false}"
+      for i in "${!sets[@]}"; do
+        echo "== flags $i: XLA_FLAGS=${sets[$i]}"
+        for name in layerwise scan; do
+          time_for "flags $i $name" || continue
+          XLA_FLAGS="${sets[$i]}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(limit ${PREFILL_TIMEOUT:-200}) \
+            python3 benchmarks/bench_prefill.py --preset 35b-a3b --num-layers "$LAYERS" --seq-lens ${FLAG_SEQS:-16384} \
+            --$name --iters 5 --trace "/tmp/flag_traces/$i/$name" --out "$OUT/flags${i}_$name.json" 2>&1 | quiet \
+            > "$OUT/flags${i}_$name.log"
+          echo "$name rc $?"; grep -E "finite=|^device events" "$OUT/flags${i}_$name.log" | cut -c1-200
+        done
+        for t in ${FLAG_SEQS:-16384}; do
+          [ -d "/tmp/flag_traces/$i/layerwise/$t" ] && [ -d "/tmp/flag_traces/$i/scan/$t" ] && \
+            python3 benchmarks/trace_summary.py "/tmp/flag_traces/$i/layerwise/$t" \
+              --versus "/tmp/flag_traces/$i/scan/$t" --top 8 | tee "$OUT/flags${i}_trace_$t.txt"
+        done
       done ;;
     probe)
       echo "== probe_scan"
