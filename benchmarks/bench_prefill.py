@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dwdp.config import ModelConfig
+from jax_dwdp.kernels.choices import resolve
 from jax_dwdp.kernels.grouped_matmul import default_implementation
 from jax_dwdp.model import fused_swiglu_enabled, init_model
 from jax_dwdp.prefill import jit_prefill
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         n = args.batch * t
         tflops = cfg.prefill_flops(args.batch, t, args.batch) / sec / 1e12
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
-        row = dict(preset=args.preset, grouped_matmul=impl, fused_swiglu=fused, layerwise=args.layerwise, scan=args.scan, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
+        row = dict(preset=args.preset, grouped_matmul=impl, ssd=resolve(None).ssd, fused_swiglu=fused, layerwise=args.layerwise, scan=args.scan, layers=cfg.num_hidden_layers, batch=args.batch, seq_len=t, dtype=args.dtype,
                    compile_s=round(compile_s, 2), prefill_ms=round(sec * 1e3, 2), tokens_per_s=round(n / sec),
                    tflops=round(tflops, 1), mfu=round(tflops / PEAK_TFLOPS, 4),
                    peak_gib=round(peak / 2**30, 2) if peak else None, logits_finite=finite,

@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -79,7 +80,9 @@ def prepare_mamba_kernels(choice: str) -> str:
         return "mamba_ssm is not installed"
     notes = []
     if importlib.util.find_spec("selective_scan_cuda") is None:
-        sys.modules["selective_scan_cuda"] = MissingExtension("selective_scan_cuda")
+        stand_in = MissingExtension("selective_scan_cuda")
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("selective_scan_cuda", None)  # find_spec() answers it
+        sys.modules["selective_scan_cuda"] = stand_in
         notes.append("selective_scan_cuda (Mamba-1's CUDA scan, not used) is a stand-in")
     try:
         importlib.import_module("mamba_ssm")

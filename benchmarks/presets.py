@@ -19,8 +19,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 def model_config(ap: argparse.ArgumentParser, args: argparse.Namespace) -> FamilyConfig:
     """The preset's config, of its family, cut to --num-layers; a name or a layer count that does not fit is a usage
-    error (ap.error). A Qwen3.5-MoE preset takes any number of layers (its pattern follows num_hidden_layers, as
-    these benchmarks have always made it); a Nemotron-H one keeps the first N layers of its pattern."""
+    error (ap.error). A Qwen3.5-MoE preset takes any number of layers (its pattern follows num_hidden_layers);
+    a Nemotron-H one keeps the first N layers of its pattern."""
     try:
         cfg = config_from_preset(args.preset)
     except ConfigError as e:

@@ -7,6 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# bf16 inputs (compared with float64 on their bf16 values): the kernels round the chunk's C B^T, its decay-weighted
+# scores, the state where it meets C and B weighted by its decay to bf16 (unit roundoff 2^-9 = 2e-3) before the
+# tensor-core products, accumulating in fp32: a few roundings in a row give a few 1e-3 (measured 2-4e-3), so 1e-2
+# leaves room without hiding a wrong term (a missing decay, chunk or state gives errors of order 1).
+BOUND = 1e-2
+# fp32 inputs: exact fp32 products, so only fp32 rounding over a few hundred terms (measured below 1e-6).
+BOUND_FP32 = 1e-5
+
+
 def ssd_inputs(rng, b, t, h, p, g, n, *, initial: bool, dtype=jnp.bfloat16, lengths=None):
     """x [B, T, H, P], B, C [B, T, G, N] in `dtype` (SiLU outputs of the conv, as the mixer feeds them); dt [B, T, H]
     fp32 as the mixer discretises it (softplus of a projection plus a bias drawn like transformers' dt_bias, clamped

@@ -503,7 +503,7 @@ def test_prefill_bench_runs_nemotron_h_with_its_own_flop_count(tmp_path, monkeyp
                                           "--dtype", "float32", "--layerwise", "--num-layers", "5"],
                         tmp_path / "prefill.json")
     (row,) = saved["rows"]
-    assert list(row) == ["preset", "grouped_matmul", "fused_swiglu", "layerwise", "scan", "layers", "batch",
+    assert list(row) == ["preset", "grouped_matmul", "ssd", "fused_swiglu", "layerwise", "scan", "layers", "batch",
                          "seq_len", "dtype", "compile_s", "prefill_ms", "tokens_per_s", "tflops", "mfu", "peak_gib",
                          "logits_finite", "times_ms", "host_ms", "trace"]
     assert (row["preset"], row["layers"], row["seq_len"], row["logits_finite"]) == ("nemotron-h:tiny", 5, 32, True)
@@ -725,13 +725,14 @@ def test_prefill_ratio_puts_both_sides_by_length_and_shows_what_did_not_finish(t
     spec = importlib.util.spec_from_file_location("prefill_ratio", BENCHMARKS / "gpu" / "prefill_ratio.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    same = dict(preset="nemotron-h:nano-30b-a3b", layers=52, batch=1, logits_finite=True)
     ours = tmp_path / "prefill.json"
-    ours.write_text(json.dumps({"rows": [dict(seq_len=4096, prefill_ms=80.0, mfu=0.4),
-                                         dict(seq_len=16384, prefill_ms=300.0, mfu=0.5),
-                                         dict(seq_len=32768, prefill_ms=700.0, mfu=0.5)]}))
+    ours.write_text(json.dumps({"rows": [dict(seq_len=4096, prefill_ms=80.0, mfu=0.4, **same),
+                                         dict(seq_len=16384, prefill_ms=300.0, mfu=0.5, **same),
+                                         dict(seq_len=32768, prefill_ms=700.0, mfu=0.5, **same)]}))
     theirs = tmp_path / "hf.json"
     theirs.write_text(json.dumps({"rows": [
-        dict(seq_len=4096, prefill_ms=200.0, mfu=0.16, mamba_path="mamba_ssm"),
+        dict(seq_len=4096, prefill_ms=200.0, mfu=0.16, mamba_path="mamba_ssm", **same),
         dict(seq_len=16384, error="out of device memory: CUDA", mamba_path="torch")]}))
     header, *rows, path = mod.lines(mod.read(ours), mod.read(theirs))
     assert header.split() == ["tokens", "jax_dwdp", "ms", "MFU", "transformers", "ms", "MFU", "ratio"]
@@ -740,6 +741,12 @@ def test_prefill_ratio_puts_both_sides_by_length_and_shows_what_did_not_finish(t
     assert rows[2].split() == ["32768", "700.0", "50.0%", "-", "-"]
     assert path == "transformers' Mamba-2 path: mamba_ssm, torch"
     assert mod.read(tmp_path / "missing.json") == {} and len(mod.lines(mod.read(ours), {})) == 4
+    # a stale file of another depth, or logits that are not finite: no ratio, and why
+    theirs.write_text(json.dumps({"rows": [dict(seq_len=4096, prefill_ms=200.0, mfu=0.16, **{**same, "layers": 8})]}))
+    assert mod.lines(mod.read(ours), mod.read(theirs))[1].endswith("-  (no ratio: layers 52 vs 8)")
+    theirs.write_text(json.dumps({"rows": [dict(seq_len=4096, prefill_ms=200.0, mfu=0.16,
+                                                **{**same, "logits_finite": False})]}))
+    assert mod.lines(mod.read(ours), mod.read(theirs))[1].endswith("(no ratio: logits not finite)")
 
 
 def test_layer_kernel_probe_names_each_fusion(tmp_path):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jax_dwdp.nemotron_h_config import NemotronHConfig
-from tests.ssd_cases import check_against_reference, poisoned, reference_per_sequence, rel_err, ssd_inputs
-from tests.test_ssd_kernel import BOUND
+from tests.ssd_cases import (BOUND, BOUND_FP32, check_against_reference, poisoned, reference_per_sequence, rel_err,
+                             ssd_inputs)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,7 +22,7 @@ pytestmark = [
 
 CFG = NemotronHConfig.preset("nano-30b-a3b")
 H, P, G, N, CHUNK = CFG.mamba_num_heads, CFG.mamba_head_dim, CFG.n_groups, CFG.ssm_state_size, CFG.chunk_size
-LENGTHS = np.array([4096, 1, 63, 64, 65, 1000])
+LENGTHS = np.array([4000, 1, 63, 64, 65, 1000])  # the longest off the chunk: the batch's masked stores run
 
 
 @functools.lru_cache(maxsize=2)
@@ -43,7 +43,7 @@ def _mixed_batch(initial: bool):
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("initial", [False, True])
 def test_kernel_matches_float64_and_xla_at_30b_a3b_heads(fused, initial):
-    """Lengths 4096, 1, 63, 64, 65 and 1000 in one right-padded batch, bf16 inputs, y into a NaN-filled buffer:
+    """Lengths 4000, 1, 63, 64, 65 and 1000 in one right-padded batch, bf16 inputs, y into a NaN-filled buffer:
     each sequence's y and final state within BOUND of float64 alone, and of the XLA scan on the same batch."""
     from jax_dwdp.kernels.ssd_pallas import Tuning, ssd_chunked_pallas
 
@@ -77,6 +77,17 @@ def test_chosen_kernel_single_lengths(rng, t):
                                                                                      np.asarray(s_named))
     ref = reference_per_sequence(x, dt, a, b, c, h0, [t], chunked=True)
     check_against_reference(y, state, ref, [t], f"GPU chosen T={t}", BOUND)
+
+
+def test_fp32_inputs_compile_and_match_float64(rng):
+    """fp32 inputs (fp32 operands, IEEE products: twice the bf16 loop's shared memory) compile for this GPU and
+    stay within the fp32 bound of float64, off the chunk."""
+    from jax_dwdp.kernels.ssd_pallas import ssd_chunked_pallas
+
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 1, 1000, H, P, G, N, initial=True, dtype=jnp.float32)
+    y, state = ssd_chunked_pallas(x, dt, a, b, c, h0, poisoned(x.shape), chunk_size=CHUNK)
+    ref = reference_per_sequence(x, dt, a, b, c, h0, [1000], chunked=True)
+    check_against_reference(y, state, ref, [1000], "GPU fp32 T=1000", BOUND_FP32)
 
 
 def test_kernel_in_two_pieces_equals_one(rng):

@@ -13,16 +13,9 @@ import pytest
 from jax_dwdp.kernels import ssd
 from jax_dwdp.kernels.choices import KernelChoices
 from jax_dwdp.kernels.ssd_pallas import Tuning, ssd_chunked_pallas
-from tests.ssd_cases import (check_against_reference, f64, poisoned, reference_per_sequence, rel_err, ssd_float64,
-                             ssd_float64_chunked, ssd_inputs)
+from tests.ssd_cases import (BOUND, BOUND_FP32, check_against_reference, f64, poisoned, reference_per_sequence,
+                             rel_err, ssd_float64, ssd_float64_chunked, ssd_inputs)
 
-# bf16 inputs (compared with float64 on their bf16 values): the kernels round the chunk's C B^T, its decay-weighted
-# scores, the state where it meets C and B weighted by its decay to bf16 (unit roundoff 2^-9 = 2e-3) before the
-# tensor-core products, accumulating in fp32: a few roundings in a row give a few 1e-3 (measured 2-4e-3), so 1e-2
-# leaves room without hiding a wrong term (a missing decay, chunk or state gives errors of order 1).
-BOUND = 1e-2
-# fp32 inputs: exact fp32 products, so only fp32 rounding over a few hundred terms (measured below 1e-6).
-BOUND_FP32 = 1e-5
 # Small heads so that interpret mode stays quick: 4 heads in 2 groups of B/C, P = 32 in two blocks of 16 state rows
 # (the loop kernels' grid covers P in pieces), N = 16, chunks of 64 (lengths 63, 64, 65 sit around a boundary).
 H, P, G, N, CHUNK = 4, 32, 2, 16, 64

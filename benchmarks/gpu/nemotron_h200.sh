@@ -14,14 +14,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/gpu/_limits.sh
 source benchmarks/gpu/_bundle_out.sh
-SEQS=${SEQS:-4096 16384 32768}
+SEQS=${SEQS:-$(by_memory "4096 16384 32768" "4096 16384")}  # 63 GB of weights: 32K's activations fit an H200 only
 PRESET=${PRESET:-nemotron-h:nano-30b-a3b}
 HF_MAMBA=${HF_MAMBA:-auto}
 SITE=${SITE:-/tmp/site}  # where .whl/*.whl are installed, for transformers only
 layers=${NUM_LAYERS:+--num-layers $NUM_LAYERS}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1 \
+  python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1 \
     || echo "installing .whl/*.whl failed (pip.log): transformers runs with what the image has"
 else
   echo "no .whl/: transformers runs with what the image has (no mamba_ssm: its PyTorch Mamba-2 forms)"

@@ -30,13 +30,24 @@ def cell(row: dict | None, width: int) -> str:
     return f"{row['prefill_ms']:>{width}.1f} {row['mfu']:>6.1%}"
 
 
+def mismatch(a: dict, b: dict) -> str:
+    """Why two rows of one length are not the same prefill ("" when they are): another preset, depth or batch (a
+    stale file of another run), or logits that are not finite on either side."""
+    for key in ("preset", "layers", "batch"):
+        if a.get(key) != b.get(key):
+            return f"{key} {a.get(key)} vs {b.get(key)}"
+    if not (a.get("logits_finite") and b.get("logits_finite")):
+        return "logits not finite"
+    return ""
+
+
 def lines(ours: dict, theirs: dict) -> list[str]:
     out = [f"{'tokens':>8} {'jax_dwdp ms':>11} {'MFU':>6} {'transformers ms':>15} {'MFU':>6} {'ratio':>7}"]
     for t in sorted(set(ours) | set(theirs)):
         a, b = ours.get(t), theirs.get(t)
-        ratio = (f"{b['prefill_ms'] / a['prefill_ms']:>6.2f}x" if a and b and "error" not in a and "error" not in b
-                 else f"{'-':>7}")
-        out.append(f"{t:>8} {cell(a, 11)} {cell(b, 15)} {ratio}")
+        why = mismatch(a, b) if a and b and "error" not in a and "error" not in b else None
+        ratio = f"{b['prefill_ms'] / a['prefill_ms']:>6.2f}x" if why == "" else f"{'-':>7}"
+        out.append(f"{t:>8} {cell(a, 11)} {cell(b, 15)} {ratio}" + (f"  (no ratio: {why})" if why else ""))
     mamba = {r.get("mamba_path") for r in theirs.values()} - {None}
     if mamba:
         out.append(f"transformers' Mamba-2 path: {', '.join(sorted(mamba))}")
