@@ -8,7 +8,7 @@ chunks of 128) unless --smoke. torch reads the same device buffers through DLPac
 checked against one reference, the XLA scan in fp32 with exact products (`ssd_chunked_xla`, within 1e-5 of a
 float64 recurrence in tests/test_nemotron_h.py), and its relative error (norm) and largest absolute error printed.
 
-Times are the wall time of --calls back-to-back calls divided by --calls, median of --reps, after two warm-up calls,
+Times are the wall time of --calls back-to-back calls divided by --calls, median of --reps, after three warm-up calls,
 for every implementation alike (so launch and host overheads count the same way); torch's rows also carry
 triton.testing.do_bench's median (CUDA events, L2 flushed). TFLOP/s counts the chunked form's products (C B^T per
 group and chunk; per head and chunk the intra-chunk product, the chunk's state and the state's output); GB/s the
@@ -22,8 +22,8 @@ mamba_ssm is imported lazily: carried as a wheel built without its CUDA extensio
 whose package __init__ imports one (`selective_scan_cuda`), so the package is entered without running it (the SSD
 ops are Triton only); absent, its rows are skipped and the reason printed. transformers' torch path
 (`modeling_nemotron_h.mamba2_chunk_scan`, unwrapped from its kernel-hub decorator so that it is the torch code and
-not mamba_ssm's) materialises [chunks, L, L, heads, head_dim]- and [chunks, L, heads, head_dim, state]-sized
-products (17 GB each at 4K tokens): it runs up to --torch-max-tokens (default 4096).
+not mamba_ssm's) materialises fp32 products of [chunks, L, L, heads, state] (17 GB at 4K tokens) and [chunks, L,
+L, heads, head_dim] / [chunks, L, heads, head_dim, state] (8.6 GB each): it runs up to --torch-max-tokens (default 4096).
 """
 
 from __future__ import annotations

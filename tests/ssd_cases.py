@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from tests.gdn_cases import rel_err  # noqa: F401 (the SSD tests' too)
+
 
 # bf16 inputs (compared with float64 on their bf16 values): the kernels round the chunk's C B^T, its decay-weighted
 # scores, the state where it meets C and B weighted by its decay to bf16 (unit roundoff 2^-9 = 2e-3) before the
@@ -92,11 +94,6 @@ def reference_per_sequence(x, dt, a, b, c, h0, lengths, *, chunked: bool = False
                   *(f64(v[i : i + 1, :length]) for v in (b, c)), state[None])
         out.append((y[0], s[0]))
     return out
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def check_against_reference(y, state, ref, lengths, label: str, bound: float) -> float:

@@ -79,10 +79,6 @@ def ssd_chunked(
         return xla(*args)
     from jax_dwdp.kernels import ssd_pallas
 
-    if not ssd_pallas.supported(chunk_size, p, n):
-        raise ValueError(f"ssd_chunked: the pallas kernel needs chunk_size, head_dim and state_size powers of two "
-                         f">= 16, got {chunk_size}, {p}, {n}")
-
     def pallas(x, dt, a, b, c, initial_state):
         return ssd_pallas.ssd_chunked_pallas(x, dt, a, b, c, initial_state, chunk_size=chunk_size)
 

@@ -260,7 +260,7 @@ def scores(c, b, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = Fal
     )(c, b)
 
 
-def _loop_specs(a, dt, x, b, bp: int, rep: int):
+def _loop_specs(a, dt, b, bp: int, rep: int):
     """BlockSpecs of the loop kernels' common inputs (grid (B, H, P / bp)): A whole, a head's dt [T'], its rows of x
     [T', bp], its group's B (or C) [T', N]. The blocks span T' rows; x's, B's and C's rows past T are masked."""
     tp = dt.shape[-1]
@@ -283,7 +283,7 @@ def scan(a, dt, x, b, c, cb, initial_state=None, out=None, *, chunk: int, y_dtyp
     bp = min(tuning.block_p or _block_p(bsz, h, p), p)
     state = pl.BlockSpec((None, None, bp, n), lambda i, hh, j: (i, hh, j, 0))
     y_spec = pl.BlockSpec((None, tp, None, bp), lambda i, hh, j: (i, 0, hh, j))
-    common = _loop_specs(a, dt, x, b, bp, rep)
+    common = _loop_specs(a, dt, b, bp, rep)
     in_specs = [*common, common[-1], pl.BlockSpec((None, None, tp, chunk), lambda i, hh, j: (i, hh // rep, 0, 0))]
     args = [a, dt, x, b, c, cb]
     if initial_state is not None:
@@ -314,7 +314,7 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
     nc = dt.shape[-1] // chunk
     bp = min(tuning.block_p or _block_p(bsz, h, p), p)
     state = pl.BlockSpec((None, None, bp, n), lambda i, hh, j: (i, hh, j, 0))
-    in_specs = _loop_specs(a, dt, x, b, bp, h // g)
+    in_specs = _loop_specs(a, dt, b, bp, h // g)
     args = [a, dt, x, b]
     if initial_state is not None:
         in_specs.append(state)
