@@ -34,8 +34,8 @@ from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
 class AwaitedExperts(NamedTuple):
     """Expert weights that a copy may still be writing (DWDP's CUDA VMM store): `wait(weights, after)` returns
     `weights` usable once XLA's stream has waited for that copy, ordered after `after`. The routed experts call it
-    with their first grouped matmul's input, right before that matmul, so the wait sits beside the matmul's custom
-    call: the layer's command buffers break there once, not also at the MoE's start (benchmarks/RESULTS.md,
+    with their first grouped matmul's input, right before that matmul: the latest the wait can be, so the copy has
+    the most compute to hide under (on one H100 it cost the same as a wait at the MoE's input: benchmarks/RESULTS.md,
     "zero-copy DWDP")."""
 
     weights: tuple[jax.Array, jax.Array]
