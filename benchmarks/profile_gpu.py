@@ -43,6 +43,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+def _rate(value: float) -> float:
+    """A rate kept to four significant digits: the planner refuses a zero rate, and the CPU stand-in's rates are
+    far below one TFLOP/s, so rounding to fixed decimals would write 0."""
+    return float(f"{value:.4g}")
+
+
 def _git_head() -> str:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -188,10 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
         "memory_gib": {"value": round(memory / 2**30, 1),
                        "source": f"{where}: " + ("XLA's bytes_limit" if gpu else "the host's memory (cpu stand-in)")},
         "layers": layers,
-        "gemm": {"dense_tflops": {"value": round(dense_tflops, 3), "source": f"{where}: {n}^3 matmul, {dense_ms:.4f} ms"},
-                 "grouped_tflops": {"value": round(grouped_tflops, 3),
+        "gemm": {"dense_tflops": {"value": _rate(dense_tflops), "source": f"{where}: {n}^3 matmul, {dense_ms:.4f} ms"},
+                 "grouped_tflops": {"value": _rate(grouped_tflops),
                                     "source": f"{where}: gate_up + down grouped GEMMs at {t} tokens, {gemm_ms:.4f} ms"}},
-        "copy": {"alone_gib_s": {"value": round(copy["bytes"] / 2**30 / (copy["idle_ms"] * 1e-3), 3),
+        "copy": {"alone_gib_s": {"value": _rate(copy["bytes"] / 2**30 / (copy["idle_ms"] * 1e-3)),
                                  "source": f"{where}: {copy['how']}, {copy['bytes']} bytes in {copy['idle_ms']:.4f} ms"},
                  "under_compute": under},
         "link": link,
