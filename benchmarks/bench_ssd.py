@@ -19,7 +19,7 @@ bytes that must move at least (inputs read once, y and the final state written o
     python benchmarks/bench_ssd.py --smoke --out /tmp/ssd.json     # CPU: tiny heads, JAX variants (interpret mode)
 
 mamba_ssm is imported lazily: carried as a wheel built without its CUDA extensions (`MAMBA_SKIP_CUDA_BUILD=TRUE`),
-whose package __init__ imports one (`selective_scan_cuda`), so the package is entered without running it (the SSD
+whose package __init__ imports one (`selective_scan_cuda`): benchmarks/mamba_kernels.py puts in a stand-in (the SSD
 ops are Triton only); absent, its rows are skipped and the reason printed. transformers' torch path
 (`modeling_nemotron_h.mamba2_chunk_scan`, unwrapped from its kernel-hub decorator so that it is the torch code and
 not mamba_ssm's) materialises fp32 products of [chunks, L, L, heads, state] (17 GB at 4K tokens) and [chunks, L,
@@ -29,19 +29,19 @@ L, heads, head_dim] / [chunks, L, heads, head_dim, state] (8.6 GB each): it runs
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import json
 import os
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # mamba_kernels, when loaded by path (tests)
 
 from jax_dwdp.timing import wall_ms  # noqa: E402
+from mamba_kernels import import_mamba_ssm  # noqa: E402
 # JAX and torch share the GPU here: JAX takes memory as it needs it instead of 75% at start.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -51,14 +51,9 @@ HEADS_SMOKE = dict(h=4, p=32, g=2, n=16, chunk=32)
 
 def load_mamba():
     """(mamba_chunk_scan_combined, version) or (None, why not)."""
-    spec = importlib.util.find_spec("mamba_ssm")
-    if spec is None:
-        return None, "mamba_ssm is not installed (the wheel in .whl/, pip install --no-deps)"
-    if "mamba_ssm" not in sys.modules:  # the package without its __init__ (which imports the CUDA extension)
-        package = types.ModuleType("mamba_ssm")
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__spec__ = spec
-        sys.modules["mamba_ssm"] = package
+    notes = import_mamba_ssm()
+    if "mamba_ssm" not in sys.modules:
+        return None, "; ".join(notes)
     try:
         from importlib.metadata import version
 

@@ -32,15 +32,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
-import importlib.machinery
 import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
-import types
 from collections import Counter
 from pathlib import Path
 
@@ -48,22 +45,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # presets, when loaded by path (tests)
+from mamba_kernels import import_mamba_ssm  # noqa: E402
 from presets import add_model_args, model_config  # noqa: E402
 
 PEAK_TFLOPS = 781.0
 NEMOTRON_MODELING = "transformers.models.nemotron_h.modeling_nemotron_h"
 # modeling_nemotron_h's module-level functions that its Mamba-2 prefill calls, by the name this script reports.
 MAMBA_FUNCTIONS = {"ssd_scan": "mamba2_chunk_scan", "conv1d": "causal_conv1d_fn"}
-
-
-class MissingExtension(types.ModuleType):
-    """Stands in for a CUDA extension of mamba_ssm that its wheel was built without, so that the package (whose
-    __init__ imports the extension for Mamba-1's selective scan) imports and its Triton kernels can be used. Any
-    use of the extension itself is refused."""
-
-    def __getattr__(self, name: str):
-        raise AttributeError(f"{self.__name__} is a stand-in (mamba_ssm was built without its CUDA extensions): "
-                             f"{self.__name__}.{name} is not available")
 
 
 def prepare_mamba_kernels(choice: str) -> str:
@@ -76,18 +64,7 @@ def prepare_mamba_kernels(choice: str) -> str:
             if name not in sys.modules:
                 sys.modules[name] = None  # importing it raises ImportError: transformers takes its PyTorch forms
         return "mamba_ssm and causal_conv1d kept from transformers (--mamba-kernels torch)"
-    if importlib.util.find_spec("mamba_ssm") is None:
-        return "mamba_ssm is not installed"
-    notes = []
-    if importlib.util.find_spec("selective_scan_cuda") is None:
-        stand_in = MissingExtension("selective_scan_cuda")
-        stand_in.__spec__ = importlib.machinery.ModuleSpec("selective_scan_cuda", None)  # find_spec() answers it
-        sys.modules["selective_scan_cuda"] = stand_in
-        notes.append("selective_scan_cuda (Mamba-1's CUDA scan, not used) is a stand-in")
-    try:
-        importlib.import_module("mamba_ssm")
-    except Exception as e:  # transformers would fall back for the same reason: say which
-        notes.append(f"mamba_ssm does not import ({type(e).__name__}: {e})")
+    notes = import_mamba_ssm()
     if importlib.util.find_spec("causal_conv1d") is None:
         notes.append("causal_conv1d is not installed")
     return "; ".join(notes) or "mamba_ssm and causal_conv1d import"

@@ -568,7 +568,7 @@ def test_transformers_reference_binds_mamba_ssm_without_its_cuda_extension(tmp_p
     assert saved["rows"][0]["mamba_calls_first_call"] == {"ssd_scan": 2, "conv1d": 2}
     assert saved["rows"][0]["logits_finite"] and "Mamba-2 path mamba_ssm" in done.stdout
     with pytest.raises(AttributeError, match="stand-in"):
-        load("bench_transformers").MissingExtension("selective_scan_cuda").fwd
+        load("mamba_kernels").MissingExtension("selective_scan_cuda").fwd
 
 
 def test_probe_power_summarizes_loaded_samples_and_runs_without_nvidia_smi(tmp_path, monkeypatch):
