@@ -223,7 +223,7 @@ def grouped_matmul_swiglu(
 
 def _gather_call(target: str, what: str, n_multiple: int, n_out_div: int, x, row_token, w, group_sizes,
                  config: int) -> jax.Array:
-    (t, k), (m,), (g, n, _) = x.shape, row_token.shape, w.shape
+    (_, k), (m,), (g, n, _) = x.shape, row_token.shape, w.shape
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         raise ValueError(f"cutlass {what} takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
     if k % 8 or n % n_multiple:

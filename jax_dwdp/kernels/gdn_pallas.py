@@ -45,6 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ._triton_rows import iota, load_rows, store_rows
+
 CHUNK = 64
 SUB = 16  # sub-block of the triangular solve
 EPS = 1e-6  # l2 norm epsilon, as the reference
@@ -67,31 +69,21 @@ def supported(dk: int, dv: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
 
 
-def _iota(shape, dim):
-    return lax.broadcasted_iota(jnp.int32, shape, dim)
-
-
 def _load(ref, n, t: int, start: int = 0):
-    """ref[...] for rows [n*CHUNK + start, ...) of a [.., t, ..] array (t static) that is not padded to the chunk:
-    rows past t read as zeros (a masked load; a plain load when t is a multiple of CHUNK)."""
-    if t % CHUNK == 0:
-        return ref[...]
-    return plgpu.load(ref, mask=n * CHUNK + start + _iota(ref.shape, 0) < t, other=jnp.zeros((), ref.dtype))
+    """ref[...] for rows [n*CHUNK + start, ...) of a [.., t, ..] array (t static) that is not padded to the chunk."""
+    return load_rows(ref, n * CHUNK + start, t, t % CHUNK != 0)
 
 
 def _store(ref, value, n, t: int):
     """ref[...] = value for rows [n*CHUNK, ...) of a [.., t, ..] array: rows past t are not written."""
-    if t % CHUNK == 0:
-        ref[...] = value
-    else:
-        plgpu.store(ref, value, mask=n * CHUNK + _iota(ref.shape, 0) < t)
+    store_rows(ref, value, n * CHUNK, t, t % CHUNK != 0)
 
 
 def _inverse_unit_lower(a: jax.Array) -> jax.Array:
     """(I + a)^-1 for a strictly lower-triangular [S, S] tile, by forward substitution over its rows."""
     s = a.shape[0]
-    rows, cols = _iota((s, s), 0), _iota((s, s), 1)
-    col = _iota((s,), 0)
+    rows, cols = iota((s, s), 0), iota((s, s), 1)
+    col = iota((s,), 0)
     x = (rows == cols).astype(_F32)
     for i in range(1, s):
         a_row = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :], zero from column i on
@@ -105,7 +97,7 @@ def _inverse_unit_lower_doubling(a: jax.Array, precision, order: int = SUB) -> j
     """(I + a)^-1 = (I - a)(I + a^2)(I + a^4)(I + a^8) for a strictly lower-triangular tile with a^order = 0 (a 16x16
     block, or 16x16 blocks on a diagonal): six fp32 products instead of fifteen dependent row reductions."""
     s = a.shape[0]
-    eye = (_iota((s, s), 0) == _iota((s, s), 1)).astype(_F32)
+    eye = (iota((s, s), 0) == iota((s, s), 1)).astype(_F32)
     x, power = eye - a, a
     p = 2
     while p < order:
@@ -126,7 +118,7 @@ def _prep_wide(k, v, g_ref, beta_ref, w_ref, u_ref, kg_ref, cum_ref, precisions)
     g, beta = g_ref[...], beta_ref[...]
     cum = jnp.cumsum(g)
     total = jnp.sum(g)
-    rows, cols = _iota((CHUNK, CHUNK), 0), _iota((CHUNK, CHUNK), 1)
+    rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
     lower = rows > cols
     system = plgpu.dot(k, k, trans_b=True) * (beta * rk)[:, None] * rk[None, :]
     system = jnp.where(lower, system * jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
@@ -154,7 +146,7 @@ def _scores(q, k, cum, scale: float):
     qf, kf = q.astype(_F32), k.astype(_F32)
     rq = lax.rsqrt(jnp.sum(qf * qf, axis=1) + EPS) * scale
     rk = lax.rsqrt(jnp.sum(kf * kf, axis=1) + EPS)
-    causal = _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
+    causal = iota((CHUNK, CHUNK), 0) >= iota((CHUNK, CHUNK), 1)
     scores = plgpu.dot(q, k, trans_b=True) * rq[:, None] * rk[None, :]
     scores = jnp.where(causal, scores * jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
     return scores, rq * jnp.exp(cum)
@@ -198,7 +190,7 @@ def _prep_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, *refs, inverse: str, me
             cums.append(cum)
             betas.append(beta_a)
             vbs.append(_load(v_ref.at[rows, :], n, t, a * SUB).astype(_F32) * beta_a[:, None])
-        rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+        rows, cols = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
 
         # Blocks of the strictly lower system A (a >= c), from raw bf16 k on the tensor cores.
         system = {}
@@ -277,7 +269,7 @@ def _fused_kernel(len_ref, q_ref, qs_ref, a_ref, w_ref, u_ref, kg_ref, cum_ref, 
     length = len_ref[b]
     num_chunks = (length + CHUNK - 1) // CHUNK
     state = h0_ref[...].astype(_F32) if has_initial else jnp.zeros(ht_ref.shape, _F32)
-    row = _iota((CHUNK, 1), 0)
+    row = iota((CHUNK, 1), 0)
 
     def chunk(n, state):
         rows = pl.ds(n * CHUNK, CHUNK)
@@ -308,7 +300,7 @@ def _output_kernel(len_ref, q_ref, k_ref, cum_ref, hs_ref, vn_ref, *rest, scale:
         scores, q_scale = _scores(q, _load(k_ref, n, t), cum_ref[...], scale)
         inter = plgpu.dot(q, hs_ref[...]) * q_scale[:, None]
         intra = plgpu.dot(scores.astype(vn_ref.dtype), vn_ref[...])
-        valid = n * CHUNK + _iota((CHUNK, 1), 0) < len_ref[b]  # zeros past the sequence's end
+        valid = n * CHUNK + iota((CHUNK, 1), 0) < len_ref[b]  # zeros past the sequence's end
         _store(o_ref, jnp.where(valid, inter + intra, 0.0).astype(o_ref.dtype), n, t)
 
     @pl.when(jnp.logical_not(inside))

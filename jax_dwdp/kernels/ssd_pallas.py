@@ -44,6 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ._triton_rows import iota, load_rows, store_rows
+
 _F32 = jnp.float32
 _HALF = (jnp.bfloat16, jnp.float16)
 _SMS = 128  # about one program per multiprocessor of an H100 / H200 (132): the loop kernels' target parallelism
@@ -65,10 +67,6 @@ def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
-def _iota(shape, dim):
-    return lax.broadcasted_iota(jnp.int32, shape, dim)
-
-
 class _Rows:
     """Rows [first, first + size) of one chunk. `local`: where the chunk starts in the refs read and written (n L in
     a whole-sequence block, 0 in a one-chunk block); `start`: where it starts in the sequence (n L). Rows at or past
@@ -78,21 +76,14 @@ class _Rows:
     def __init__(self, local, start, first: int, size: int, t: int, masked: bool):
         self.local, self.start, self.first, self.size, self.t, self.masked = local, start, first, size, t, masked
 
-    def _mask(self, shape):
-        return self.start + self.first + _iota(shape, 0) < self.t
+    def _view(self, ref):
+        return ref.at[pl.ds(self.local + self.first, self.size)]
 
     def load(self, ref):
-        view = ref.at[pl.ds(self.local + self.first, self.size)]
-        if not self.masked:
-            return view[...]
-        return plgpu.load(view, mask=self._mask(view.shape), other=jnp.zeros((), ref.dtype))
+        return load_rows(self._view(ref), self.start + self.first, self.t, self.masked)
 
     def store(self, ref, value):
-        view = ref.at[pl.ds(self.local + self.first, self.size)]
-        if not self.masked:
-            view[...] = value.astype(ref.dtype)
-        else:
-            plgpu.store(view, value.astype(ref.dtype), mask=self._mask(view.shape))
+        store_rows(self._view(ref), value, self.start + self.first, self.t, self.masked)
 
 
 def _row_blocks(local, start, chunk: int, blocks: int, t: int) -> list[_Rows]:
@@ -120,7 +111,7 @@ def _outputs(cb_ref, rows: list[_Rows], xs, cs, state, dts, cums):
     product. On the diagonal the exponent is masked before exp (above it, it is positive and could overflow); below
     it every exponent is <= 0."""
     size = rows[0].size
-    causal = _iota((size, size), 0) >= _iota((size, size), 1)
+    causal = iota((size, size), 0) >= iota((size, size), 1)
     ys = []
     for k, rk in enumerate(rows):
         y = _dot(cs[k], state.astype(cs[k].dtype), trans_b=True) * jnp.exp(cums[k])[:, None]
