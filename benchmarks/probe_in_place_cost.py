@@ -14,12 +14,9 @@ the same process, as in bench_dwdp.py in-place), each a layer-wise prefill of on
                  wait right before each MoE's first grouped matmul (the store with its copies off: bench_dwdp's
                  column): what the two custom calls cost (a prefetch that is not waited for is refused, so they
                  come as a pair)
-  nolink, wait first
-                 nolink with each layer's wait at its program's start, beside the prefetch (`WaitFirst`)
-  nolink, wait no effect
-                 nolink with the wait no side effect to JAX (`has_side_effect=False`; the store's wait is one, which
-                 puts a JAX effect on every layer program and takes it off jax's C++ dispatch path; the barrier
-                 consumes the token, so XLA keeps the call either way; `NoEffectWait`)
+  nolink, wait an effect
+                 nolink with the wait call marked a side effect to JAX (`EffectWait`): what an effect on every
+                 layer program costs (it takes the program's calls off jax's C++ dispatch path)
 Each variant also reports its host dispatch time: how long the layer-wise prefill call takes to return, before
 its outputs are ready (a prefill whose dispatch nears its total time is bound by the host).
 
@@ -81,38 +78,20 @@ class Views(FfiStoreSource):
         return pending
 
 
-class WaitFirst(FfiStoreSource):
-    """nolink with the wait for a layer's own experts moved to its program's start, beside the next layer's
-    prefetch (the wait's `after` operand is the layer's input instead of the grouped matmul's). Layer l's copy then
-    has layer l-1 only, not also layer l's attention, to hide under."""
-
-    _start = None
-
-    def overlap(self, h, ahead):
-        h, token = super().overlap(h, ahead)
-        self._start = h  # read by `experts`, in the same layer's trace
-        return h, token
-
-    def experts(self, pending):
-        if pending is None:
-            return None
-        start, self._start = self._start, None  # (the last layer prefetches nothing: where nolink waits)
-        return AwaitedExperts(pending, lambda experts, after: self.store.wait(experts, after if start is None
-                                                                              else start))
-
-
-class NoEffectWait(FfiStoreSource):
-    """nolink with dwdp_wait not marked as a side effect to JAX."""
+class EffectWait(FfiStoreSource):
+    """nolink with the store's wait call marked a side effect (`has_side_effect=True`), nothing else changed: the
+    JAX effect that puts on every layer program, alone."""
 
     def experts(self, pending):
         if pending is None:
             return None
 
         def wait(experts, after):
-            call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct((), jnp.int32))
-            token = call(*experts, after, **self.store.vmm.wait_attributes())
-            gate_up, down, _ = jax.lax.optimization_barrier((*experts, token))
-            return gate_up, down
+            call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct(after.shape, after.dtype),
+                                    input_output_aliases={2: 0}, has_side_effect=True)
+            after = call(*experts, after, **self.store.vmm.wait_attributes())
+            gate_up, down, after = jax.lax.optimization_barrier((*experts, after))
+            return (gate_up, down), after
         return AwaitedExperts(pending, wait)
 
 
@@ -148,8 +127,7 @@ def main(argv=None):
             jax.block_until_ready(filled(tokens, lengths, logits="last", mode="layerwise"))  # the slots filled
         stores[0].skip_peers = True  # from here on the prefetches copy nothing
         variants = {"local": LocalSource(), "buffers": Buffers(model), "views": Views(stores[0]),
-                    "nolink": FfiStoreSource(stores[0]), "nolink, wait first": WaitFirst(stores[0]),
-                    "nolink, wait no effect": NoEffectWait(stores[0])}
+                    "nolink": FfiStoreSource(stores[0]), "nolink, wait an effect": EffectWait(stores[0])}
         want = {}
         for name, source in variants.items():
             runner = StageRunner(model, source, device=dev)

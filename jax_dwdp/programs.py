@@ -8,7 +8,6 @@ executables.
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import jax

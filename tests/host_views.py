@@ -91,7 +91,7 @@ class HostViews:
             self._poison(window, layer)
 
     def wait(self, experts, after):
-        return experts
+        return experts, after
 
     def sync(self):
         pass

@@ -71,11 +71,10 @@ def _worker(job: str, rank: int, world: int, layers: int, queue, gone=None, shap
                 raise RuntimeError("rank 1's process did not exit")
             errs = []
             for layer in range(layers):
-                def run(dep, layer=layer):
-                    gate_up, down = store.wait(store.prefetch(dep, layer), dep)
-                    return gate_up, down
+                def run(dep, layer=layer):  # (experts, after): the `after` output keeps the wait in the program
+                    return store.wait(store.prefetch(dep, layer), dep)
 
-                got = jax.jit(run)(jnp.ones((4,), jnp.float32))
+                got, _ = jax.jit(run)(jnp.ones((4,), jnp.float32))
                 for w in range(2):
                     want = np.concatenate([_block(r, layer, w, slots) for r in range(world)])[:EXPERTS]
                     errs.append(float(np.max(np.abs(np.asarray(got[w]) - want))))
@@ -177,7 +176,7 @@ def test_single_process_store_on_one_gpu():
     want = [[np.asarray(blocks[layer][w][0]) for w in range(2)] for layer in range(2)]
     with FaultyExpertStore.from_blocks([dev], blocks, EXPERTS, poison=True) as store:
         for layer in range(2):
-            got = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(jnp.ones(3))
+            got, _ = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(jnp.ones(3))
             for w in range(2):
                 np.testing.assert_array_equal(np.asarray(got[w]), want[layer][w])
     assert all(v == 0 for v in live_objects().values()), live_objects()
@@ -223,9 +222,9 @@ def _cycles_worker(job: str, rank: int, world: int, cycles: int, queue) -> None:
                     for layer in range(layers):
                         if in_place:
                             jax.jit(store.prefetch_in_place)(dep, store.layer_experts(layer))
-                            got = jax.jit(lambda g, w, d: store.wait((g, w), d))(*store.layer_experts(layer), dep)
+                            got, _ = jax.jit(lambda g, w, d: store.wait((g, w), d))(*store.layer_experts(layer), dep)
                         else:
-                            got = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(dep)
+                            got, _ = jax.jit(lambda d, layer=layer: store.wait(store.prefetch(d, layer), d))(dep)
                         for w in range(2):
                             np.testing.assert_array_equal(np.asarray(got[w]), want[layer][w])
                 finally:

@@ -83,8 +83,10 @@ def _prefetch_program(store):
 
 
 def _waited(store, layer, dep):
+    """Layer `layer`'s experts after the store's wait (the program returns the `after` the wait hands back too: that
+    output keeps the wait in it)."""
     gate_up, down = store.layer_experts(layer)
-    return jax.jit(lambda g, d, x: store.wait((g, d), x))(gate_up, down, dep)
+    return jax.jit(lambda g, d, x: store.wait((g, d), x))(gate_up, down, dep)[0]
 
 
 def test_the_views_hold_every_ranks_experts_after_the_wait():
@@ -139,10 +141,10 @@ def test_a_slot_is_not_refilled_while_its_layer_still_reads_it():
     store, dep = stores[0], jnp.ones(4)
 
     def read_long(g, d, x):
-        g, d = store.wait((g, d), x)
+        (g, d), x = store.wait((g, d), x)
         def body(_, acc):  # every iteration reads the whole of both weights
             return jnp.tanh(acc * 0.5 + g[:, :256, :256] + d[:, :256, :].sum(-1, keepdims=True))
-        return jax.lax.fori_loop(0, 3000, body, jnp.zeros((8, 256, 256), jnp.float32))
+        return jax.lax.fori_loop(0, 3000, body, jnp.zeros((8, 256, 256), jnp.float32)), x  # x keeps the wait
 
     try:
         gate_up0, down0 = _experts(model, 0)
@@ -152,7 +154,7 @@ def test_a_slot_is_not_refilled_while_its_layer_still_reads_it():
         reader = jax.jit(read_long)
         for _ in range(2):
             _prefetch(store, 0, dep)
-            got = reader(*store.layer_experts(0), dep)  # enqueued, still running
+            got, _ = reader(*store.layer_experts(0), dep)  # enqueued, still running
             _prefetch(store, 2, dep)  # same slot set: poisons it, then copies layer 2's peer block
             got = np.asarray(got)
             assert np.isfinite(got).all(), "layer 2's prefetch overwrote slots layer 0 was still reading"

@@ -87,7 +87,8 @@ def test_a_runner_reads_each_devices_views_over_a_mesh():
 def test_the_moe_reads_awaited_experts_only_through_their_wait(family):
     """AwaitedExperts (the FFI store's experts): the MoE reads what `wait` returns, not the arrays it was handed
     (here NaN-poisoned, as slots a copy has not yet written), and calls it once, with its first grouped matmul's
-    input (the dispatched rows [M*k + pad, H]), not the MoE's input."""
+    input (the dispatched rows [M*k + pad, H]), not the MoE's input; and that matmul reads the input the wait hands
+    back (the data that keeps the store's wait in the program): a wait handing back other rows changes the output."""
     from jax_dwdp.model.moe import AwaitedExperts
     from jax_dwdp.nemotron_h_config import NemotronHConfig
 
@@ -105,13 +106,55 @@ def test_the_moe_reads_awaited_experts_only_through_their_wait(family):
     def wait(weights, after):
         seen.append(after.shape)
         assert all(bool(jnp.isnan(w).all()) for w in weights)  # handed the arrays the copy writes
-        return own
+        return own, after
 
     got = moe(x, AwaitedExperts(poisoned, wait))
     want = moe(x, own)
     err = rel_err(got, want)
-    print(f"{family}: awaited vs own experts {err:.1e}; wait's `after` {seen}")
-    assert np.isfinite(np.asarray(got)).all() and err == 0.0
+    moved = rel_err(moe(x, AwaitedExperts(poisoned, lambda w, after: (own, jnp.roll(after, 1, axis=0)))), want)
+    print(f"{family}: awaited vs own experts {err:.1e}; wait's `after` {seen}; with rows handed back rolled {moved:.1e}")
+    assert np.isfinite(np.asarray(got)).all() and err == 0.0 and moved > 1e-3
     k = cfg.num_experts_per_tok
     rows = 2 * 37 * k
     assert len(seen) == 1 and seen[0][0] >= rows and seen[0][0] % 8 == 0 and seen[0][0] - rows < 8
+
+
+@pytest.mark.parametrize("family", ["qwen35_moe", "nemotron_h"])
+def test_the_store_wait_in_a_moe_is_data_not_an_effect(family):
+    """ExpertStore.wait inside a MoE: one dwdp_wait custom call, no JAX effect on the program (an effect would send
+    every call of the layer programs through JAX's Python dispatch path), its output aliasing `after`, and that
+    output used (the barrier's copy of it feeds the grouped matmul), so XLA keeps and orders the call by data. Lowered
+    for the CPU (the call cannot run without a GPU; its target is only looked up at compile time)."""
+    import types
+
+    from jax_dwdp.model.moe import AwaitedExperts
+    from jax_dwdp.nemotron_h_config import NemotronHConfig
+    from jax_dwdp.parallel.dwdp_ffi import WAIT_TARGET, ExpertStore
+
+    cfg = CFG if family == "qwen35_moe" else NemotronHConfig.preset("tiny")
+    model = init_model(cfg, dtype=jnp.float32, seed=3)
+    blocks = [getattr(layer, "mlp", None) or getattr(layer, "mixer", None) for layer in model.layers]
+    moe = next(block for block in blocks if hasattr(block, "experts"))
+    own = (moe.experts.gate_up_proj[...], moe.experts.down_proj[...]) if family == "qwen35_moe" else (
+        moe.experts.up_proj[...], moe.experts.down_proj[...])
+    ints = np.array([0], np.int64)
+    store = types.SimpleNamespace(check_open=lambda: None, vmm=types.SimpleNamespace(wait_attributes=lambda: dict(
+        store=np.int64(1), table=np.int64(1), ordinals=ints, contexts=ints, done=ints)))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 19, cfg.hidden_size)), jnp.float32)
+    def forward(x):
+        return moe(x, AwaitedExperts(own, lambda w, after: ExpertStore.wait(store, w, after)))
+
+    closed = jax.make_jaxpr(forward)(x)
+    assert not closed.effects, closed.effects
+    eqns = [e for e in closed.jaxpr.eqns if e.primitive.name == "ffi_call"]
+    assert len(eqns) == 1 and eqns[0].params["target_name"] == WAIT_TARGET
+    call = eqns[0]
+    assert not call.params["has_side_effect"] and tuple(call.params["input_output_aliases"]) == ((2, 0),)
+    barrier = next(e for e in closed.jaxpr.eqns if call.outvars[0] in e.invars)
+    assert barrier.primitive.name == "optimization_barrier"
+    waited = barrier.outvars[list(barrier.invars).index(call.outvars[0])]
+    users = [e.primitive.name for e in closed.jaxpr.eqns if waited in e.invars]
+    print(f"{family}: the waited input feeds {users}")
+    assert users, "the wait's output is not used: XLA would drop the wait"
+    hlo = jax.jit(forward).lower(x).as_text()
+    assert hlo.count(WAIT_TARGET) == 1 and "has_side_effect = true" not in hlo and "output_operand_aliases" in hlo

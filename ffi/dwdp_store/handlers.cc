@@ -250,9 +250,9 @@ ffi::Error PrefetchInPlace(CUstream stream, int32_t ordinal, ffi::AnyBuffer /*de
 
 ffi::Error Wait(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer /*down*/,
                 ffi::AnyBuffer /*after*/, int64_t store, int64_t table, Ints ordinals, Ints contexts, Ints done,
-                ffi::Result<ffi::AnyBuffer> /*token*/) {
+                ffi::Result<ffi::AnyBuffer> /*after_out*/) {
   // The expert buffers are read-only operands (no output aliases them, so XLA never copies them first: the address
-  // below is the one dwdp_prefetch wrote). Python ties their uses to the token with an optimization barrier, so
+  // below is the one dwdp_prefetch wrote). Python ties their uses to the output with an optimization barrier, so
   // nothing reads them before this wait.
   const std::string where = "dwdp_wait(store " + std::to_string(store) + ")";
   const size_t rows = ordinals.size();

@@ -154,9 +154,10 @@ inline auto PrefetchInPlaceBinding() {
 
 ffi::Error Wait(CUstream stream, int32_t ordinal, ffi::AnyBuffer gate_up, ffi::AnyBuffer down, ffi::AnyBuffer after,
                 int64_t store, int64_t table, Ints ordinals, Ints contexts, Ints done,
-                ffi::Result<ffi::AnyBuffer> token);
+                ffi::Result<ffi::AnyBuffer> after_out);
 
-// dwdp_wait(gate_up, down, after) -> token: XLA's stream waits for the done event of the prefetch that wrote gate_up.
+// dwdp_wait(gate_up, down, after) -> after: XLA's stream waits for the done event of the prefetch that wrote gate_up.
+// The output aliases `after` (Python's input_output_aliases): the consumer reads it, which keeps and orders the call.
 inline auto WaitBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<CUstream>>()
@@ -169,7 +170,7 @@ inline auto WaitBinding() {
       .Attr<Ints>("ordinals")
       .Attr<Ints>("contexts")
       .Attr<Ints>("done")
-      .Ret<ffi::AnyBuffer>();  // token (never written)
+      .Ret<ffi::AnyBuffer>();  // after, aliased (never written)
 }
 
 }  // namespace dwdp

@@ -33,13 +33,14 @@ from jax_dwdp.model.layers import Linear, matmul_precision, normal_init
 
 class AwaitedExperts(NamedTuple):
     """Expert weights that a copy may still be writing (DWDP's CUDA VMM store): `wait(weights, after)` returns
-    `weights` usable once XLA's stream has waited for that copy, ordered after `after`. The routed experts call it
-    with their first grouped matmul's input, right before that matmul: the latest the wait can be, so the copy has
+    (`weights` usable once XLA's stream has waited for that copy, `after` handed on), and the caller computes from
+    the returned `after`: that data keeps the wait in the program and orders it. The routed experts call it with
+    their first grouped matmul's input, right before that matmul: the latest the wait can be, so the copy has
     the most compute to hide under (on one H100 it cost the same as a wait at the MoE's input: benchmarks/RESULTS.md,
     "zero-copy DWDP")."""
 
     weights: tuple[jax.Array, jax.Array]
-    wait: Callable[[tuple[jax.Array, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
+    wait: Callable[[tuple[jax.Array, jax.Array], jax.Array], tuple[tuple[jax.Array, jax.Array], jax.Array]]
 
 
 def split_awaited(experts) -> tuple[object, Callable | None]:
@@ -159,7 +160,7 @@ def routed_experts(
     kernels, are masked out.
     `kernels`: the model's `KernelChoices` (default: the process's), handed to every kernel here;
     `grouped_matmul_impl` forces the grouped matmuls' form. `wait` (AwaitedExperts.wait): the expert weights are
-    read only after `wait((gate_up_proj, down_proj), first matmul's input)`.
+    read only after `wait((gate_up_proj, down_proj), first matmul's input)`, whose returned input the matmul reads.
     """
     kernels = resolve(kernels)
     m, k = expert_ids.shape
@@ -170,10 +171,10 @@ def routed_experts(
     gemm = functools.partial(grouped_matmul, implementation=grouped_matmul_impl, kernels=kernels)
 
     def ready(after):
-        return (gate_up_proj, down_proj) if wait is None else wait((gate_up_proj, down_proj), after)
+        return ((gate_up_proj, down_proj), after) if wait is None else wait((gate_up_proj, down_proj), after)
     if gate_up_interleaved:
         rows = dispatch_rows(x, order, inverse, k, m * k + pad, kernels=kernels)  # [M*k + pad, H]
-        gate_up_proj, down_proj = ready(rows)
+        (gate_up_proj, down_proj), rows = ready(rows)
         act = grouped_matmul_swiglu(rows, gate_up_proj, group_sizes, implementation=grouped_matmul_impl,
                                     kernels=kernels)
     else:
@@ -182,12 +183,12 @@ def routed_experts(
             # sorted row r reads token order[r] // k; the padded rows are in no group
             # (SiLU(gate) * up in the same kernel's epilogue, from bf16-rounded gate and up as below)
             row_token = jnp.pad((order // k).astype(jnp.int32), (0, pad))
-            gate_up_proj, down_proj = ready(row_token)
+            (gate_up_proj, down_proj), row_token = ready(row_token)
             act = grouped_matmul_gather_swiglu(x, row_token, gate_up_proj, group_sizes,
                                                implementation=grouped_matmul_impl, kernels=kernels)
         else:
             rows = dispatch_rows(x, order, inverse, k, m * k + pad, kernels=kernels)  # [M*k + pad, H]
-            gate_up_proj, down_proj = ready(rows)
+            (gate_up_proj, down_proj), rows = ready(rows)
             gate_up = gemm(rows, gate_up_proj, group_sizes)
             act = swiglu(gate_up[:, : two_i // 2], gate_up[:, two_i // 2 :], x.dtype)
     out = gemm(act, down_proj, group_sizes)

@@ -71,7 +71,7 @@ def routed_relu2_experts(
     expert_weights [M, k]; up_proj [E, I, D]; down_proj [E, D, I]. `valid` [M, k] (DEP, a rank holding a block of
     the experts): only these slots count, the others carry ids >= E (as in moe.routed_experts). `wait`
     (moe.AwaitedExperts.wait): the expert weights are read only after `wait((up_proj, down_proj), first matmul's
-    input)`."""
+    input)`, whose returned input the matmul reads."""
     kernels = resolve(kernels)
     m, k = expert_ids.shape
     order, inverse, group_sizes = expert_order(expert_ids, up_proj.shape[0], valid, kernels)
@@ -79,7 +79,7 @@ def routed_relu2_experts(
     gemm = functools.partial(grouped_matmul, kernels=kernels)
     rows = dispatch_rows(x, order, inverse, k, m * k + pad, kernels=kernels)
     if wait is not None:
-        up_proj, down_proj = wait((up_proj, down_proj), rows)
+        (up_proj, down_proj), rows = wait((up_proj, down_proj), rows)
     act = relu2(gemm(rows, up_proj, group_sizes).astype(jnp.float32)).astype(x.dtype)
     out = gemm(act, down_proj, group_sizes)
     weights = expert_weights.astype(x.dtype)

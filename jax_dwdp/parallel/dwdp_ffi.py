@@ -18,10 +18,10 @@ made.
   layer from the views it gets as an operand, so it can sit inside layer l's own program.
 - Otherwise (copy out) `store.prefetch(dep, layer)` returns the layer's full (gate_up [E, 2I, H], down [E, H, I])
   in fresh XLA buffers, every rank's block copied, the rank's own too.
-- `store.wait(experts, after)`: the experts (views or buffers), after XLA's stream has waited for their copy;
-  `after` (the MoE calls it with its first grouped matmul's input: moe.AwaitedExperts) keeps XLA from
-  scheduling it early, and an optimization barrier on its token orders
-  every use after it. The custom calls' whole interface is their attributes (`VmmStore.in_place_attributes` /
+- `store.wait(experts, after)` -> (experts, after): the experts (views or buffers), after XLA's stream has waited
+  for their copy, and `after` handed on (the MoE calls it with its first grouped matmul's input and computes from
+  the returned one: moe.AwaitedExperts); that data dependency keeps and orders the call, and an optimization
+  barrier orders every use of the experts after it. The custom calls' whole interface is their attributes (`VmmStore.in_place_attributes` /
   `prefetch_attributes` / `wait_attributes` here, `PrefetchInPlaceBinding` / `PrefetchBinding` / `WaitBinding` in
   ffi/dwdp_store/handlers.h).
 - `close()` (or leaving a `with` block) releases every allocation, mapping, VA range, stream, event and context;
@@ -284,15 +284,22 @@ class ExpertStore:
         """The rank whose blocks live on `device` (one process drives every rank: its position)."""
         return self.devices.index(device)
 
-    def wait(self, experts: tuple[jax.Array, jax.Array], after: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The experts, usable once XLA's stream has waited for their copy. The custom call returns a token (its
-        operands are not aliased: XLA would copy an aliased program parameter first, racing the copy); an
-        optimization barrier makes every use of the experts come after it."""
+    def wait(self, experts: tuple[jax.Array, jax.Array],
+             after: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+        """(experts, after): the experts, usable once XLA's stream has waited for their copy, and `after` as the
+        wait hands it on. The caller must compute from the returned `after` (the MoE: its first grouped matmul's
+        input): that data is what keeps the call in the program and orders it, because the call is no side effect
+        to JAX (an effect sends every call of the program through JAX's Python dispatch path). A wait whose `after`
+        is dropped is dropped with it, and the store then refuses the next prefetch into those slots ("not yet
+        waited for"). The call's output aliases `after` (no copy when `after` has no other use; the experts are
+        not aliased: XLA would copy an aliased program parameter first, racing the copy); an optimization barrier
+        makes every use of the experts come after it."""
         self.check_open()
-        call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
-        token = call(*experts, after, **self.vmm.wait_attributes())
-        gate_up, down, _ = jax.lax.optimization_barrier((*experts, token))
-        return gate_up, down
+        call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct(after.shape, after.dtype),
+                                input_output_aliases={2: 0})
+        after = call(*experts, after, **self.vmm.wait_attributes())
+        gate_up, down, after = jax.lax.optimization_barrier((*experts, after))
+        return (gate_up, down), after
 
     # ---- facts -----------------------------------------------------------------------------------------------
     def copy_ms(self) -> np.ndarray:
