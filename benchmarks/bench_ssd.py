@@ -101,6 +101,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny heads, JAX variants only, kernels interpreted")
     ap.add_argument("--variants", action="store_true", help="time the kernel's Tuning variants at --variants-tokens")
     ap.add_argument("--variants-tokens", type=int, default=16384)
+    ap.add_argument("--variant-forms", choices=("fused", "split", "both"), default="both",
+                    help="which of the kernel's forms --variants times")
     ap.add_argument("--no-mamba", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-max-tokens", type=int, default=4096)
@@ -242,8 +244,8 @@ def main(argv=None):
 
 
 def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
-    """The kernel's Tuning variants at --variants-tokens: fused and split, state rows per loop program, warps, row
-    blocks. A variant that fails to compile is reported and skipped."""
+    """The kernel's Tuning variants at --variants-tokens: fused and split (--variant-forms), state rows (and, split,
+    columns) per loop program, warps, row blocks. A variant that fails to compile is reported and skipped."""
     from jax_dwdp.kernels.ssd_pallas import Tuning
     from tests.ssd_cases import ssd_inputs
 
@@ -253,10 +255,13 @@ def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
     ref_y, ref_s = (np.asarray(v, np.float64) for v in xla(x, dt, a, b, c))
     if args.smoke:  # one of each form
         cases = [Tuning(block_p=16), Tuning(fused=False, block_p=16)]
-    else:  # state rows and warps of the fused loop, whole [L, L] tiles, then the split forms' output warps
+    else:  # state rows and warps of the fused loop, whole [L, L] tiles; the split forms' state blocks, output warps
         cases = [Tuning(block_p=bp, num_warps=(4, w, 8)) for bp in (16, 32, 64) for w in (4, 8)]
         cases += [Tuning(row_blocks=1)]
-        cases += [Tuning(fused=False, block_p=bp, num_warps=(4, 4, w)) for bp in (32, 64) for w in (4, 8)]
+        cases += [Tuning(fused=False, block_p=bp, block_n=bn, num_warps=(4, 4, 8))
+                  for bp, bn in ((32, None), (64, None), (64, 64), (32, 64), (64, 32), (32, 32), (16, 32))]
+        cases += [Tuning(fused=False, block_p=32, block_n=32, num_warps=(4, 4, 4))]
+    cases = [tc for tc in cases if args.variant_forms == "both" or tc.fused == (args.variant_forms == "fused")]
     out = []
     for tuning in cases:
         fn = pallas(tuning)

@@ -194,8 +194,10 @@ def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk
 class Tuning:
     """Launch parameters. `fused`: the output inside the chunk loop (two kernels) or by a parallel kernel after it
     (three). `block_p`: rows of the state per loop program (None: `_block_p`, about one program per
-    multiprocessor). `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16, Triton's smallest
-    tile): the [L, L] decay-weighted scores are then computed as tiles on and below the diagonal only, (b + 1) / 2b
+    multiprocessor). `block_n` (split only): columns of the state per states-loop program (None: all N); the
+    state's update x^T (B w) is independent across columns, so splitting them gives the sequential loop more
+    programs, each loading less per chunk. `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16,
+    Triton's smallest tile): the [L, L] decay-weighted scores are then computed as tiles on and below the diagonal only, (b + 1) / 2b
     of the exps and products of whole [L, L] tiles, and fewer registers live at once. `num_warps` / `num_stages`:
     per kernel, (scores, loop, output); the output entry is used split only.
 
@@ -207,13 +209,19 @@ class Tuning:
 
     fused: bool = True
     block_p: int | None = None
+    block_n: int | None = None
     row_blocks: int = 2
     num_warps: tuple[int, int, int] = (4, 8, 8)
     num_stages: tuple[int, int, int] = (2, 2, 2)
 
     def __post_init__(self):
-        if self.block_p is not None and (self.block_p < 16 or self.block_p & (self.block_p - 1)):
-            raise ValueError(f"Tuning.block_p={self.block_p}: a power of two >= 16, or None")
+        for name in ("block_p", "block_n"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value & (value - 1)):
+                raise ValueError(f"Tuning.{name}={value}: a power of two >= 16, or None")
+        if self.block_n is not None and self.fused:
+            raise ValueError("Tuning.block_n splits the split form's states loop; the fused loop needs whole state "
+                             "rows (its output sums over N)")
         if self.row_blocks not in (1, 2, 4, 8):
             raise ValueError(f"Tuning.row_blocks={self.row_blocks}: 1, 2, 4 or 8")
 
@@ -251,15 +259,16 @@ def scores(c, b, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = Fal
     )(c, b)
 
 
-def _loop_specs(a, dt, b, bp: int, rep: int):
-    """BlockSpecs of the loop kernels' common inputs (grid (B, H, P / bp)): A whole, a head's dt [T'], its rows of x
-    [T', bp], its group's B (or C) [T', N]. The blocks span T' rows; x's, B's and C's rows past T are masked."""
+def _loop_specs(a, dt, b, bp: int, rep: int, bn: int | None = None):
+    """BlockSpecs of the loop kernels' common inputs (grid (B, H, P / bp[, N / bn])): A whole, a head's dt [T'], its
+    rows of x [T', bp], its group's B (or C) [T', N], or its columns [T', bn] of them. The blocks span T' rows; x's,
+    B's and C's rows past T are masked."""
     tp = dt.shape[-1]
-    n = b.shape[-1]
+    n = b.shape[-1] if bn is None else bn
     return [pl.BlockSpec(a.shape, lambda *_: (0,)),
-            pl.BlockSpec((None, None, tp), lambda i, h, j: (i, h, 0)),
-            pl.BlockSpec((None, tp, None, bp), lambda i, h, j: (i, 0, h, j)),
-            pl.BlockSpec((None, tp, None, n), lambda i, h, j: (i, 0, h // rep, 0))]
+            pl.BlockSpec((None, None, tp), lambda i, h, j, *_: (i, h, 0)),
+            pl.BlockSpec((None, tp, None, bp), lambda i, h, j, *_: (i, 0, h, j)),
+            pl.BlockSpec((None, tp, None, n), lambda i, h, j, *k: (i, 0, h // rep, k[0] if k else 0))]
 
 
 def scan(a, dt, x, b, c, cb, initial_state=None, out=None, *, chunk: int, y_dtype, tuning: Tuning = Tuning(),
@@ -304,8 +313,9 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
     g, n = b.shape[-2:]
     nc = dt.shape[-1] // chunk
     bp = min(tuning.block_p or _block_p(bsz, h, p), p)
-    state = pl.BlockSpec((None, None, bp, n), lambda i, hh, j: (i, hh, j, 0))
-    in_specs = _loop_specs(a, dt, b, bp, h // g)
+    bn = min(tuning.block_n or n, n)
+    state = pl.BlockSpec((None, None, bp, bn), lambda i, hh, j, k: (i, hh, j, k))
+    in_specs = _loop_specs(a, dt, b, bp, h // g, bn)
     args = [a, dt, x, b]
     if initial_state is not None:
         in_specs.append(state)
@@ -313,9 +323,9 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
     return pl.pallas_call(
         functools.partial(_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
                           has_initial=initial_state is not None),
-        grid=(bsz, h, p // bp),
+        grid=(bsz, h, p // bp, n // bn),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, nc, bp, n), lambda i, hh, j: (i, hh, 0, j, 0)), state],
+        out_specs=[pl.BlockSpec((None, None, nc, bp, bn), lambda i, hh, j, k: (i, hh, 0, j, k)), state],
         out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype), jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
         compiler_params=tuning.params(1),
         interpret=interpret,
