@@ -123,8 +123,8 @@ def test_the_moe_reads_awaited_experts_only_through_their_wait(family):
 def test_the_store_wait_in_a_moe_is_data_not_an_effect(family):
     """ExpertStore.wait inside a MoE: one dwdp_wait custom call, no JAX effect on the program (an effect would send
     every call of the layer programs through JAX's Python dispatch path), its output aliasing `after`, and that
-    output used (the barrier's copy of it feeds the grouped matmul), so XLA keeps and orders the call by data. Lowered
-    for the CPU (the call cannot run without a GPU; its target is only looked up at compile time)."""
+    output used (the barrier's copy of it feeds the grouped matmul), so XLA keeps and orders the call by data.
+    Compiled for the CPU (the call cannot run without a GPU; its handler is looked up at code generation)."""
     import types
 
     from jax_dwdp.model.moe import AwaitedExperts
@@ -158,3 +158,15 @@ def test_the_store_wait_in_a_moe_is_data_not_an_effect(family):
     assert users, "the wait's output is not used: XLA would drop the wait"
     hlo = jax.jit(forward).lower(x).as_text()
     assert hlo.count(WAIT_TARGET) == 1 and "has_side_effect = true" not in hlo and "output_operand_aliases" in hlo
+    # Through XLA's optimizations (CPU's pipeline: DCE, the barrier's removal): the call survives to code
+    # generation, where the CPU finds no handler for it; a caller that drops the `after` the wait hands back loses
+    # the call entirely (so the data, not an effect, is what keeps it).
+    with pytest.raises(Exception, match=f"No FFI handler registered for {WAIT_TARGET}"):
+        jax.jit(forward).lower(x).compile()
+
+    def dropping(x):
+        def wait(weights, after):
+            return ExpertStore.wait(store, weights, after)[0], after
+        return moe(x, AwaitedExperts(own, wait))
+
+    assert WAIT_TARGET not in jax.jit(dropping).lower(x).compile().as_text()
