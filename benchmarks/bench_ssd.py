@@ -182,6 +182,8 @@ def main(argv=None):
 
         record("xla (fp32 reference)", wall_ms(lambda: xla(*args_j), jsync, calls, reps), ref_y, ref_s, 4)
         for label, fn, y_bytes in (("pallas fused", pallas(), 4), ("pallas split", pallas(Tuning(fused=False)), 4),
+                                   ("pallas split, parallel states",
+                                    pallas(Tuning(fused=False, parallel_states=True)), 4),
                                    ("pallas fused, bf16 y", pallas(y_dtype=jnp.bfloat16), 2)):
             try:  # a form that does not compile here leaves its row with the error, and the baselines still run
                 y, s = fn(*args_j)
@@ -254,13 +256,16 @@ def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
     x, dt, a, b, c, _ = ssd_inputs(rng, 1, t, h, p, g, n, initial=False)
     ref_y, ref_s = (np.asarray(v, np.float64) for v in xla(x, dt, a, b, c))
     if args.smoke:  # one of each form
-        cases = [Tuning(block_p=16), Tuning(fused=False, block_p=16)]
+        cases = [Tuning(block_p=16), Tuning(fused=False, block_p=16),
+                 Tuning(fused=False, parallel_states=True, block_p=16)]
     else:  # state rows and warps of the fused loop, whole [L, L] tiles; the split forms' state blocks, output warps
         cases = [Tuning(block_p=bp, num_warps=(4, w, 8)) for bp in (16, 32, 64) for w in (4, 8)]
         cases += [Tuning(row_blocks=1)]
         cases += [Tuning(fused=False, block_p=bp, block_n=bn, num_warps=(4, 4, 8))
                   for bp, bn in ((32, None), (64, None), (64, 64), (32, 64), (64, 32), (32, 32), (16, 32))]
         cases += [Tuning(fused=False, block_p=32, block_n=32, num_warps=(4, 4, 4))]
+        cases += [Tuning(fused=False, parallel_states=True, block_p=bp, num_warps=(4, w, 8))
+                  for bp in (16, 32) for w in (4, 8)]
     cases = [tc for tc in cases if args.variant_forms == "both" or tc.fused == (args.variant_forms == "fused")]
     out = []
     for tuning in cases:

@@ -5,6 +5,8 @@ into NaN-filled buffers; the implementation switch; the Triton lowering of every
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +23,15 @@ from tests.ssd_cases import (BOUND, BOUND_FP32, check_against_reference, f64, po
 H, P, G, N, CHUNK = 4, 32, 2, 16, 64
 
 
-def _run(x, dt, a, b, c, h0, *, fused=True, y_dtype=jnp.float32, row_blocks=2):
+FORMS = {"fused": Tuning(block_p=16), "split": Tuning(fused=False, block_p=16),
+         "split, parallel states": Tuning(fused=False, parallel_states=True, block_p=16)}
+
+
+def _run(x, dt, a, b, c, h0, *, fused=True, y_dtype=jnp.float32, row_blocks=2, tuning=None):
     out = poisoned(x.shape, y_dtype)
-    return ssd_chunked_pallas(x, dt, a, b, c, h0, out, chunk_size=CHUNK, y_dtype=y_dtype,
-                              tuning=Tuning(fused=fused, block_p=16, row_blocks=row_blocks), interpret=True)
+    tuning = tuning or Tuning(fused=fused, block_p=16, row_blocks=row_blocks)
+    return ssd_chunked_pallas(x, dt, a, b, c, h0, out, chunk_size=CHUNK, y_dtype=y_dtype, tuning=tuning,
+                              interpret=True)
 
 
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 1000])
@@ -37,27 +44,27 @@ def test_kernel_single_lengths_match_float64_interpreted(rng, t):
     check_against_reference(y, state, reference_per_sequence(x, dt, a, b, c, h0, [t]), [t], f"T={t}", BOUND)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("initial", [False, True])
-def test_kernel_mixed_lengths_match_each_sequence_alone_interpreted(rng, fused, initial):
+def test_kernel_mixed_lengths_match_each_sequence_alone_interpreted(rng, form, initial):
     """Lengths 1000, 1, 63, 64, 65 in one right-padded batch of T = 1000 (dt = 0 past each length): each
     sequence's y and final state are those of the sequence alone; y is written everywhere (NaN-poisoned buffer)."""
     lengths = np.array([1000, 1, 63, 64, 65])
     x, dt, a, b, c, h0 = ssd_inputs(rng, len(lengths), 1000, H, P, G, N, initial=initial, lengths=lengths)
-    y, state = _run(x, dt, a, b, c, h0, fused=fused)
+    y, state = _run(x, dt, a, b, c, h0, tuning=FORMS[form])
     ref = reference_per_sequence(x, dt, a, b, c, h0, lengths)
-    check_against_reference(y, state, ref, lengths, f"fused={fused} initial={initial}", BOUND)
+    check_against_reference(y, state, ref, lengths, f"{form} initial={initial}", BOUND)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_kernel_fp32_inputs_match_float64_tightly_interpreted(rng, fused):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_kernel_fp32_inputs_match_float64_tightly_interpreted(rng, form):
     """fp32 inputs keep fp32 operands (exact products): the chunked algebra itself to fp32 rounding, with no bf16
     rounding that could hide a small wrong term. Lengths 200, 37, 130 with a random initial state."""
     lengths = np.array([200, 37, 130])
     x, dt, a, b, c, h0 = ssd_inputs(rng, 3, 200, H, P, G, N, initial=True, dtype=jnp.float32, lengths=lengths)
-    y, state = _run(x, dt, a, b, c, h0, fused=fused)
+    y, state = _run(x, dt, a, b, c, h0, tuning=FORMS[form])
     ref = reference_per_sequence(x, dt, a, b, c, h0, lengths)
-    check_against_reference(y, state, ref, lengths, f"fp32 fused={fused}", BOUND_FP32)
+    check_against_reference(y, state, ref, lengths, f"fp32 {form}", BOUND_FP32)
 
 
 def test_kernel_bf16_output_and_one_head_per_group_interpreted(rng):
@@ -161,6 +168,8 @@ def test_implementation_switch():
         Tuning(fused=False, block_n=48)
     with pytest.raises(ValueError, match="fused loop needs whole state rows"):
         Tuning(block_n=32)
+    with pytest.raises(ValueError, match="parallel_states is a form of the split kernels"):
+        Tuning(parallel_states=True)
     assert (Tuning().blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
 
 
@@ -168,19 +177,23 @@ def _lowered_for_cuda(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("fused", [True, False])
+KERNELS = {"fused": ["ssd_scores", "ssd_scan"], "split": ["ssd_scores", "ssd_states", "ssd_output"],
+           "split, parallel states": ["ssd_scores", "ssd_chunk_states", "ssd_pass", "ssd_output"]}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_kernels_lower_to_triton_at_30b_a3b_heads(fused, dtype):
+def test_kernels_lower_to_triton_at_30b_a3b_heads(form, dtype):
     """Every variant lowers to Triton for CUDA (on the CPU: the lowering, not the compile) at the 30B-A3B heads and
     a length off the chunk, with and without an initial state: the kernels it names, and no XLA fallback."""
     shape = jax.ShapeDtypeStruct
     t, h, p, g, n = 1000, 64, 64, 8, 128
     args = [shape((1, t, h, p), dtype), shape((1, t, h), jnp.float32), shape((h,), jnp.float32),
             shape((1, t, g, n), dtype), shape((1, t, g, n), dtype)]
-    names = ["ssd_scores", "ssd_scan"] if fused else ["ssd_scores", "ssd_states", "ssd_output"]
+    names = KERNELS[form]
+    tuning = dataclasses.replace(FORMS[form], block_p=None)
     for initial in ([], [shape((1, h, p, n), jnp.float32)]):
-        text = _lowered_for_cuda(lambda *v: ssd_chunked_pallas(*v, chunk_size=128, tuning=Tuning(fused=fused)),
-                                 *args, *initial)
+        text = _lowered_for_cuda(lambda *v: ssd_chunked_pallas(*v, chunk_size=128, tuning=tuning), *args, *initial)
         assert all(f'"{name}"' in text for name in names), [name for name in names if f'"{name}"' not in text]
 
 

@@ -17,7 +17,10 @@ cum_i = sum_{j <= i} dt_j A_h and the state S [P, N]:
    below the diagonal only.
    Split instead (`Tuning(fused=False)`): `_states_kernel` runs the same loop without the output and writes the
    state entering each chunk (operand dtype), and `_output_kernel`, one program per (sequence, chunk, head), computes
-   y from it in parallel: the states' round trip through memory against a loop with less work per step.
+   y from it in parallel: the states' round trip through memory against a loop with less work per step. With
+   `Tuning(fused=False, parallel_states=True)` the states come from `_chunk_states_kernel` (every chunk's own state,
+   all in parallel) and `_pass_kernel` (the chain over chunks, elementwise): no product on the sequential chain, at
+   the price of every chunk's fp32 state going through memory (mamba_ssm's structure).
 
 Why Pallas Triton and not Mosaic GPU: the other kernels of this package are Triton ones (the same tools, tests and
 tuning knobs), Triton issues Hopper's wgmma for these tile shapes itself and software-pipelines the loads of the
@@ -179,6 +182,30 @@ def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, 
     final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
 
 
+def _chunk_states_kernel(a_ref, dt_ref, x_ref, b_ref, local_ref, *, chunk: int, blocks: int, t: int):
+    """The parallel split, first half: one chunk of one head, the state its own tokens leave (entering state zero),
+    fp32."""
+    rows = _row_blocks(0, pl.program_id(1) * chunk, chunk, blocks, t)
+    dts, cums, total = _decays(dt_ref, rows, a_ref[pl.program_id(2)])
+    zero = jnp.zeros(local_ref.shape, _F32)
+    local_ref[...] = _updated(zero, [r.load(x_ref) for r in rows], [r.load(b_ref) for r in rows], dts, cums, total)
+
+
+def _pass_kernel(a_ref, dt_ref, local_ref, *rest, chunk: int, has_initial: bool):
+    """The parallel split, second half: the chain over chunks, elementwise on a block of state rows,
+    S <- exp(A sum(dt of the chunk)) S + (the chunk's own state), writing the state entering each chunk."""
+    h0_ref = rest[0] if has_initial else None
+    states_ref, final_ref = rest[-2], rest[-1]
+    a = a_ref[pl.program_id(1)]
+
+    def step(n, state):
+        states_ref[n] = state.astype(states_ref.dtype)
+        decay = jnp.exp(jnp.sum(dt_ref[pl.ds(n * chunk, chunk)]) * a)
+        return state * decay + local_ref[n]
+
+    final_ref[...] = lax.fori_loop(0, dt_ref.shape[0] // chunk, step, _initial(h0_ref, final_ref.shape))
+
+
 def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, blocks: int, t: int):
     """The split output, one chunk of one head: its own part and the entering state's."""
     y_ref = rest[-1]
@@ -193,7 +220,9 @@ def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Launch parameters. `fused`: the output inside the chunk loop (two kernels) or by a parallel kernel after it
-    (three). `block_p`: rows of the state per loop program (None: `_block_p`, about one program per
+    (three). `parallel_states` (split only): the states entering the chunks from every chunk's own state computed
+    in parallel and an elementwise chain over the chunks (four kernels), instead of one loop that carries the
+    state's products. `block_p`: rows of the state per loop program (None: `_block_p`, about one program per
     multiprocessor). `block_n` (split only): columns of the state per states-loop program (None: all N); the
     state's update x^T (B w) is independent across columns, so splitting them gives the sequential loop more
     programs, each loading less per chunk. `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16,
@@ -208,6 +237,7 @@ class Tuning:
     alternatives."""
 
     fused: bool = True
+    parallel_states: bool = False
     block_p: int | None = None
     block_n: int | None = None
     row_blocks: int = 2
@@ -219,6 +249,8 @@ class Tuning:
             value = getattr(self, name)
             if value is not None and (value < 16 or value & (value - 1)):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= 16, or None")
+        if self.parallel_states and self.fused:
+            raise ValueError("Tuning.parallel_states is a form of the split kernels (fused=False)")
         if self.block_n is not None and self.fused:
             raise ValueError("Tuning.block_n splits the split form's states loop; the fused loop needs whole state "
                              "rows (its output sums over N)")
@@ -333,6 +365,49 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
     )(*args)
 
 
+def parallel_states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuning(),
+                    interpret: bool = False):
+    """Kernel 2, split with `Tuning.parallel_states`: `states`' contract in two kernels. Every chunk's own state
+    (one program per (sequence, chunk, head), all in parallel: the tensor-core products off the sequential chain),
+    then the chain over the chunks, elementwise, on blocks of `block_p` state rows (default 16)."""
+    bsz, t, h, p = x.shape
+    g, n = b.shape[-2:]
+    rep = h // g
+    nc = dt.shape[-1] // chunk
+    local = pl.pallas_call(
+        functools.partial(_chunk_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t),
+        grid=(bsz, nc, h),
+        in_specs=[pl.BlockSpec(a.shape, lambda *_: (0,)),
+                  pl.BlockSpec((None, None, chunk), lambda i, j, hh: (i, hh, j)),
+                  pl.BlockSpec((None, chunk, None, p), lambda i, j, hh: (i, j, hh, 0)),
+                  pl.BlockSpec((None, chunk, None, n), lambda i, j, hh: (i, j, hh // rep, 0))],
+        out_specs=pl.BlockSpec((None, None, None, p, n), lambda i, j, hh: (i, hh, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((bsz, h, nc, p, n), _F32),
+        compiler_params=tuning.params(1),
+        interpret=interpret,
+        name="ssd_chunk_states",
+    )(a, dt, x, b)
+    bp = min(tuning.block_p or 16, p)
+    state = pl.BlockSpec((None, None, bp, n), lambda i, hh, j: (i, hh, j, 0))
+    in_specs = [pl.BlockSpec(a.shape, lambda *_: (0,)),
+                pl.BlockSpec((None, None, dt.shape[-1]), lambda i, hh, j: (i, hh, 0)),
+                pl.BlockSpec((None, None, nc, bp, n), lambda i, hh, j: (i, hh, 0, j, 0))]
+    args = [a, dt, local]
+    if initial_state is not None:
+        in_specs.append(state)
+        args.append(initial_state.astype(_F32))
+    return pl.pallas_call(
+        functools.partial(_pass_kernel, chunk=chunk, has_initial=initial_state is not None),
+        grid=(bsz, h, p // bp),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, nc, bp, n), lambda i, hh, j: (i, hh, 0, j, 0)), state],
+        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype), jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="ssd_pass",
+    )(*args)
+
+
 def output(a, dt, x, c, cb, entering, out=None, *, chunk: int, y_dtype, tuning: Tuning = Tuning(),
            interpret: bool = False):
     """Kernel 3, split: y [B, T, H, P] in y_dtype from the states entering each chunk (`states`)."""
@@ -401,7 +476,8 @@ def ssd_chunked_pallas(
     if tuning.fused:
         return scan(a, dt, x, b, c, cb, initial_state, out, chunk=chunk_size, y_dtype=y_dtype, tuning=tuning,
                     interpret=interpret)
-    entering, final = states(a, dt, x, b, initial_state, chunk=chunk_size, tuning=tuning, interpret=interpret)
+    entering, final = (parallel_states if tuning.parallel_states else states)(
+        a, dt, x, b, initial_state, chunk=chunk_size, tuning=tuning, interpret=interpret)
     y = output(a, dt, x, c, cb, entering, out, chunk=chunk_size, y_dtype=y_dtype, tuning=tuning,
                interpret=interpret)
     return y, final
