@@ -82,15 +82,13 @@ def _custom_calls(text: str) -> collections.Counter:
 
 def test_defaults_per_platform(monkeypatch):
     """Only the grouped matmul and the gated delta rule differ by platform: on a GPU host CUTLASS (Mosaic without
-    its library) and the Pallas gated delta rule, elsewhere XLA; the SSD scan is XLA on both (its kernel not yet
-    measured on a GPU); every other kernel's GPU form is the default wherever (it is chosen when lowered for CUDA).
+    its library) and the Pallas gated delta rule and SSD scan, elsewhere XLA; every other kernel's GPU form is the default wherever (it is chosen when lowered for CUDA).
     An empty environment gives the defaults."""
     from jax_dwdp.kernels import _cutlass
 
     cpu, gpu = KernelChoices.defaults("cpu"), KernelChoices.defaults("gpu")
-    assert (cpu.grouped_matmul, cpu.gdn) == ("xla", "xla") and gpu.gdn == "pallas"
-    assert cpu.ssd == gpu.ssd == "xla"  # the SSD kernel waits for its GPU measurement
-    assert {f for f in FIELDS if getattr(cpu, f) != getattr(gpu, f)} == {"grouped_matmul", "gdn"}
+    assert (cpu.grouped_matmul, cpu.gdn, cpu.ssd) == ("xla", "xla", "xla") and gpu.gdn == gpu.ssd == "pallas"
+    assert {f for f in FIELDS if getattr(cpu, f) != getattr(gpu, f)} == {"grouped_matmul", "gdn", "ssd"}
     assert (cpu.routing, cpu.dispatch, cpu.norm_rope, cpu.conv, cpu.conv_silu) == ("pallas", "pallas", "pallas",
                                                                                   None, "ex2")
     assert (cpu.moe_gather, cpu.moe_merged_projection, cpu.gmm_config, cpu.gmm_cmd_buffer) == (None, None, None, False)
