@@ -135,12 +135,14 @@ def test_kernel_4096_tokens_interpreted(rng):
 
 
 def test_implementation_switch():
-    """Without `implementation=`: `KernelChoices.ssd` for bf16 / fp16 inputs of power-of-two sizes >= 16 (XLA by
-    default until the kernel is measured), XLA for fp32 inputs (the reference) and other sizes; bad forms, shapes
-    and sizes are named."""
+    """Without `implementation=`: `KernelChoices.ssd` for bf16 / fp16 inputs of power-of-two sizes >= 16 (the
+    kernel by default on the GPU), XLA for fp32 inputs (the reference) and other sizes; bad forms, shapes and sizes
+    are named."""
     cpu, gpu = KernelChoices.defaults("cpu"), KernelChoices.defaults("gpu")
     chosen = gpu.replace(ssd="pallas")
-    assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, gpu) == "xla"
+    assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, gpu) == "pallas"
+    assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, gpu.replace(ssd="xla")) == "xla"
+    assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, cpu) == "xla"
     assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, cpu.replace(ssd="pallas")) == "pallas"
     assert ssd.default_implementation(jnp.bfloat16, 128, 64, 128, chosen) == "pallas"
     assert ssd.default_implementation(jnp.float16, 16, 16, 16, chosen) == "pallas"
