@@ -14,9 +14,6 @@ the same process, as in bench_dwdp.py in-place), each a layer-wise prefill of on
                  wait right before each MoE's first grouped matmul (the store with its copies off: bench_dwdp's
                  column): what the two custom calls cost (a prefetch that is not waited for is refused, so they
                  come as a pair)
-  nolink, wait an effect
-                 nolink with the wait call marked a side effect to JAX (`EffectWait`): what an effect on every
-                 layer program costs (it takes the program's calls off jax's C++ dispatch path)
 Each variant also reports its host dispatch time: how long the layer-wise prefill call takes to return, before
 its outputs are ready (a prefill whose dispatch nears its total time is bound by the host).
 
@@ -43,8 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_dwdp import random_tokens, store_pair, timed  # noqa: E402
 from jax_dwdp.config import ModelConfig  # noqa: E402
 from jax_dwdp.model import init_model  # noqa: E402
-from jax_dwdp.model.moe import AwaitedExperts  # noqa: E402
-from jax_dwdp.parallel.dwdp_ffi import WAIT_TARGET  # noqa: E402
 from jax_dwdp.runner import StageRunner  # noqa: E402
 from jax_dwdp.sources import ExpertSource, FfiStoreSource, LocalSource  # noqa: E402
 
@@ -76,23 +71,6 @@ class Views(FfiStoreSource):
 
     def experts(self, pending):
         return pending
-
-
-class EffectWait(FfiStoreSource):
-    """nolink with the store's wait call marked a side effect (`has_side_effect=True`), nothing else changed: the
-    JAX effect that puts on every layer program, alone."""
-
-    def experts(self, pending):
-        if pending is None:
-            return None
-
-        def wait(experts, after):
-            call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct(after.shape, after.dtype),
-                                    input_output_aliases={2: 0}, has_side_effect=True)
-            after = call(*experts, after, **self.store.vmm.wait_attributes())
-            gate_up, down, after = jax.lax.optimization_barrier((*experts, after))
-            return (gate_up, down), after
-        return AwaitedExperts(pending, wait)
 
 
 def dispatch_ms(run, iters) -> float:
@@ -127,7 +105,7 @@ def main(argv=None):
             jax.block_until_ready(filled(tokens, lengths, logits="last", mode="layerwise"))  # the slots filled
         stores[0].skip_peers = True  # from here on the prefetches copy nothing
         variants = {"local": LocalSource(), "buffers": Buffers(model), "views": Views(stores[0]),
-                    "nolink": FfiStoreSource(stores[0]), "nolink, wait an effect": EffectWait(stores[0])}
+                    "nolink": FfiStoreSource(stores[0])}
         want = {}
         for name, source in variants.items():
             runner = StageRunner(model, source, device=dev)

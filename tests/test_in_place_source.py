@@ -112,7 +112,8 @@ def test_the_moe_reads_awaited_experts_only_through_their_wait(family):
     want = moe(x, own)
     err = rel_err(got, want)
     moved = rel_err(moe(x, AwaitedExperts(poisoned, lambda w, after: (own, jnp.roll(after, 1, axis=0)))), want)
-    print(f"{family}: awaited vs own experts {err:.1e}; wait's `after` {seen}; with rows handed back rolled {moved:.1e}")
+    print(f"{family}: awaited vs own experts {err:.1e}; wait's `after` {seen}; "
+          f"with rows handed back rolled {moved:.1e}")
     assert np.isfinite(np.asarray(got)).all() and err == 0.0 and moved > 1e-3
     k = cfg.num_experts_per_tok
     rows = 2 * 37 * k

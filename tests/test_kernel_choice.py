@@ -81,8 +81,9 @@ def _custom_calls(text: str) -> collections.Counter:
 
 
 def test_defaults_per_platform(monkeypatch):
-    """Only the grouped matmul and the gated delta rule differ by platform: on a GPU host CUTLASS (Mosaic without
-    its library) and the Pallas gated delta rule and SSD scan, elsewhere XLA; every other kernel's GPU form is the default wherever (it is chosen when lowered for CUDA).
+    """Only the grouped matmul, the gated delta rule and the SSD scan differ by platform: on a GPU host CUTLASS
+    (Mosaic without its library) and the Pallas gated delta rule and SSD scan, elsewhere XLA; every other kernel's
+    GPU form is the default wherever (it is chosen when lowered for CUDA).
     An empty environment gives the defaults."""
     from jax_dwdp.kernels import _cutlass
 

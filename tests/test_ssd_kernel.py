@@ -172,6 +172,8 @@ def test_implementation_switch():
         Tuning(block_n=32)
     with pytest.raises(ValueError, match="parallel_states is a form of the split kernels"):
         Tuning(parallel_states=True)
+    with pytest.raises(ValueError, match="which parallel_states does not run"):
+        Tuning(fused=False, parallel_states=True, block_n=32)
     assert (Tuning().blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
 
 

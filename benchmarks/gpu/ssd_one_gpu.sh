@@ -2,9 +2,10 @@
 # One GPU (H100 or H200): Mamba-2's SSD scan as Pallas kernels (jax_dwdp/kernels/ssd_pallas.py) beside mamba_ssm's
 # Triton kernels, transformers' torch path and the XLA scan, on identical inputs. Steps ($STEPS, default
 # "tests bench variants"):
-#   tests     tests/test_gpu_ssd.py: the kernel (fused, split, split with parallel states) against float64 and the XLA scan at 30B-A3B's heads
-#             on a batch of lengths 4096, 1, 63, 64, 65, 1000 with zero and random initial states; the kernel as the
-#             model's choice at single lengths; two pieces against one; the bf16 mixer with the kernel against XLA
+#   tests     tests/test_gpu_ssd.py: the kernel (fused, split, split with parallel states) against float64 and the
+#             XLA scan at 30B-A3B's heads on a batch of lengths 4000, 1, 63, 64, 65, 1000 with zero and random
+#             initial states; the kernel as the model's choice at single lengths; two pieces against one; the bf16
+#             mixer with the kernel against XLA
 #   bench     benchmarks/bench_ssd.py at $SEQS (default 4096 16384 32768) tokens: $OUT/ssd.json
 #   variants  bench_ssd.py --variants alone at 16K tokens (the kernel's Tuning: fused / split, state rows per
 #             program, warps), only with $VARIANTS_MIN_LEFT (default 60) seconds left: $OUT/ssd_variants.json

@@ -226,8 +226,8 @@ class Tuning:
     multiprocessor). `block_n` (split only): columns of the state per states-loop program (None: all N); the
     state's update x^T (B w) is independent across columns, so splitting them gives the sequential loop more
     programs, each loading less per chunk. `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16,
-    Triton's smallest tile): the [L, L] decay-weighted scores are then computed as tiles on and below the diagonal only, (b + 1) / 2b
-    of the exps and products of whole [L, L] tiles, and fewer registers live at once. `num_warps` / `num_stages`:
+    Triton's smallest tile): the [L, L] decay-weighted scores are then computed as tiles on and below the diagonal
+    only, (b + 1) / 2b of the exps and products of whole [L, L] tiles, and fewer registers live at once. `num_warps` / `num_stages`:
     per kernel, (scores, loop, output); the output entry is used split only.
 
     Not yet measured on a GPU: the defaults are first guesses from Triton 3.6's compile of the kernels for sm_90
@@ -254,6 +254,8 @@ class Tuning:
         if self.block_n is not None and self.fused:
             raise ValueError("Tuning.block_n splits the split form's states loop; the fused loop needs whole state "
                              "rows (its output sums over N)")
+        if self.block_n is not None and self.parallel_states:
+            raise ValueError("Tuning.block_n splits the states loop, which parallel_states does not run")
         if self.row_blocks not in (1, 2, 4, 8):
             raise ValueError(f"Tuning.row_blocks={self.row_blocks}: 1, 2, 4 or 8")
 
