@@ -103,6 +103,8 @@ def main(argv=None):
     ap.add_argument("--variants-tokens", type=int, default=16384)
     ap.add_argument("--variant-forms", choices=("fused", "split", "both"), default="both",
                     help="which of the kernel's forms --variants times")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time each of the kernel's pallas_calls alone at every length (where a form's time goes)")
     ap.add_argument("--no-mamba", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-max-tokens", type=int, default=4096)
@@ -184,7 +186,10 @@ def main(argv=None):
         for label, fn, y_bytes in (("pallas fused", pallas(), 4), ("pallas split", pallas(Tuning(fused=False)), 4),
                                    ("pallas split, parallel states",
                                     pallas(Tuning(fused=False, parallel_states=True)), 4),
-                                   ("pallas fused, bf16 y", pallas(y_dtype=jnp.bfloat16), 2)):
+                                   ("pallas fused, bf16 y", pallas(y_dtype=jnp.bfloat16), 2),
+                                   ("pallas split, bf16 y", pallas(Tuning(fused=False), jnp.bfloat16), 2),
+                                   ("pallas split, parallel states, bf16 y",
+                                    pallas(Tuning(fused=False, parallel_states=True), jnp.bfloat16), 2)):
             try:  # a form that does not compile here leaves its row with the error, and the baselines still run
                 y, s = fn(*args_j)
                 record(label, wall_ms(lambda fn=fn: fn(*args_j), jsync, calls, reps), jnp.asarray(y, jnp.float32), s,
@@ -218,6 +223,8 @@ def main(argv=None):
                     del hy, hs
                     torch.cuda.empty_cache()
             del tx, tdt, ta, tb, tc
+        if args.parts:
+            results.setdefault("parts", []).extend(parts(args_j, chunk, gpu, jsync, calls, reps))
         base = next((r["ms"] for r in rows if r["impl"].startswith("mamba_ssm")), None)
         for r in rows:
             if base is not None and "ms" in r:
@@ -243,6 +250,42 @@ def main(argv=None):
         print("(torch rows: wall-clock ms, do_bench's median in parentheses)")
     save()
     return results
+
+
+def parts(args_j, chunk, gpu, jsync, calls, reps) -> list[dict]:
+    """Each pallas_call of the kernel's forms alone, on the inputs the forms give it (default Tuning per form)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_dwdp.kernels import ssd_pallas as sp
+
+    x, dt, a, b, c = args_j
+    t = x.shape[1]
+    dtp = jnp.pad(dt.astype(jnp.float32), ((0, 0), (0, (-t) % chunk), (0, 0))).transpose(0, 2, 1)
+    a = a.astype(jnp.float32)
+    kw = dict(chunk=chunk, interpret=not gpu)
+    fused, split, par = sp.Tuning(), sp.Tuning(fused=False), sp.Tuning(fused=False, parallel_states=True)
+    cb = jax.jit(lambda c, b: sp.scores(c, b, **kw))(c, b)
+    entering, _ = jax.jit(lambda *v: sp.states(*v, tuning=split, **kw))(a, dtp, x, b)
+    calls_ = {
+        "scores (C B^T)": (lambda c, b: sp.scores(c, b, **kw), (c, b)),
+        "fused scan loop, fp32 y": (lambda *v: sp.scan(*v, y_dtype=jnp.float32, tuning=fused, **kw),
+                                    (a, dtp, x, b, c, cb)),
+        "split states loop": (lambda *v: sp.states(*v, tuning=split, **kw), (a, dtp, x, b)),
+        "parallel states (chunk states + pass)": (lambda *v: sp.parallel_states(*v, tuning=par, **kw),
+                                                  (a, dtp, x, b)),
+        "split output, fp32 y": (lambda *v: sp.output(*v, y_dtype=jnp.float32, tuning=split, **kw),
+                                 (a, dtp, x, c, cb, entering)),
+        "split output, bf16 y": (lambda *v: sp.output(*v, y_dtype=jnp.bfloat16, tuning=split, **kw),
+                                 (a, dtp, x, c, cb, entering)),
+    }
+    out = []
+    for name, (fn, v) in calls_.items():
+        fn = jax.jit(fn)
+        row = {"tokens": t, "part": name, "ms": wall_ms(lambda fn=fn, v=v: fn(*v), jsync, calls, reps)}
+        out.append(row)
+        print(f"part {json.dumps(row)}", flush=True)
+    return out
 
 
 def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
