@@ -307,8 +307,8 @@ def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
         cases += [Tuning(fused=False, block_p=bp, block_n=bn, num_warps=(4, 4, 8))
                   for bp, bn in ((32, None), (64, None), (64, 64), (32, 64), (64, 32), (32, 32), (16, 32))]
         cases += [Tuning(fused=False, block_p=32, block_n=32, num_warps=(4, 4, 4))]
-        cases += [Tuning(fused=False, parallel_states=True, block_p=bp, num_warps=(4, w, 8))
-                  for bp in (16, 32) for w in (4, 8)]
+        cases += [Tuning(fused=False, parallel_states=True, block_p=bp, block_n=bn, num_warps=(4, w, 8))
+                  for bp, bn in ((16, None), (32, None), (16, 64), (16, 32)) for w in (4, 8)]
     cases = [tc for tc in cases if args.variant_forms == "both" or tc.fused == (args.variant_forms == "fused")]
     out = []
     for tuning in cases:

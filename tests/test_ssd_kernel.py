@@ -76,17 +76,20 @@ def test_kernel_bf16_output_and_one_head_per_group_interpreted(rng):
                             BOUND)
 
 
-def test_split_states_in_column_blocks_interpreted(rng):
-    """The split form's states loop over blocks of the state's columns (Tuning.block_n, N = 32 in two blocks of 16):
-    the same results as float64 on a right-padded batch (lengths 130, 65, 1) with a random initial state, fp32 (the
-    tight bound: a column block that read another's B or wrote another's state would show)."""
+@pytest.mark.parametrize("parallel", [False, True], ids=["states loop", "parallel states chain"])
+def test_split_states_in_column_blocks_interpreted(rng, parallel):
+    """The split form's states loop, or the parallel-states form's chain, over blocks of the state's columns
+    (Tuning.block_n, N = 32 in two blocks of 16): the same results as float64 on a right-padded batch (lengths 130,
+    65, 1) with a random initial state, fp32 (the tight bound: a column block that read another's B or chunk
+    states, or wrote another's state, would show)."""
     lengths = np.array([130, 65, 1])
     x, dt, a, b, c, h0 = ssd_inputs(rng, 3, 130, H, P, G, 32, initial=True, dtype=jnp.float32, lengths=lengths)
     out = poisoned(x.shape, jnp.float32)
     y, state = ssd_chunked_pallas(x, dt, a, b, c, h0, out, chunk_size=CHUNK,
-                                  tuning=Tuning(fused=False, block_p=16, block_n=16), interpret=True)
+                                  tuning=Tuning(fused=False, parallel_states=parallel, block_p=16, block_n=16),
+                                  interpret=True)
     ref = reference_per_sequence(x, dt, a, b, c, h0, lengths)
-    check_against_reference(y, state, ref, lengths, "split, column blocks", BOUND_FP32)
+    check_against_reference(y, state, ref, lengths, f"split, column blocks, parallel={parallel}", BOUND_FP32)
 
 
 @pytest.mark.parametrize("fused,row_blocks", [(True, 1), (False, 4)])
@@ -172,8 +175,6 @@ def test_implementation_switch():
         Tuning(block_n=32)
     with pytest.raises(ValueError, match="parallel_states is a form of the split kernels"):
         Tuning(parallel_states=True)
-    with pytest.raises(ValueError, match="which parallel_states does not run"):
-        Tuning(fused=False, parallel_states=True, block_n=32)
     assert (Tuning().blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
 
 

@@ -223,9 +223,9 @@ class Tuning:
     (three). `parallel_states` (split only): the states entering the chunks from every chunk's own state computed
     in parallel and an elementwise chain over the chunks (four kernels), instead of one loop that carries the
     state's products. `block_p`: rows of the state per loop program (None: `_block_p`, about one program per
-    multiprocessor). `block_n` (split only): columns of the state per states-loop program (None: all N); the
-    state's update x^T (B w) is independent across columns, so splitting them gives the sequential loop more
-    programs, each loading less per chunk. `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16,
+    multiprocessor). `block_n` (split only): columns of the state per states-loop (or, with `parallel_states`,
+    chain) program (None: all N); the state's update x^T (B w) is independent across columns, so splitting them
+    gives the sequential loop more programs, each loading less per chunk. `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16,
     Triton's smallest tile): the [L, L] decay-weighted scores are then computed as tiles on and below the diagonal
     only, (b + 1) / 2b of the exps and products of whole [L, L] tiles, and fewer registers live at once. `num_warps` / `num_stages`:
     per kernel, (scores, loop, output); the output entry is used split only.
@@ -254,8 +254,6 @@ class Tuning:
         if self.block_n is not None and self.fused:
             raise ValueError("Tuning.block_n splits the split form's states loop; the fused loop needs whole state "
                              "rows (its output sums over N)")
-        if self.block_n is not None and self.parallel_states:
-            raise ValueError("Tuning.block_n splits the states loop, which parallel_states does not run")
         if self.row_blocks not in (1, 2, 4, 8):
             raise ValueError(f"Tuning.row_blocks={self.row_blocks}: 1, 2, 4 or 8")
 
@@ -371,7 +369,8 @@ def parallel_states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuni
                     interpret: bool = False):
     """Kernel 2, split with `Tuning.parallel_states`: `states`' contract in two kernels. Every chunk's own state
     (one program per (sequence, chunk, head), all in parallel: the tensor-core products off the sequential chain),
-    then the chain over the chunks, elementwise, on blocks of `block_p` state rows (default 16)."""
+    then the chain over the chunks, elementwise, on blocks of `block_p` state rows (default 16) and `block_n`
+    columns (default all N)."""
     bsz, t, h, p = x.shape
     g, n = b.shape[-2:]
     rep = h // g
@@ -390,19 +389,21 @@ def parallel_states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuni
         name="ssd_chunk_states",
     )(a, dt, x, b)
     bp = min(tuning.block_p or 16, p)
-    state = pl.BlockSpec((None, None, bp, n), lambda i, hh, j: (i, hh, j, 0))
+    bn = min(tuning.block_n or n, n)
+    state = pl.BlockSpec((None, None, bp, bn), lambda i, hh, j, k: (i, hh, j, k))
+    chunks = pl.BlockSpec((None, None, nc, bp, bn), lambda i, hh, j, k: (i, hh, 0, j, k))
     in_specs = [pl.BlockSpec(a.shape, lambda *_: (0,)),
-                pl.BlockSpec((None, None, dt.shape[-1]), lambda i, hh, j: (i, hh, 0)),
-                pl.BlockSpec((None, None, nc, bp, n), lambda i, hh, j: (i, hh, 0, j, 0))]
+                pl.BlockSpec((None, None, dt.shape[-1]), lambda i, hh, *_: (i, hh, 0)),
+                chunks]
     args = [a, dt, local]
     if initial_state is not None:
         in_specs.append(state)
         args.append(initial_state.astype(_F32))
     return pl.pallas_call(
         functools.partial(_pass_kernel, chunk=chunk, has_initial=initial_state is not None),
-        grid=(bsz, h, p // bp),
+        grid=(bsz, h, p // bp, n // bn),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, nc, bp, n), lambda i, hh, j: (i, hh, 0, j, 0)), state],
+        out_specs=[chunks, state],
         out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype), jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
