@@ -100,9 +100,7 @@ def main(argv=None):
                     help="default 4096 16384 32768 (smoke: 100); none: only --variants")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny heads, JAX variants only, kernels interpreted")
     ap.add_argument("--variants", action="store_true", help="time the kernel's Tuning variants at --variants-tokens")
-    ap.add_argument("--variants-tokens", type=int, default=16384)
-    ap.add_argument("--variant-forms", choices=("fused", "split", "both"), default="both",
-                    help="which of the kernel's forms --variants times")
+    ap.add_argument("--variants-tokens", type=int, nargs="+", default=[16384])
     ap.add_argument("--parts", action="store_true",
                     help="also time each of the kernel's pallas_calls alone at every length (where a form's time goes)")
     ap.add_argument("--no-mamba", action="store_true")
@@ -183,13 +181,7 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
 
         record("xla (fp32 reference)", wall_ms(lambda: xla(*args_j), jsync, calls, reps), ref_y, ref_s, 4)
-        for label, fn, y_bytes in (("pallas fused", pallas(), 4), ("pallas split", pallas(Tuning(fused=False)), 4),
-                                   ("pallas split, parallel states",
-                                    pallas(Tuning(fused=False, parallel_states=True)), 4),
-                                   ("pallas fused, bf16 y", pallas(y_dtype=jnp.bfloat16), 2),
-                                   ("pallas split, bf16 y", pallas(Tuning(fused=False), jnp.bfloat16), 2),
-                                   ("pallas split, parallel states, bf16 y",
-                                    pallas(Tuning(fused=False, parallel_states=True), jnp.bfloat16), 2)):
+        for label, fn, y_bytes in (("pallas (fp32 y)", pallas(), 4), ("pallas, bf16 y", pallas(y_dtype=jnp.bfloat16), 2)):
             try:  # a form that does not compile here leaves its row with the error, and the baselines still run
                 y, s = fn(*args_j)
                 record(label, wall_ms(lambda fn=fn: fn(*args_j), jsync, calls, reps), jnp.asarray(y, jnp.float32), s,
@@ -253,7 +245,7 @@ def main(argv=None):
 
 
 def parts(args_j, chunk, gpu, jsync, calls, reps) -> list[dict]:
-    """Each pallas_call of the kernel's forms alone, on the inputs the forms give it (default Tuning per form)."""
+    """Each pallas_call of the kernel alone (default Tuning), on the inputs the scan gives it."""
     import jax
     import jax.numpy as jnp
 
@@ -264,20 +256,13 @@ def parts(args_j, chunk, gpu, jsync, calls, reps) -> list[dict]:
     dtp = jnp.pad(dt.astype(jnp.float32), ((0, 0), (0, (-t) % chunk), (0, 0))).transpose(0, 2, 1)
     a = a.astype(jnp.float32)
     kw = dict(chunk=chunk, interpret=not gpu)
-    fused, split, par = sp.Tuning(), sp.Tuning(fused=False), sp.Tuning(fused=False, parallel_states=True)
     cb = jax.jit(lambda c, b: sp.scores(c, b, **kw))(c, b)
-    entering, _ = jax.jit(lambda *v: sp.states(*v, tuning=split, **kw))(a, dtp, x, b)
+    entering, _ = jax.jit(lambda *v: sp.states(*v, **kw))(a, dtp, x, b)
     calls_ = {
         "scores (C B^T)": (lambda c, b: sp.scores(c, b, **kw), (c, b)),
-        "fused scan loop, fp32 y": (lambda *v: sp.scan(*v, y_dtype=jnp.float32, tuning=fused, **kw),
-                                    (a, dtp, x, b, c, cb)),
-        "split states loop": (lambda *v: sp.states(*v, tuning=split, **kw), (a, dtp, x, b)),
-        "parallel states (chunk states + pass)": (lambda *v: sp.parallel_states(*v, tuning=par, **kw),
-                                                  (a, dtp, x, b)),
-        "split output, fp32 y": (lambda *v: sp.output(*v, y_dtype=jnp.float32, tuning=split, **kw),
-                                 (a, dtp, x, c, cb, entering)),
-        "split output, bf16 y": (lambda *v: sp.output(*v, y_dtype=jnp.bfloat16, tuning=split, **kw),
-                                 (a, dtp, x, c, cb, entering)),
+        "states loop": (lambda *v: sp.states(*v, **kw), (a, dtp, x, b)),
+        "output, fp32 y": (lambda *v: sp.output(*v, y_dtype=jnp.float32, **kw), (a, dtp, x, c, cb, entering)),
+        "output, bf16 y": (lambda *v: sp.output(*v, y_dtype=jnp.bfloat16, **kw), (a, dtp, x, c, cb, entering)),
     }
     out = []
     for name, (fn, v) in calls_.items():
@@ -289,44 +274,46 @@ def parts(args_j, chunk, gpu, jsync, calls, reps) -> list[dict]:
 
 
 def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
-    """The kernel's Tuning variants at --variants-tokens: fused and split (--variant-forms), state rows (and, split,
-    columns) per loop program, warps, row blocks. A variant that fails to compile is reported and skipped."""
+    """The kernel's Tuning variants at each of --variants-tokens (bf16 y): the states loop's blocks of the state and
+    warps, the output's warps and row blocks. A variant that fails to compile is reported and skipped."""
+    import jax.numpy as jnp
+
     from jax_dwdp.kernels.ssd_pallas import Tuning
     from tests.ssd_cases import ssd_inputs
 
-    t = 256 if args.smoke else args.variants_tokens
     h, p, g, n = (heads[k] for k in ("h", "p", "g", "n"))
-    x, dt, a, b, c, _ = ssd_inputs(rng, 1, t, h, p, g, n, initial=False)
-    ref_y, ref_s = (np.asarray(v, np.float64) for v in xla(x, dt, a, b, c))
-    if args.smoke:  # one of each form
-        cases = [Tuning(block_p=16), Tuning(fused=False, block_p=16),
-                 Tuning(fused=False, parallel_states=True, block_p=16)]
-    else:  # state rows and warps of the fused loop, whole [L, L] tiles; the split forms' state blocks, output warps
-        cases = [Tuning(block_p=bp, num_warps=(4, w, 8)) for bp in (16, 32, 64) for w in (4, 8)]
-        cases += [Tuning(row_blocks=1)]
-        cases += [Tuning(fused=False, block_p=bp, block_n=bn, num_warps=(4, 4, 8))
-                  for bp, bn in ((32, None), (64, None), (64, 64), (32, 64), (64, 32), (32, 32), (16, 32))]
-        cases += [Tuning(fused=False, block_p=32, block_n=32, num_warps=(4, 4, 4))]
-        cases += [Tuning(fused=False, parallel_states=True, block_p=bp, block_n=bn, num_warps=(4, w, 8))
-                  for bp, bn in ((16, None), (32, None), (16, 64), (16, 32)) for w in (4, 8)]
-    cases = [tc for tc in cases if args.variant_forms == "both" or tc.fused == (args.variant_forms == "fused")]
+    if args.smoke:  # the default and one other of each knob
+        cases = [Tuning(), Tuning(block_p=16, block_n=16, row_blocks=1, num_warps=(4, 8, 8))]
+    else:
+        cases = [Tuning()]
+        cases += [Tuning(block_p=bp, block_n=bn) for bp, bn in ((64, 64), (64, 16), (32, 32), (32, 64))]
+        cases += [Tuning(num_warps=(4, w, 4)) for w in (2, 8)]
+        cases += [Tuning(num_warps=(4, 4, w)) for w in (2, 8)]
+        cases += [Tuning(row_blocks=rb) for rb in (1, 4)]
+        cases += [Tuning(row_blocks=rb, num_warps=(4, 4, 8)) for rb in (1, 4)]
+        cases += [Tuning(num_stages=(2, s, 2)) for s in (1, 3)]
     out = []
-    for tuning in cases:
-        fn = pallas(tuning)
-        try:
-            y, s = fn(x, dt, a, b, c)
-            row = {"tokens": t, "tuning": str(tuning), "ms": wall_ms(lambda fn=fn: fn(x, dt, a, b, c), jsync, calls,
-                                                                     reps),
-                   **errors(y, s, ref_y, ref_s)}
-        except Exception as e:  # noqa: BLE001 (a variant Triton cannot compile is skipped, and said so)
-            print(f"variant {tuning}: failed ({type(e).__name__}: {str(e)[:300]})", flush=True)
-            continue
-        out.append(row)
-        print(f"variant {json.dumps(row)}", flush=True)
-    if out:
-        best = min((r for r in out if r["y_rel_err"] <= 1e-2), key=lambda r: r["ms"], default=None)
-        print(f"best variant at {t} tokens: {best['tuning'] if best else 'none within 1e-2'}"
-              + (f" {best['ms']:.3f} ms" if best else ""), flush=True)
+    for t in [256] if args.smoke else args.variants_tokens:
+        x, dt, a, b, c, _ = ssd_inputs(rng, 1, t, h, p, g, n, initial=False)
+        ref_y, ref_s = (np.asarray(v, np.float64) for v in xla(x, dt, a, b, c))
+        rows = []
+        for tuning in cases:
+            fn = pallas(tuning, jnp.bfloat16)
+            try:
+                y, s = fn(x, dt, a, b, c)
+                row = {"tokens": t, "tuning": str(tuning),
+                       "ms": wall_ms(lambda fn=fn: fn(x, dt, a, b, c), jsync, calls, reps),
+                       **errors(jnp.asarray(y, jnp.float32), s, ref_y, ref_s)}
+            except Exception as e:  # noqa: BLE001 (a variant Triton cannot compile is skipped, and said so)
+                print(f"variant {tuning}: failed ({type(e).__name__}: {str(e)[:300]})", flush=True)
+                continue
+            rows.append(row)
+            print(f"variant {json.dumps(row)}", flush=True)
+        if rows:
+            best = min((r for r in rows if r["y_rel_err"] <= 1e-2), key=lambda r: r["ms"], default=None)
+            print(f"best variant at {t} tokens: {best['tuning'] if best else 'none within 1e-2'}"
+                  + (f" {best['ms']:.3f} ms (default {rows[0]['ms']:.3f})" if best else ""), flush=True)
+        out += rows
     return out
 
 

@@ -1,11 +1,9 @@
 """Mamba-2's SSD scan as Pallas kernels (`kernels/ssd_pallas.py`) in interpret mode on the CPU against a float64
 sequential recurrence: single lengths around the chunk, a right-padded batch of mixed lengths (dt = 0 on padding),
-zero and random initial states, several heads per B/C group, fused and split, bf16 and fp32 inputs, outputs written
+zero and random initial states, several heads per B/C group, the state in one block or in blocks of rows and columns, bf16 and fp32 inputs, outputs written
 into NaN-filled buffers; the implementation switch; the Triton lowering of every variant at 30B-A3B's heads."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,17 +17,16 @@ from tests.ssd_cases import (BOUND, BOUND_FP32, check_against_reference, f64, po
                              rel_err, ssd_float64, ssd_float64_chunked, ssd_inputs)
 
 # Small heads so that interpret mode stays quick: 4 heads in 2 groups of B/C, P = 32 in two blocks of 16 state rows
-# (the loop kernels' grid covers P in pieces), N = 16, chunks of 64 (lengths 63, 64, 65 sit around a boundary).
+# (the states loop's grid may cover P in pieces), N = 16, chunks of 64 (lengths 63, 64, 65 sit around a boundary).
 H, P, G, N, CHUNK = 4, 32, 2, 16, 64
 
 
-FORMS = {"fused": Tuning(block_p=16), "split": Tuning(fused=False, block_p=16),
-         "split, parallel states": Tuning(fused=False, parallel_states=True, block_p=16)}
+FORMS = {"whole state": Tuning(), "state rows in blocks": Tuning(block_p=16)}
 
 
-def _run(x, dt, a, b, c, h0, *, fused=True, y_dtype=jnp.float32, row_blocks=2, tuning=None):
+def _run(x, dt, a, b, c, h0, *, y_dtype=jnp.float32, row_blocks=2, tuning=None):
     out = poisoned(x.shape, y_dtype)
-    tuning = tuning or Tuning(fused=fused, block_p=16, row_blocks=row_blocks)
+    tuning = tuning or Tuning(block_p=16, row_blocks=row_blocks)
     return ssd_chunked_pallas(x, dt, a, b, c, h0, out, chunk_size=CHUNK, y_dtype=y_dtype, tuning=tuning,
                               interpret=True)
 
@@ -76,31 +73,29 @@ def test_kernel_bf16_output_and_one_head_per_group_interpreted(rng):
                             BOUND)
 
 
-@pytest.mark.parametrize("parallel", [False, True], ids=["states loop", "parallel states chain"])
-def test_split_states_in_column_blocks_interpreted(rng, parallel):
-    """The split form's states loop, or the parallel-states form's chain, over blocks of the state's columns
-    (Tuning.block_n, N = 32 in two blocks of 16): the same results as float64 on a right-padded batch (lengths 130,
-    65, 1) with a random initial state, fp32 (the tight bound: a column block that read another's B or chunk
-    states, or wrote another's state, would show)."""
+def test_states_in_column_blocks_interpreted(rng):
+    """The states loop over blocks of the state's rows and columns (Tuning.block_p / block_n, P = 32 and N = 32 in
+    two blocks of 16 each): the same results as float64 on a right-padded batch (lengths 130, 65, 1) with a random
+    initial state, fp32 (the tight bound: a block that read another's x or B, or wrote another's state, would
+    show)."""
     lengths = np.array([130, 65, 1])
     x, dt, a, b, c, h0 = ssd_inputs(rng, 3, 130, H, P, G, 32, initial=True, dtype=jnp.float32, lengths=lengths)
     out = poisoned(x.shape, jnp.float32)
     y, state = ssd_chunked_pallas(x, dt, a, b, c, h0, out, chunk_size=CHUNK,
-                                  tuning=Tuning(fused=False, parallel_states=parallel, block_p=16, block_n=16),
-                                  interpret=True)
+                                  tuning=Tuning(block_p=16, block_n=16), interpret=True)
     ref = reference_per_sequence(x, dt, a, b, c, h0, lengths)
-    check_against_reference(y, state, ref, lengths, f"split, column blocks, parallel={parallel}", BOUND_FP32)
+    check_against_reference(y, state, ref, lengths, "state in row and column blocks", BOUND_FP32)
 
 
-@pytest.mark.parametrize("fused,row_blocks", [(True, 1), (False, 4)])
-def test_kernel_row_blocks_interpreted(rng, fused, row_blocks):
+@pytest.mark.parametrize("row_blocks", [1, 4])
+def test_kernel_row_blocks_interpreted(rng, row_blocks):
     """The chunk's rows as one block (whole [L, L] tiles) or four (tiles on and below the diagonal only): the same
     results, on lengths that end inside a block and inside a chunk."""
     lengths = np.array([300, 17, 40])
     x, dt, a, b, c, h0 = ssd_inputs(rng, 3, 300, H, P, G, N, initial=True, lengths=lengths)
-    y, state = _run(x, dt, a, b, c, h0, fused=fused, row_blocks=row_blocks)
+    y, state = _run(x, dt, a, b, c, h0, row_blocks=row_blocks)
     check_against_reference(y, state, reference_per_sequence(x, dt, a, b, c, h0, lengths), lengths,
-                            f"row blocks {row_blocks}, fused={fused}", BOUND)
+                            f"row blocks {row_blocks}", BOUND)
 
 
 def test_kernel_in_two_pieces_equals_one_interpreted(rng):
@@ -170,11 +165,7 @@ def test_implementation_switch():
     with pytest.raises(ValueError, match="row_blocks=3"):
         Tuning(row_blocks=3)
     with pytest.raises(ValueError, match="block_n=48"):
-        Tuning(fused=False, block_n=48)
-    with pytest.raises(ValueError, match="fused loop needs whole state rows"):
-        Tuning(block_n=32)
-    with pytest.raises(ValueError, match="parallel_states is a form of the split kernels"):
-        Tuning(parallel_states=True)
+        Tuning(block_n=48)
     assert (Tuning().blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
 
 
@@ -182,8 +173,7 @@ def _lowered_for_cuda(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-KERNELS = {"fused": ["ssd_scores", "ssd_scan"], "split": ["ssd_scores", "ssd_states", "ssd_output"],
-           "split, parallel states": ["ssd_scores", "ssd_chunk_states", "ssd_pass", "ssd_output"]}
+KERNELS = ["ssd_scores", "ssd_states", "ssd_output"]
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -195,8 +185,8 @@ def test_kernels_lower_to_triton_at_30b_a3b_heads(form, dtype):
     t, h, p, g, n = 1000, 64, 64, 8, 128
     args = [shape((1, t, h, p), dtype), shape((1, t, h), jnp.float32), shape((h,), jnp.float32),
             shape((1, t, g, n), dtype), shape((1, t, g, n), dtype)]
-    names = KERNELS[form]
-    tuning = dataclasses.replace(FORMS[form], block_p=None)
+    names = KERNELS
+    tuning = FORMS[form]
     for initial in ([], [shape((1, h, p, n), jnp.float32)]):
         text = _lowered_for_cuda(lambda *v: ssd_chunked_pallas(*v, chunk_size=128, tuning=tuning), *args, *initial)
         assert all(f'"{name}"' in text for name in names), [name for name in names if f'"{name}"' not in text]
@@ -221,4 +211,4 @@ def test_mamba_mixer_lowered_for_cuda_takes_the_chosen_form(choice):
     for cache in (None, (jax.ShapeDtypeStruct((2, cfg.mamba_conv_dim, cfg.conv_kernel - 1), jnp.bfloat16),
                          jax.ShapeDtypeStruct((2, cfg.mamba_num_heads, 16, cfg.ssm_state_size), jnp.float32))):
         text = fn.trace(state, x, lengths, cache).lower(lowering_platforms=("cuda",)).as_text()
-        assert ('"ssd_scores"' in text and '"ssd_scan"' in text) == (choice == "pallas")
+        assert [f'"{name}"' in text for name in KERNELS] == [choice == "pallas"] * len(KERNELS)

@@ -2,14 +2,15 @@
 # One GPU (H100 or H200): Mamba-2's SSD scan as Pallas kernels (jax_dwdp/kernels/ssd_pallas.py) beside mamba_ssm's
 # Triton kernels, transformers' torch path and the XLA scan, on identical inputs. Steps ($STEPS, default
 # "tests bench variants"):
-#   tests     tests/test_gpu_ssd.py: the kernel (fused, split, split with parallel states) against float64 and the
-#             XLA scan at 30B-A3B's heads on a batch of lengths 4000, 1, 63, 64, 65, 1000 with zero and random
-#             initial states; the kernel as the model's choice at single lengths; two pieces against one; the bf16
-#             mixer with the kernel against XLA
+#   tests     tests/test_gpu_ssd.py: the kernel (default Tuning and other state blocks, warps, row blocks) against
+#             float64 and the XLA scan at 30B-A3B's heads on a batch of lengths 4000, 1, 63, 64, 65, 1000 with zero
+#             and random initial states; the kernel as the model's choice at single lengths; two pieces against one;
+#             the bf16 mixer with the kernel against XLA
 #   bench     benchmarks/bench_ssd.py at $SEQS (default 4096 16384 32768) tokens, $BENCH_ARGS added (--parts:
 #             each pallas_call alone): $OUT/ssd.json
-#   variants  bench_ssd.py --variants alone at $VARIANTS_TOKENS (default 16K) tokens (the kernel's Tuning: fused /
-#             split, $VARIANT_FORMS (default both), state rows per program, warps), only with $VARIANTS_MIN_LEFT (default 60) seconds left: $OUT/ssd_variants.json
+#   variants  bench_ssd.py --variants alone at $VARIANTS_TOKENS (default 16384 32768) tokens (the kernel's Tuning:
+#             the states loop's blocks and warps, the output's warps and row blocks), only with $VARIANTS_MIN_LEFT
+#             (default 60) seconds left: $OUT/ssd_variants.json
 # The wheels in .whl/ (mamba_ssm 2.3.2.post1 built without its CUDA extensions, einops) go into /tmp/site; without
 # them bench_ssd.py skips mamba_ssm's rows and says why. Run from the repository root; nothing needs to be carried
 # but .whl/ (git-ignored: carry [".whl"]). Each command's limit is cut to what is left of $DEADLINE seconds (default
@@ -50,8 +51,7 @@ for step in $STEPS; do
       MIN_LEFT=${VARIANTS_MIN_LEFT:-60} time_for "$step" || continue
       echo "== bench_ssd.py --variants ($SECONDS s)"
       timeout "$(limit 300)" python3 benchmarks/bench_ssd.py --seq-lens --variants --no-mamba --no-torch \
-        --variants-tokens ${VARIANTS_TOKENS:-16384} \
-        --variant-forms ${VARIANT_FORMS:-both} --out "$OUT/ssd_variants.json" 2>&1 | quiet > "$OUT/variants.log"
+        --variants-tokens ${VARIANTS_TOKENS:-16384 32768} --out "$OUT/ssd_variants.json" 2>&1 | quiet > "$OUT/variants.log"
       echo "rc $?"; grep -E "^variant|^best|rror" "$OUT/variants.log" | sed 's/, "y_max_abs_err[^,]*//' | tail -16 ;;
     *) echo "== unknown step $step" ;;
   esac

@@ -1,4 +1,4 @@
-"""Mamba-2's chunked SSD scan on the GPU: Pallas (Triton) kernels, two by default (three split).
+"""Mamba-2's chunked SSD scan on the GPU: three Pallas (Triton) kernels.
 
 The math and the contract are `ssd.ssd_chunked_xla`'s (the fp32 reference). Per sequence, head h (of group
 g = h // R, R = H / G) and chunk of L = chunk_size tokens, with the in-chunk cumulative log decay
@@ -9,18 +9,18 @@ cum_i = sum_{j <= i} dt_j A_h and the state S [P, N]:
 
 1. `_scores_kernel`, one program per (sequence, chunk, group), all in parallel: the chunk's C B^T [L, L], which
    the group's R heads share (computed once instead of R times), in the operand dtype.
-2. `_scan_kernel` (the default, `Tuning.fused`), one program per (sequence, head, block of P rows of the state):
-   a loop over the chunks carrying S [BP, N] in fp32 and writing y as it goes. Only the state's update is on the
-   loop's dependency chain (S -> S); the products of the chunk's own tokens depend on nothing carried, so they can
-   overlap it, and neither the per-chunk states nor partial outputs go through memory. Within a chunk the rows are
-   taken in `Tuning.row_blocks` blocks, so that the [L, L] decay-weighted scores are computed as the tiles on and
-   below the diagonal only.
-   Split instead (`Tuning(fused=False)`): `_states_kernel` runs the same loop without the output and writes the
-   state entering each chunk (operand dtype), and `_output_kernel`, one program per (sequence, chunk, head), computes
-   y from it in parallel: the states' round trip through memory against a loop with less work per step. With
-   `Tuning(fused=False, parallel_states=True)` the states come from `_chunk_states_kernel` (every chunk's own state,
-   all in parallel) and `_pass_kernel` (the chain over chunks, elementwise): no product on the sequential chain, at
-   the price of every chunk's fp32 state going through memory (mamba_ssm's structure).
+2. `_states_kernel`, one program per (sequence, head, block of `block_p` rows and `block_n` columns of the state):
+   a loop over the chunks carrying its block of S in fp32 and writing the state entering each chunk (operand
+   dtype). The update x^T (B w) is independent across the state's rows and columns, so the blocks are programs of
+   their own: about two per multiprocessor at the default blocks.
+3. `_output_kernel`, one program per (sequence, chunk, head), all in parallel: y from the chunk's own tokens and the
+   state entering it. Within a chunk the rows are taken in `Tuning.row_blocks` blocks, so that the [L, L]
+   decay-weighted scores are computed as the tiles on and below the diagonal only.
+
+Why this structure: two others were measured slower at 4K-32K tokens on an H100 (benchmarks/RESULTS.md, "Mamba-2
+SSD scan"): one loop carrying the state and writing y as it goes (no states through memory, but the output's
+products on the loop's 128 programs), and every chunk's own state in parallel followed by an elementwise chain over
+the chunks (mamba_ssm's structure: fp32 chunk states through memory and a second pass).
 
 Why Pallas Triton and not Mosaic GPU: the other kernels of this package are Triton ones (the same tools, tests and
 tuning knobs), Triton issues Hopper's wgmma for these tile shapes itself and software-pipelines the loads of the
@@ -51,7 +51,7 @@ from ._triton_rows import iota, load_rows, store_rows
 
 _F32 = jnp.float32
 _HALF = (jnp.bfloat16, jnp.float16)
-_SMS = 128  # about one program per multiprocessor of an H100 / H200 (132): the loop kernels' target parallelism
+_SMS = 128  # about the multiprocessors of an H100 / H200 (132): the states loop's parallelism is set against it
 
 
 def supported(chunk_size: int, head_dim: int, state_size: int) -> bool:
@@ -148,27 +148,8 @@ def _initial(h0_ref, shape):
     return jnp.zeros(shape, _F32) if h0_ref is None else h0_ref[...].astype(_F32)
 
 
-def _scan_kernel(a_ref, dt_ref, x_ref, b_ref, c_ref, cb_ref, *rest, chunk: int, blocks: int, t: int,
-                 has_initial: bool):
-    """The fused loop: per chunk the output (its own part and the state's) and the state's update."""
-    h0_ref = rest[0] if has_initial else None
-    y_ref, final_ref = rest[-2], rest[-1]  # (an aliased `out` buffer, if any, sits before them: the same memory)
-    a = a_ref[pl.program_id(1)]
-
-    def step(n, state):
-        rows = _row_blocks(n * chunk, n * chunk, chunk, blocks, t)
-        dts, cums, total = _decays(dt_ref, rows, a)
-        xs = [r.load(x_ref) for r in rows]
-        ys = _outputs(cb_ref, rows, xs, [r.load(c_ref) for r in rows], state, dts, cums)
-        for r, y in zip(rows, ys):
-            r.store(y_ref, y)
-        return _updated(state, xs, [r.load(b_ref) for r in rows], dts, cums, total)
-
-    final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
-
-
 def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, t: int, has_initial: bool):
-    """The split loop: the state entering each chunk (operand dtype) and the final state (fp32)."""
+    """The loop over chunks: the state entering each chunk (operand dtype) and the final state (fp32)."""
     h0_ref = rest[0] if has_initial else None
     states_ref, final_ref = rest[-2], rest[-1]
     a = a_ref[pl.program_id(1)]
@@ -182,32 +163,8 @@ def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, 
     final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
 
 
-def _chunk_states_kernel(a_ref, dt_ref, x_ref, b_ref, local_ref, *, chunk: int, blocks: int, t: int):
-    """The parallel split, first half: one chunk of one head, the state its own tokens leave (entering state zero),
-    fp32."""
-    rows = _row_blocks(0, pl.program_id(1) * chunk, chunk, blocks, t)
-    dts, cums, total = _decays(dt_ref, rows, a_ref[pl.program_id(2)])
-    zero = jnp.zeros(local_ref.shape, _F32)
-    local_ref[...] = _updated(zero, [r.load(x_ref) for r in rows], [r.load(b_ref) for r in rows], dts, cums, total)
-
-
-def _pass_kernel(a_ref, dt_ref, local_ref, *rest, chunk: int, has_initial: bool):
-    """The parallel split, second half: the chain over chunks, elementwise on a block of state rows,
-    S <- exp(A sum(dt of the chunk)) S + (the chunk's own state), writing the state entering each chunk."""
-    h0_ref = rest[0] if has_initial else None
-    states_ref, final_ref = rest[-2], rest[-1]
-    a = a_ref[pl.program_id(1)]
-
-    def step(n, state):
-        states_ref[n] = state.astype(states_ref.dtype)
-        decay = jnp.exp(jnp.sum(dt_ref[pl.ds(n * chunk, chunk)]) * a)
-        return state * decay + local_ref[n]
-
-    final_ref[...] = lax.fori_loop(0, dt_ref.shape[0] // chunk, step, _initial(h0_ref, final_ref.shape))
-
-
 def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, blocks: int, t: int):
-    """The split output, one chunk of one head: its own part and the entering state's."""
+    """The output of one chunk of one head: its own part and the entering state's."""
     y_ref = rest[-1]
     rows = _row_blocks(0, pl.program_id(1) * chunk, chunk, blocks, t)
     dts, cums, _ = _decays(dt_ref, rows, a_ref[pl.program_id(2)])
@@ -219,29 +176,19 @@ def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch parameters. `fused`: the output inside the chunk loop (two kernels) or by a parallel kernel after it
-    (three). `parallel_states` (split only): the states entering the chunks from every chunk's own state computed
-    in parallel and an elementwise chain over the chunks (four kernels), instead of one loop that carries the
-    state's products. `block_p`: rows of the state per loop program (None: `_block_p`, about one program per
-    multiprocessor). `block_n` (split only): columns of the state per states-loop (or, with `parallel_states`,
-    chain) program (None: all N); the state's update x^T (B w) is independent across columns, so splitting them
-    gives the sequential loop more programs, each loading less per chunk. `row_blocks`: the chunk's rows in this many blocks (at most chunk / 16,
-    Triton's smallest tile): the [L, L] decay-weighted scores are then computed as tiles on and below the diagonal
-    only, (b + 1) / 2b of the exps and products of whole [L, L] tiles, and fewer registers live at once. `num_warps` / `num_stages`:
-    per kernel, (scores, loop, output); the output entry is used split only.
+    """Launch parameters. `block_p` / `block_n`: rows / columns of the state per states-loop program (None: all P
+    rows, and N columns halved (down to 16) until about two programs per multiprocessor, `_block_n`).
+    `row_blocks`: the output's chunk rows in this many blocks (at most chunk / 16, Triton's smallest tile): the [L, L]
+    decay-weighted scores are then computed as tiles on and below the diagonal only, (b + 1) / 2b of the exps and
+    products of whole [L, L] tiles. `num_warps` / `num_stages`: per kernel, (scores, states loop, output).
 
-    Not yet measured on a GPU: the defaults are first guesses from Triton 3.6's compile of the kernels for sm_90
-    (on the CPU, ptxas -v): at 30B-A3B's heads the fused loop with 2 row blocks and 8 warps spills 8 bytes a thread
-    (whole [L, L] tiles: 52; 4 warps: 156; 4 row blocks: 1.2 KB, and its 32-row tiles lose wgmma), and with 3
-    stages its shared memory would pass the 227 KB a block may have. benchmarks/bench_ssd.py --variants times the
-    alternatives."""
+    The defaults are the fastest measured at 30B-A3B's heads (H100, benchmarks/RESULTS.md, "Mamba-2 SSD scan";
+    `bench_ssd.py --variants` times the alternatives)."""
 
-    fused: bool = True
-    parallel_states: bool = False
     block_p: int | None = None
     block_n: int | None = None
     row_blocks: int = 2
-    num_warps: tuple[int, int, int] = (4, 8, 8)
+    num_warps: tuple[int, int, int] = (4, 4, 4)
     num_stages: tuple[int, int, int] = (2, 2, 2)
 
     def __post_init__(self):
@@ -249,11 +196,6 @@ class Tuning:
             value = getattr(self, name)
             if value is not None and (value < 16 or value & (value - 1)):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= 16, or None")
-        if self.parallel_states and self.fused:
-            raise ValueError("Tuning.parallel_states is a form of the split kernels (fused=False)")
-        if self.block_n is not None and self.fused:
-            raise ValueError("Tuning.block_n splits the split form's states loop; the fused loop needs whole state "
-                             "rows (its output sums over N)")
         if self.row_blocks not in (1, 2, 4, 8):
             raise ValueError(f"Tuning.row_blocks={self.row_blocks}: 1, 2, 4 or 8")
 
@@ -265,12 +207,13 @@ class Tuning:
         return plgpu.CompilerParams(num_warps=self.num_warps[i], num_stages=self.num_stages[i])
 
 
-def _block_p(batch: int, heads: int, p: int) -> int:
-    """State rows per loop program: halved from P (down to 16) until about one program per multiprocessor."""
-    bp = p
-    while bp > 16 and batch * heads * (p // bp) < _SMS:
-        bp //= 2
-    return bp
+def _block_n(programs: int, n: int) -> int:
+    """State columns per states-loop program: halved from N (down to 16) until about two programs per
+    multiprocessor, `programs` being how many whole-column blocks there are."""
+    bn = n
+    while bn > 16 and programs * (n // bn) < 2 * _SMS:
+        bn //= 2
+    return bn
 
 
 def scores(c, b, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = False):
@@ -291,63 +234,24 @@ def scores(c, b, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = Fal
     )(c, b)
 
 
-def _loop_specs(a, dt, b, bp: int, rep: int, bn: int | None = None):
-    """BlockSpecs of the loop kernels' common inputs (grid (B, H, P / bp[, N / bn])): A whole, a head's dt [T'], its
-    rows of x [T', bp], its group's B (or C) [T', N], or its columns [T', bn] of them. The blocks span T' rows; x's,
-    B's and C's rows past T are masked."""
-    tp = dt.shape[-1]
-    n = b.shape[-1] if bn is None else bn
-    return [pl.BlockSpec(a.shape, lambda *_: (0,)),
-            pl.BlockSpec((None, None, tp), lambda i, h, j, *_: (i, h, 0)),
-            pl.BlockSpec((None, tp, None, bp), lambda i, h, j, *_: (i, 0, h, j)),
-            pl.BlockSpec((None, tp, None, n), lambda i, h, j, *k: (i, 0, h // rep, k[0] if k else 0))]
-
-
-def scan(a, dt, x, b, c, cb, initial_state=None, out=None, *, chunk: int, y_dtype, tuning: Tuning = Tuning(),
-         interpret: bool = False):
-    """Kernel 2, fused. a [H] fp32; dt [B, H, T'] fp32 (zero past T); x [B, T, H, P], b, c [B, T, G, N] (operand
-    dtype); cb from `scores`; initial_state [B, H, P, N] or None; out an optional [B, T, H, P] buffer of y_dtype
-    that y is written into. Returns (y [B, T, H, P] y_dtype, final state [B, H, P, N] fp32)."""
-    bsz, t, h, p = x.shape
-    g, n = b.shape[-2:]
-    rep = h // g
-    tp = dt.shape[-1]
-    bp = min(tuning.block_p or _block_p(bsz, h, p), p)
-    state = pl.BlockSpec((None, None, bp, n), lambda i, hh, j: (i, hh, j, 0))
-    y_spec = pl.BlockSpec((None, tp, None, bp), lambda i, hh, j: (i, 0, hh, j))
-    common = _loop_specs(a, dt, b, bp, rep)
-    in_specs = [*common, common[-1], pl.BlockSpec((None, None, tp, chunk), lambda i, hh, j: (i, hh // rep, 0, 0))]
-    args = [a, dt, x, b, c, cb]
-    if initial_state is not None:
-        in_specs.append(state)
-        args.append(initial_state.astype(_F32))
-    if out is not None:
-        in_specs.append(y_spec)
-        args.append(out)
-    return pl.pallas_call(
-        functools.partial(_scan_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
-                          has_initial=initial_state is not None),
-        grid=(bsz, h, p // bp),
-        in_specs=in_specs,
-        out_specs=[y_spec, state],
-        out_shape=[jax.ShapeDtypeStruct((bsz, t, h, p), y_dtype), jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
-        input_output_aliases={len(args) - 1: 0} if out is not None else {},
-        compiler_params=tuning.params(1),
-        interpret=interpret,
-        name="ssd_scan",
-    )(*args)
-
-
 def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = False):
-    """Kernel 2, split. Returns (the state entering each chunk [B, H, T'/L, P, N] in x's dtype, final state
-    [B, H, P, N] fp32)."""
+    """Kernel 2. a [H] fp32; dt [B, H, T'] fp32 (zero past T); x [B, T, H, P], b [B, T, G, N] (operand dtype);
+    initial_state [B, H, P, N] or None. Returns (the state entering each chunk [B, H, T'/L, P, N] in x's dtype,
+    final state [B, H, P, N] fp32)."""
     bsz, t, h, p = x.shape
     g, n = b.shape[-2:]
     nc = dt.shape[-1] // chunk
-    bp = min(tuning.block_p or _block_p(bsz, h, p), p)
-    bn = min(tuning.block_n or n, n)
+    bp = min(tuning.block_p or p, p)
+    bn = min(tuning.block_n or _block_n(bsz * h * (p // bp), n), n)
+    rep = h // g
+    tp = dt.shape[-1]
     state = pl.BlockSpec((None, None, bp, bn), lambda i, hh, j, k: (i, hh, j, k))
-    in_specs = _loop_specs(a, dt, b, bp, h // g, bn)
+    # A whole; the head's dt [T']; its rows of x [T', bp]; its group's columns of B [T', bn]. The blocks span T'
+    # rows: x's and B's rows past T are masked.
+    in_specs = [pl.BlockSpec(a.shape, lambda *_: (0,)),
+                pl.BlockSpec((None, None, tp), lambda i, hh, j, k: (i, hh, 0)),
+                pl.BlockSpec((None, tp, None, bp), lambda i, hh, j, k: (i, 0, hh, j)),
+                pl.BlockSpec((None, tp, None, bn), lambda i, hh, j, k: (i, 0, hh // rep, k))]
     args = [a, dt, x, b]
     if initial_state is not None:
         in_specs.append(state)
@@ -365,55 +269,10 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
     )(*args)
 
 
-def parallel_states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuning(),
-                    interpret: bool = False):
-    """Kernel 2, split with `Tuning.parallel_states`: `states`' contract in two kernels. Every chunk's own state
-    (one program per (sequence, chunk, head), all in parallel: the tensor-core products off the sequential chain),
-    then the chain over the chunks, elementwise, on blocks of `block_p` state rows (default 16) and `block_n`
-    columns (default all N)."""
-    bsz, t, h, p = x.shape
-    g, n = b.shape[-2:]
-    rep = h // g
-    nc = dt.shape[-1] // chunk
-    local = pl.pallas_call(
-        functools.partial(_chunk_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t),
-        grid=(bsz, nc, h),
-        in_specs=[pl.BlockSpec(a.shape, lambda *_: (0,)),
-                  pl.BlockSpec((None, None, chunk), lambda i, j, hh: (i, hh, j)),
-                  pl.BlockSpec((None, chunk, None, p), lambda i, j, hh: (i, j, hh, 0)),
-                  pl.BlockSpec((None, chunk, None, n), lambda i, j, hh: (i, j, hh // rep, 0))],
-        out_specs=pl.BlockSpec((None, None, None, p, n), lambda i, j, hh: (i, hh, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((bsz, h, nc, p, n), _F32),
-        compiler_params=tuning.params(1),
-        interpret=interpret,
-        name="ssd_chunk_states",
-    )(a, dt, x, b)
-    bp = min(tuning.block_p or 16, p)
-    bn = min(tuning.block_n or n, n)
-    state = pl.BlockSpec((None, None, bp, bn), lambda i, hh, j, k: (i, hh, j, k))
-    chunks = pl.BlockSpec((None, None, nc, bp, bn), lambda i, hh, j, k: (i, hh, 0, j, k))
-    in_specs = [pl.BlockSpec(a.shape, lambda *_: (0,)),
-                pl.BlockSpec((None, None, dt.shape[-1]), lambda i, hh, *_: (i, hh, 0)),
-                chunks]
-    args = [a, dt, local]
-    if initial_state is not None:
-        in_specs.append(state)
-        args.append(initial_state.astype(_F32))
-    return pl.pallas_call(
-        functools.partial(_pass_kernel, chunk=chunk, has_initial=initial_state is not None),
-        grid=(bsz, h, p // bp, n // bn),
-        in_specs=in_specs,
-        out_specs=[chunks, state],
-        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype), jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="ssd_pass",
-    )(*args)
-
-
 def output(a, dt, x, c, cb, entering, out=None, *, chunk: int, y_dtype, tuning: Tuning = Tuning(),
            interpret: bool = False):
-    """Kernel 3, split: y [B, T, H, P] in y_dtype from the states entering each chunk (`states`)."""
+    """Kernel 3: y [B, T, H, P] in y_dtype from the states entering each chunk (`states`); c, cb as `scores`
+    takes and returns them; out an optional [B, T, H, P] buffer of y_dtype that y is written into."""
     bsz, t, h, p = x.shape
     g, n = c.shape[-2:]
     rep = h // g
@@ -476,11 +335,7 @@ def ssd_chunked_pallas(
     dt = jnp.pad(dt.astype(_F32), ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)  # [B, H, T']
     a = a.astype(_F32)
     cb = scores(c, b, chunk=chunk_size, tuning=tuning, interpret=interpret)
-    if tuning.fused:
-        return scan(a, dt, x, b, c, cb, initial_state, out, chunk=chunk_size, y_dtype=y_dtype, tuning=tuning,
-                    interpret=interpret)
-    entering, final = (parallel_states if tuning.parallel_states else states)(
-        a, dt, x, b, initial_state, chunk=chunk_size, tuning=tuning, interpret=interpret)
+    entering, final = states(a, dt, x, b, initial_state, chunk=chunk_size, tuning=tuning, interpret=interpret)
     y = output(a, dt, x, c, cb, entering, out, chunk=chunk_size, y_dtype=y_dtype, tuning=tuning,
                interpret=interpret)
     return y, final
