@@ -40,7 +40,7 @@ def _mixed_batch(initial: bool):
     return args, ref, jax.device_get(xla)
 
 
-@pytest.mark.parametrize("form", [{}, {"block_p": 32, "block_n": 64, "row_blocks": 2, "num_warps": (4, 4, 8),
+@pytest.mark.parametrize("form", [{}, {"block_p": 32, "block_n": 64, "row_blocks": 1, "num_warps": (4, 4, 8),
                                    "num_stages": (2, 2, 2)}],
                          ids=["default", "other-blocks"])
 @pytest.mark.parametrize("initial", [False, True])

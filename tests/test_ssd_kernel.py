@@ -166,7 +166,7 @@ def test_implementation_switch():
         Tuning(row_blocks=3)
     with pytest.raises(ValueError, match="block_n=48"):
         Tuning(block_n=48)
-    assert (Tuning(row_blocks=2).blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
+    assert (Tuning().blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
 
 
 def _lowered_for_cuda(fn, *args) -> str:

@@ -14,8 +14,8 @@ cum_i = sum_{j <= i} dt_j A_h and the state S [P, N]:
    dtype). The update x^T (B w) is independent across the state's rows and columns, so the blocks are programs of
    their own: about two per multiprocessor at the default blocks.
 3. `_output_kernel`, one program per (sequence, chunk, head), all in parallel: y from the chunk's own tokens and the
-   state entering it, the chunk's [L, L] decay-weighted scores as one tile (`Tuning.row_blocks` can take them as
-   tiles on and below the diagonal only: fewer exps and products, but measured slower).
+   state entering it. Within a chunk the rows are taken in `Tuning.row_blocks` blocks (in the states loop too), so
+   that the [L, L] decay-weighted scores are computed as the tiles on and below the diagonal only.
 
 Why this structure: two others were measured slower at 4K-32K tokens on an H100 (benchmarks/RESULTS.md, "Mamba-2
 SSD scan"): one loop carrying the state and writing y as it goes (no states through memory, but the output's
@@ -187,7 +187,7 @@ class Tuning:
 
     block_p: int | None = None
     block_n: int | None = None
-    row_blocks: int = 1
+    row_blocks: int = 2
     num_warps: tuple[int, int, int] = (4, 4, 4)
     num_stages: tuple[int, int, int] = (2, 3, 2)
 
