@@ -291,7 +291,7 @@ def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
         cases += [Tuning(num_warps=(4, 4, w)) for w in (2, 8)]
         cases += [Tuning(row_blocks=rb) for rb in (1, 4)]
         cases += [Tuning(num_warps=(4, 4, 8), row_blocks=rb) for rb in (1, 2)]
-        cases += [Tuning(row_blocks=1, num_stages=(2, s, 2)) for s in (2, 3)]
+        cases += [Tuning(row_blocks=1, num_stages=(2, 2, 2))]
         cases += [Tuning(num_stages=(2, s, 2)) for s in (2, 4)]
     out = []
     for t in [256] if args.smoke else args.variants_tokens:
