@@ -178,9 +178,9 @@ def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk
 class Tuning:
     """Launch parameters. `block_p` / `block_n`: rows / columns of the state per states-loop program (None: all P
     rows, and N columns halved (down to 16) until about two programs per multiprocessor, `_block_n`).
-    `row_blocks`: the output's chunk rows in this many blocks (at most chunk / 16, Triton's smallest tile): the [L, L]
-    decay-weighted scores are then computed as tiles on and below the diagonal only, (b + 1) / 2b of the exps and
-    products of whole [L, L] tiles. `num_warps` / `num_stages`: per kernel, (scores, states loop, output).
+    `row_blocks`: a chunk's rows in this many blocks (at most chunk / 16, Triton's smallest tile), in the states loop
+    and the output: the output's [L, L] decay-weighted scores are then computed as tiles on and below the diagonal
+    only, (b + 1) / 2b of the exps and products of whole [L, L] tiles. `num_warps` / `num_stages`: per kernel, (scores, states loop, output).
 
     The defaults are the fastest measured at 30B-A3B's heads (H100, benchmarks/RESULTS.md, "Mamba-2 SSD scan";
     `bench_ssd.py --variants` times the alternatives)."""
