@@ -8,7 +8,10 @@ Qwen3.5-MoE's); each family's own config, model and FLOP count (`prefill_flops`)
 device once; each sequence length is compiled and timed in turn (shortest first, so the peak-memory reading after
 each run belongs to the largest run so far; with --scan it also covers the building: the model made one layer at a
 time into its stacks, `ScannedModel.from_layers`, the model plus one layer). MFU is against 781 TFLOP/s, the dense
-bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md). "host ms" is one more call's host time (until it
+bf16 matmul rate measured on the H200 (shared/docs/gpu_facts.md), and with --dense-rate also against the dense bf16
+matmul rate this GPU sustains in the same process right after the prefills (probe_power.dense_rate: 2 n^3 FLOP a
+call, back-to-back calls, with nvidia-smi's clock, power and throttle reasons sampled meanwhile, so that the figure
+says whether it ran at the power cap): "MFU (dense)". "host ms" is one more call's host time (until it
 returns, before the device is waited for): near "prefill ms", the prefill is bound by the host's dispatch, not the
 GPU.
 """
@@ -57,13 +60,14 @@ def host_profile(call, top: int) -> None:
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()), flush=True)
 
 
-def save(out: str | None, device, rows: list[dict]) -> None:
+def save(out: str | None, device, rows: list[dict], extra: dict | None = None) -> None:
     """The results so far as JSON at `out` (after every length, whole files only: a run cut by its time limit keeps
     the lengths it finished)."""
     if out:
         tmp = f"{out}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "rows": rows, **(extra or {})}, f,
+                      indent=1)
         os.replace(tmp, out)
 
 
@@ -85,7 +89,13 @@ def main(argv: list[str] | None = None) -> dict:
                          "for inside it) and print its N costliest functions: where the GPU's idle start goes")
     ap.add_argument("--fused-swiglu", action="store_true",
                     help="expert gate_up weights in the fused SwiGLU epilogue's layout (CUTLASS only; default: off)")
+    ap.add_argument("--dense-rate", type=int, default=0, metavar="CALLS",
+                    help="after the prefills, time CALLS back-to-back dense bf16 matmuls of --dense-n and report MFU "
+                         "against that rate too (0: off)")
+    ap.add_argument("--dense-n", type=int, default=8192)
     args = ap.parse_args(argv)
+    if args.dense_rate < 0 or args.dense_n < 1:
+        ap.error(f"--dense-rate {args.dense_rate} / --dense-n {args.dense_n}: a number of calls >= 0 and a size >= 1")
 
     cfg = model_config(ap, args)
     if args.fused_swiglu and not isinstance(cfg, ModelConfig):
@@ -151,7 +161,27 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{t:>8} {compile_s:>9.1f} {sec * 1e3:>10.1f} {n / sec:>10.0f} {tflops:>8.1f} {tflops / PEAK_TFLOPS:>6.1%} "
               f"{row['peak_gib'] or float('nan'):>8.2f} {host_ms:>8.1f}  finite={finite}", flush=True)
         save(args.out, device, rows)
-    return {"device": device.device_kind, "jax": jax.__version__, "rows": rows}
+    extra = {}
+    if args.dense_rate:
+        extra["dense"] = measured_dense_rate(args.dense_n, args.dense_rate)
+        rate = extra["dense"]["tflops"]
+        for row in rows:
+            row["mfu_dense"] = round(row["tflops"] / rate, 6)
+        print(f"dense bf16 {args.dense_n}^3 x {args.dense_rate}: {rate:.1f} TFLOP/s ({rate / PEAK_TFLOPS:.1%} of "
+              f"{PEAK_TFLOPS:.0f}; GPU while it ran: {extra['dense']['gpu']}); MFU against it: "
+              + ", ".join(f"{r['seq_len']} tokens {r['mfu_dense']:.1%}" for r in rows), flush=True)
+        save(args.out, device, rows, extra)
+    return {"device": device.device_kind, "jax": jax.__version__, "rows": rows, **extra}
+
+
+def measured_dense_rate(n: int, calls: int) -> dict:
+    """probe_power's dense bf16 matmul rate, with the GPU's clock / power / throttle reasons sampled while it runs
+    (empty without nvidia-smi)."""
+    from probe_power import Sampler, dense_rate, summarize
+
+    with Sampler(100) as sampler:
+        rate = dense_rate(n, calls)
+    return dict(rate, gpu=summarize(sampler.rows, 300.0))
 
 
 if __name__ == "__main__":

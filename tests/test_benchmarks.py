@@ -368,11 +368,18 @@ def test_layer_parts_chosen_variants_and_conv_configs(tmp_path):
 @pytest.mark.parametrize("mode", ["--layerwise", "--scan"])
 def test_prefill_bench_rows(tmp_path, capsys, mode):
     """bench_prefill on the tiny preset: one row per length with its timings, the host time of one more call, the
-    mode it ran, finite logits; --host-profile prints the profiled call's functions."""
+    mode it ran, finite logits; --host-profile prints the profiled call's functions; --dense-rate adds the dense
+    matmul rate measured after the prefills and each row's MFU against it."""
     trace = ["--trace", str(tmp_path / "trace")] if mode == "--layerwise" else ["--host-profile", "5"]
     result, saved = run("bench_prefill", ["--preset", "tiny", "--seq-lens", "8", "16", "--iters", "2", "--dtype",
-                                          "float32", mode, *trace], tmp_path / "prefill.json")
+                                          "float32", mode, *trace, "--dense-rate", "3", "--dense-n", "96"],
+                        tmp_path / "prefill.json")
     printed = capsys.readouterr().out
+    dense = saved["dense"]
+    assert (dense["n"], dense["calls"]) == (96, 3) and dense["tflops"] > 0 and dense["seconds"] > 0
+    assert "dense bf16 96^3 x 3" in printed
+    for r in saved["rows"]:
+        assert r["mfu_dense"] == round(r["tflops"] / dense["tflops"], 6)
     assert (printed.count("Ordered by: cumulative time") == 2) == (mode == "--scan")
     assert saved == json.loads(json.dumps(result))
     assert [r["seq_len"] for r in saved["rows"]] == [8, 16]
@@ -720,7 +727,7 @@ def test_gmm_configs_summary_orders_each_case_fastest_first():
 def test_prefill_ratio_puts_both_sides_by_length_and_shows_what_did_not_finish(tmp_path):
     """gpu/prefill_ratio.py: per length jax_dwdp's and transformers' ms and MFU and transformers ms / jax_dwdp ms; a
     length one side did not run is "-", one that ran out of memory shows the error; a missing file reads as no rows;
-    transformers' Mamba-2 path is named."""
+    transformers' Mamba-2 path is named; MFU against the measured dense rate, where the rows carry it."""
     spec = importlib.util.spec_from_file_location("prefill_ratio", BENCHMARKS / "gpu" / "prefill_ratio.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -746,6 +753,10 @@ def test_prefill_ratio_puts_both_sides_by_length_and_shows_what_did_not_finish(t
     theirs.write_text(json.dumps({"rows": [dict(seq_len=4096, prefill_ms=200.0, mfu=0.16,
                                                 **{**same, "logits_finite": False})]}))
     assert mod.lines(mod.read(ours), mod.read(theirs))[1].endswith("(no ratio: logits not finite)")
+    # with --dense-rate's MFU in jax_dwdp's rows, a line of them
+    ours.write_text(json.dumps({"rows": [dict(seq_len=4096, prefill_ms=80.0, mfu=0.4, mfu_dense=0.52, **same)]}))
+    assert mod.lines(mod.read(ours), {})[-1] == ("jax_dwdp's MFU against the dense matmul rate measured in its run: "
+                                                 "4096 tokens 52.0%")
 
 
 def test_layer_kernel_probe_names_each_fusion(tmp_path):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200: the full-depth Nemotron-H prefill (nemotron-h:nano-30b-a3b, 52 layers, random bf16 weights, one sequence)
-# in jax_dwdp (bench_prefill.py, layer-wise as the 40-layer Qwen3.5 runs) and then in transformers
+# in jax_dwdp (bench_prefill.py, layer-wise as the 40-layer Qwen3.5 runs; MFU against 781 TFLOP/s and against the
+# dense matmul rate measured in the same process, --dense-rate) and then in transformers
 # (bench_transformers.py: SDPA, grouped_mm experts, mamba_ssm's Triton chunked scan when .whl/ carries its wheel) in
 # a process of its own on the same lengths, then both side by side with the ratio (gpu/prefill_ratio.py). Each
 # process holds the 63.2 GB of weights (31.6B bf16) alone: together they would not fit the card.
@@ -30,7 +31,7 @@ fi
 if [ "${PREFILL:-1}" = 1 ] && time_for "jax_dwdp prefill"; then
   echo "== jax_dwdp: $PRESET ${NUM_LAYERS:+($NUM_LAYERS layers) }at $SEQS tokens, layer-wise"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "$(limit ${PREFILL_TIMEOUT:-270})" python3 benchmarks/bench_prefill.py \
-    --preset "$PRESET" $layers --seq-lens $SEQS --layerwise --iters "${ITERS:-5}" --out "$OUT/prefill.json" 2>&1 \
+    --preset "$PRESET" $layers --seq-lens $SEQS --layerwise --iters "${ITERS:-5}" --dense-rate 400 --out "$OUT/prefill.json" 2>&1 \
     | quiet | tee "$OUT/prefill.log"
 fi
 

@@ -48,6 +48,9 @@ def lines(ours: dict, theirs: dict) -> list[str]:
         why = mismatch(a, b) if a and b and "error" not in a and "error" not in b else None
         ratio = f"{b['prefill_ms'] / a['prefill_ms']:>6.2f}x" if why == "" else f"{'-':>7}"
         out.append(f"{t:>8} {cell(a, 11)} {cell(b, 15)} {ratio}" + (f"  (no ratio: {why})" if why else ""))
+    dense = [f"{t} tokens {r['mfu_dense']:.1%}" for t, r in sorted(ours.items()) if "mfu_dense" in r]
+    if dense:
+        out.append(f"jax_dwdp's MFU against the dense matmul rate measured in its run: {', '.join(dense)}")
     mamba = {r.get("mamba_path") for r in theirs.values()} - {None}
     if mamba:
         out.append(f"transformers' Mamba-2 path: {', '.join(sorted(mamba))}")
