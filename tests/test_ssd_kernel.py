@@ -21,7 +21,8 @@ from tests.ssd_cases import (BOUND, BOUND_FP32, check_against_reference, f64, po
 H, P, G, N, CHUNK = 4, 32, 2, 16, 64
 
 
-FORMS = {"whole state": Tuning(), "state rows in blocks": Tuning(block_p=16)}
+FORMS = {"whole state": Tuning(), "state rows in blocks": Tuning(block_p=16),
+         "two heads per output program": Tuning(output_heads=2)}
 
 
 def _run(x, dt, a, b, c, h0, *, y_dtype=jnp.float32, row_blocks=2, tuning=None):
@@ -166,6 +167,11 @@ def test_implementation_switch():
         Tuning(row_blocks=3)
     with pytest.raises(ValueError, match="block_n=48"):
         Tuning(block_n=48)
+    with pytest.raises(ValueError, match="output_heads=0"):
+        Tuning(output_heads=0)
+    x, dt, a, b, c, _ = ssd_inputs(np.random.default_rng(0), 1, 8, 4, 16, 2, 16, initial=False)
+    with pytest.raises(ValueError, match="output_heads=4 does not divide the 2 heads of a B/C group"):
+        ssd_chunked_pallas(x, dt, a, b, c, chunk_size=16, tuning=Tuning(output_heads=4), interpret=True)
     assert (Tuning().blocks(128), Tuning(row_blocks=8).blocks(64), Tuning(row_blocks=4).blocks(16)) == (2, 4, 1)
 
 

@@ -13,9 +13,10 @@ cum_i = sum_{j <= i} dt_j A_h and the state S [P, N]:
    a loop over the chunks carrying its block of S in fp32 and writing the state entering each chunk (operand
    dtype). The update x^T (B w) is independent across the state's rows and columns, so the blocks are programs of
    their own: about two per multiprocessor at the default blocks.
-3. `_output_kernel`, one program per (sequence, chunk, head), all in parallel: y from the chunk's own tokens and the
-   state entering it. Within a chunk the rows are taken in `Tuning.row_blocks` blocks (in the states loop too), so
-   that the [L, L] decay-weighted scores are computed as the tiles on and below the diagonal only.
+3. `_output_kernel`, one program per (sequence, chunk, head) (or `Tuning.output_heads` heads of a group), all in
+   parallel: y from the chunk's own tokens and the state entering it. Within a chunk the rows are taken in
+   `Tuning.row_blocks` blocks (in the states loop too), so that the [L, L] decay-weighted scores are computed as
+   the tiles on and below the diagonal only.
 
 Why this structure: two others were measured slower at 4K-32K tokens on an H100 (benchmarks/RESULTS.md, "Mamba-2
 SSD scan"): one loop carrying the state and writing y as it goes (no states through memory, but the output's
@@ -79,14 +80,16 @@ class _Rows:
     def __init__(self, local, start, first: int, size: int, t: int, masked: bool):
         self.local, self.start, self.first, self.size, self.t, self.masked = local, start, first, size, t, masked
 
-    def _view(self, ref):
-        return ref.at[pl.ds(self.local + self.first, self.size)]
+    def _view(self, ref, head):
+        rows = pl.ds(self.local + self.first, self.size)
+        return ref.at[rows] if head is None else ref.at[rows, head]  # (one indexer: Triton lowers no chains)
 
-    def load(self, ref):
-        return load_rows(self._view(ref), self.start + self.first, self.t, self.masked)
+    def load(self, ref, head=None):
+        """The rows of ref, or of its head `head` (ref [rows, heads, ...])."""
+        return load_rows(self._view(ref, head), self.start + self.first, self.t, self.masked)
 
-    def store(self, ref, value):
-        store_rows(self._view(ref), value, self.start + self.first, self.t, self.masked)
+    def store(self, ref, value, head=None):
+        store_rows(self._view(ref, head), value, self.start + self.first, self.t, self.masked)
 
 
 def _row_blocks(local, start, chunk: int, blocks: int, t: int) -> list[_Rows]:
@@ -94,13 +97,14 @@ def _row_blocks(local, start, chunk: int, blocks: int, t: int) -> list[_Rows]:
     return [_Rows(local, start, k * size, size, t, t % chunk != 0) for k in range(blocks)]
 
 
-def _decays(dt_ref, rows: list[_Rows], a):
+def _decays(dt_ref, rows: list[_Rows], a, head=None):
     """Per row block: dt [size] fp32 (zero past T), cum [size] (the log decay from the chunk's start), and the
-    chunk's total log decay."""
+    chunk's total log decay. dt_ref [T'], or [heads, T'] with the head `head`."""
     dts, cums = [], []
     total = jnp.zeros((), _F32)
     for r in rows:
-        dt = dt_ref[pl.ds(r.local + r.first, r.size)]
+        span = pl.ds(r.local + r.first, r.size)
+        dt = dt_ref[span] if head is None else dt_ref[head, span]
         da = dt * a
         cums.append(jnp.cumsum(da) + total)
         total = total + jnp.sum(da)
@@ -163,15 +167,23 @@ def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, 
     final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
 
 
-def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, blocks: int, t: int):
-    """The output of one chunk of one head: its own part and the entering state's."""
+def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, blocks: int, t: int,
+                   heads: int):
+    """The output of one chunk of `heads` heads of one group: each head's own part and its entering state's. The
+    chunk's C and C B^T are the group's: loaded once for all its heads. With one head the head axis of the blocks is
+    squeezed away."""
     y_ref = rest[-1]
     rows = _row_blocks(0, pl.program_id(1) * chunk, chunk, blocks, t)
-    dts, cums, _ = _decays(dt_ref, rows, a_ref[pl.program_id(2)])
-    ys = _outputs(cb_ref, rows, [r.load(x_ref) for r in rows], [r.load(c_ref) for r in rows], states_ref[...],
-                  dts, cums)
-    for r, y in zip(rows, ys):
-        r.store(y_ref, y)
+    cs = [r.load(c_ref) for r in rows]
+
+    for i in range(heads):
+        # the head within the blocks (none: squeezed); a traced index, as the masked loads' interpret mode needs
+        k = None if heads == 1 else jnp.int32(i)
+        dts, cums, _ = _decays(dt_ref, rows, a_ref[pl.program_id(2) * heads + i], k)
+        state = states_ref[...] if k is None else states_ref[k]
+        ys = _outputs(cb_ref, rows, [r.load(x_ref, k) for r in rows], cs, state, dts, cums)
+        for r, y in zip(rows, ys):
+            r.store(y_ref, y, k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +192,9 @@ class Tuning:
     rows, and N columns halved (down to 16) until about two programs per multiprocessor, `_block_n`).
     `row_blocks`: a chunk's rows in this many blocks (at most chunk / 16, Triton's smallest tile), in the states loop
     and the output: the output's [L, L] decay-weighted scores are then computed as tiles on and below the diagonal
-    only, (b + 1) / 2b of the exps and products of whole [L, L] tiles. `num_warps` / `num_stages`: per kernel, (scores, states loop, output).
+    only, (b + 1) / 2b of the exps and products of whole [L, L] tiles. `output_heads`: heads of one B/C group per
+    output program (a divisor of the heads per group), which then loads the chunk's C and C B^T once for all of
+    them instead of once per head. `num_warps` / `num_stages`: per kernel, (scores, states loop, output).
 
     The defaults are the fastest measured at 30B-A3B's heads (H100, benchmarks/RESULTS.md, "Mamba-2 SSD scan";
     `bench_ssd.py --variants` times the alternatives)."""
@@ -188,6 +202,7 @@ class Tuning:
     block_p: int | None = None
     block_n: int | None = None
     row_blocks: int = 2
+    output_heads: int = 1
     num_warps: tuple[int, int, int] = (4, 4, 4)
     num_stages: tuple[int, int, int] = (2, 3, 2)
 
@@ -198,6 +213,8 @@ class Tuning:
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= 16, or None")
         if self.row_blocks not in (1, 2, 4, 8):
             raise ValueError(f"Tuning.row_blocks={self.row_blocks}: 1, 2, 4 or 8")
+        if self.output_heads < 1:
+            raise ValueError(f"Tuning.output_heads={self.output_heads}: at least 1")
 
     def blocks(self, chunk: int) -> int:
         """Row blocks of a chunk of `chunk` rows: `row_blocks`, at most chunk / 16."""
@@ -277,20 +294,24 @@ def output(a, dt, x, c, cb, entering, out=None, *, chunk: int, y_dtype, tuning: 
     g, n = c.shape[-2:]
     rep = h // g
     nc = dt.shape[-1] // chunk
-    y_spec = pl.BlockSpec((None, chunk, None, p), lambda i, j, hh: (i, j, hh, 0))
+    hb = tuning.output_heads
+    if rep % hb:
+        raise ValueError(f"ssd output: Tuning.output_heads={hb} does not divide the {rep} heads of a B/C group")
+    block = None if hb == 1 else hb  # (one head: the head axis squeezed out of the blocks)
+    y_spec = pl.BlockSpec((None, chunk, block, p), lambda i, j, hh: (i, j, hh, 0))
     in_specs = [pl.BlockSpec(a.shape, lambda *_: (0,)),
-                pl.BlockSpec((None, None, chunk), lambda i, j, hh: (i, hh, j)),
+                pl.BlockSpec((None, block, chunk), lambda i, j, hh: (i, hh, j)),
                 y_spec,
-                pl.BlockSpec((None, chunk, None, n), lambda i, j, hh: (i, j, hh // rep, 0)),
-                pl.BlockSpec((None, None, chunk, chunk), lambda i, j, hh: (i, hh // rep, j, 0)),
-                pl.BlockSpec((None, None, None, p, n), lambda i, j, hh: (i, hh, j, 0, 0))]
+                pl.BlockSpec((None, chunk, None, n), lambda i, j, hh: (i, j, hh * hb // rep, 0)),
+                pl.BlockSpec((None, None, chunk, chunk), lambda i, j, hh: (i, hh * hb // rep, j, 0)),
+                pl.BlockSpec((None, block, None, p, n), lambda i, j, hh: (i, hh, j, 0, 0))]
     args = [a, dt, x, c, cb, entering]
     if out is not None:
         in_specs.append(y_spec)
         args.append(out)
     return pl.pallas_call(
-        functools.partial(_output_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t),
-        grid=(bsz, nc, h),
+        functools.partial(_output_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t, heads=hb),
+        grid=(bsz, nc, h // hb),
         in_specs=in_specs,
         out_specs=y_spec,
         out_shape=jax.ShapeDtypeStruct((bsz, t, h, p), y_dtype),
@@ -321,8 +342,7 @@ def ssd_chunked_pallas(
     reference, unless asked otherwise), without the D skip; final state [B, H, P, N] fp32). `out`: an optional
     [B, T, H, P] buffer of `y_dtype` that y is written into (the tests fill it with NaN: every element must be
     written)."""
-    bsz, t, h, p = x.shape
-    g, n = b.shape[-2:]
+    t, p, n = x.shape[1], x.shape[-1], b.shape[-1]
     if not supported(chunk_size, p, n):
         raise ValueError(f"ssd_chunked_pallas: chunk_size {chunk_size}, head_dim {p} and state_size {n} must be "
                          "powers of two >= 16")
