@@ -174,14 +174,16 @@ def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk
     squeezed away."""
     y_ref = rest[-1]
     rows = _row_blocks(0, pl.program_id(1) * chunk, chunk, blocks, t)
-    cs = [r.load(c_ref) for r in rows]
-
+    cs = None
     for i in range(heads):
         # the head within the blocks (none: squeezed); a traced index, as the masked loads' interpret mode needs
         k = None if heads == 1 else jnp.int32(i)
-        dts, cums, _ = _decays(dt_ref, rows, a_ref[pl.program_id(2) * heads + i], k)
+        head = pl.program_id(2) if heads == 1 else pl.program_id(2) * heads + i
+        dts, cums, _ = _decays(dt_ref, rows, a_ref[head], k)
+        xs = [r.load(x_ref, k) for r in rows]
+        cs = cs or [r.load(c_ref) for r in rows]  # (the group's: once)
         state = states_ref[...] if k is None else states_ref[k]
-        ys = _outputs(cb_ref, rows, [r.load(x_ref, k) for r in rows], cs, state, dts, cums)
+        ys = _outputs(cb_ref, rows, xs, cs, state, dts, cums)
         for r, y in zip(rows, ys):
             r.store(y_ref, y, k)
 
