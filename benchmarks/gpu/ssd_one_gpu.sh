@@ -10,8 +10,7 @@
 #             each pallas_call alone): $OUT/ssd.json
 #   variants  bench_ssd.py --variants alone at $VARIANTS_TOKENS (default 16384 32768) tokens (the kernel's Tuning:
 #             the states loop's blocks, warps and stages, the output's warps, row blocks and heads per program),
-#             only with $VARIANTS_MIN_LEFT
-#             (default 60) seconds left: $OUT/ssd_variants.json
+#             only with $VARIANTS_MIN_LEFT (default 60) seconds left: $OUT/ssd_variants.json
 # The wheels in .whl/ (mamba_ssm 2.3.2.post1 built without its CUDA extensions, einops) go into /tmp/site; without
 # them bench_ssd.py skips mamba_ssm's rows and says why. Run from the repository root; nothing needs to be carried
 # but .whl/ (git-ignored: carry [".whl"]). Each command's limit is cut to what is left of $DEADLINE seconds (default
