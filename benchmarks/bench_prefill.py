@@ -142,10 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.trace:
             import trace_summary
 
-            where = f"{args.trace}/{t}"
-            with jax.profiler.trace(where, create_perfetto_trace=True):
-                jax.block_until_ready(prefill(tokens, lengths))
-            kernels = trace_summary.summarize(trace_summary.load(where))
+            kernels = trace_summary.trace_call(lambda: prefill(tokens, lengths), f"{args.trace}/{t}")
             print(trace_summary.render(kernels), flush=True)
         if args.host_profile:
             host_profile(lambda: prefill(tokens, lengths), args.host_profile)

@@ -17,6 +17,10 @@ the same process, as in bench_dwdp.py in-place), each a layer-wise prefill of on
 Each variant also reports its host dispatch time: how long the layer-wise prefill call takes to return, before
 its outputs are ready (a prefill whose dispatch nears its total time is bound by the host).
 
+With --trace DIR each variant's prefill at each length is also traced once (DIR/VARIANT/TOKENS, Perfetto) and
+summarised with trace_summary: the kernels each variant runs against local's, and where its idle time between
+kernels goes (the kernel pairs around the gaps), so that a fixed cost shows as kernels or as gaps, and which.
+
 Timings only: with the copies off, a layer's slots hold the peers' experts of the last layer that used the same
 slot set (from one prefill with copies), so "views" and "nolink" read the rank's own experts right and the peers'
 wrong (their max relative difference to local, printed, is O(1)); the routing, and so the work, is the same.
@@ -37,6 +41,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import trace_summary  # noqa: E402
 from bench_dwdp import random_tokens, store_pair, timed  # noqa: E402
 from jax_dwdp.config import ModelConfig  # noqa: E402
 from jax_dwdp.model import init_model  # noqa: E402
@@ -92,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--trace", metavar="DIR", help="trace one prefill of each variant and length under DIR")
     args = ap.parse_args(argv)
     cfg = ModelConfig.preset(args.preset).replace(num_hidden_layers=args.num_layers)
     dev, dtype = jax.devices()[0], jnp.bfloat16
@@ -99,6 +105,7 @@ def main(argv=None):
     inputs = {seq: (random_tokens(cfg, 1, seq, seed=0), np.full((1,), seq, np.int32)) for seq in args.seq_lens}
     stores, _ = store_pair(model, cfg, dtype, in_place=True)
     rows = {seq: {"seq_len": seq, "layers": args.num_layers} for seq in args.seq_lens}
+    traces = {seq: {} for seq in args.seq_lens}
     try:
         filled = StageRunner(model, FfiStoreSource(stores[0]), device=dev)
         for tokens, lengths in inputs.values():
@@ -120,6 +127,10 @@ def main(argv=None):
                 rows[seq][f"{name}_ms"] = round(t, 3)
                 rows[seq][f"{name}_dispatch_ms"] = round(host, 3)
                 rows[seq][f"{name}_max_rel_diff"] = diff
+                if args.trace:
+                    traces[seq][name] = trace_summary.trace_call(run, f"{args.trace}/{name}/{seq}", None)
+                    rows[seq][f"{name}_trace"] = {k: round(traces[seq][name][k], 3) for k in ("total_ms", "span_ms")}
+                    rows[seq][f"{name}_trace"]["idle_ms"] = round(traces[seq][name]["gaps"]["idle_ms"], 3)
                 print(json.dumps({"variant": name, "seq_len": seq, "ms": round(t, 3), "dispatch_ms": round(host, 3),
                                   "max_rel_diff": diff}), flush=True)
     finally:
@@ -134,6 +145,14 @@ def main(argv=None):
         print(f"| {seq} | " + " | ".join(cells) + " | " + " / ".join(per_layer) + " |")
         dispatch = [f"{row[f'{n}_dispatch_ms']:.2f}" for n in names]
         print(f"| {seq} dispatch | " + " | ".join(dispatch) + " | host time to return |")
+    for seq, by_name in traces.items():
+        for name in [n for n in names[1:] if n in by_name]:
+            print(f"\n== traces at {seq} tokens, local vs {name}")
+            rows_ = trace_summary.compare(by_name["local"], by_name[name], 12)
+            print(trace_summary.render_compare(by_name["local"], by_name[name], rows_, ("local", name)))
+        if "nolink" in by_name:
+            print(f"\n== nolink at {seq} tokens: its kernels and gaps")
+            print(trace_summary.render({**by_name["nolink"], "kernels": by_name["nolink"]["kernels"][:12]}))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "device": str(dev), "rows": list(rows.values())},
                                              indent=1))

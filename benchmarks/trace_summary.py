@@ -29,6 +29,16 @@ def load(trace_dir: str | pathlib.Path) -> dict:
         return json.load(f)
 
 
+def trace_call(run, where: str | pathlib.Path, top: int | None = 25, gap_us: float = 5.0) -> dict:
+    """`run()` once under `jax.profiler.trace` (its Perfetto trace written in `where`), waited for, and the trace
+    summarised (`summarize`)."""
+    import jax
+
+    with jax.profiler.trace(str(where), create_perfetto_trace=True):
+        jax.block_until_ready(run())
+    return summarize(load(where), top, gap_us)
+
+
 def gaps(chosen: list[dict], min_us: float = 5.0, top: int = 15) -> dict:
     """The idle time between the union of the events' intervals: {'idle_ms' (all of it), 'counted_ms' / 'count'
     (gaps >= min_us), 'pairs': [(before, after, count, total ms)] by total, descending, 'largest': [(ms from the

@@ -464,6 +464,20 @@ def test_trace_summary_sums_device_kernels_by_name():
     assert "c  ->  d" in ts.render(dict(s, gaps=g))
 
 
+def test_trace_call_traces_one_call_and_summarises_it(tmp_path):
+    """trace_call runs the call once under jax.profiler into its directory and summarises that trace (on the CPU:
+    the host events, said so); a directory with no trace is named in the error."""
+    import jax.numpy as jnp
+
+    ts = load("trace_summary")
+    calls = []
+    s = ts.trace_call(lambda: calls.append(1) or jnp.arange(8.0) * 2, tmp_path / "t", None)
+    assert calls == [1] and s["events"] > 0 and not s["device"] and s["span_ms"] > 0
+    assert list((tmp_path / "t").rglob("perfetto_trace.json.gz"))
+    with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz"):
+        ts.load(tmp_path / "empty")
+
+
 def test_trace_summary_compares_two_traces_kernel_by_kernel(tmp_path, capsys):
     """--versus: every kernel name of either trace with its calls and ms in each, the largest difference first;
     names in only one trace count 0 in the other."""

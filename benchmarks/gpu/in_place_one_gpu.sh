@@ -18,7 +18,8 @@
 #              --link nvlink4: a measured GPU profile for the planner in $OUT/profile.json
 #   probe      benchmarks/probe_in_place_cost.py --seq-lens 4096 with XLA's command buffers on (the default) and off
 #              (--xla_gpu_enable_command_buffer=; $PROBE_CB, default "on off"): whether the store's custom calls
-#              cost by splitting them
+#              cost by splitting them; with PROBE_TRACE=1 each variant also traced (local vs nolink's kernels and
+#              idle gaps printed; the summaries in the JSON)
 # Run from the repository root (carry ["jax_dwdp/_lib"] for the grouped GEMM library). Each command's limit is cut
 # to what is left of $DEADLINE seconds (default 560; _limits.sh). Logs under $OUT.
 set -o pipefail
@@ -64,9 +65,11 @@ for step in $STEPS; do
       for cb in ${PROBE_CB:-on off}; do
         time_for "probe $cb" || continue
         flags=$([ $cb = off ] && echo "--xla_gpu_enable_command_buffer=" || echo "")
-        XLA_FLAGS="$flags" timeout "$(limit 120)" python3 benchmarks/probe_in_place_cost.py --seq-lens 4096 \
-          --out "$OUT/probe_cb_$cb.json" 2>&1 | quiet > "$OUT/probe_cb_$cb.log"
+        XLA_FLAGS="$flags" timeout "$(limit 150)" python3 benchmarks/probe_in_place_cost.py --seq-lens 4096 \
+          ${PROBE_TRACE:+--trace /tmp/probe_traces_$cb} --out "$OUT/probe_cb_$cb.json" 2>&1 | quiet \
+          > "$OUT/probe_cb_$cb.log"
         echo "== probe, command buffers $cb: rc $? ($SECONDS s)"; grep -E "^\| [0-9]" "$OUT/probe_cb_$cb.log"
+        [ -n "${PROBE_TRACE:-}" ] && grep -A14 "^== traces at .* local vs nolink" "$OUT/probe_cb_$cb.log"
       done ;;
   esac
 done
