@@ -275,8 +275,8 @@ def parts(args_j, chunk, gpu, jsync, calls, reps) -> list[dict]:
 
 def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
     """The kernel's Tuning variants at each of --variants-tokens (bf16 y): the states loop's blocks of the state and
-    warps, the output's warps, row blocks and heads per program. A variant that fails to compile is reported and
-    skipped."""
+    warps, stages and segments, the output's warps, row blocks and heads per program. A variant that fails to
+    compile is reported and skipped."""
     import jax.numpy as jnp
 
     from jax_dwdp.kernels.ssd_pallas import Tuning
@@ -284,7 +284,8 @@ def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
 
     h, p, g, n = (heads[k] for k in ("h", "p", "g", "n"))
     if args.smoke:  # the default and one other of each knob
-        cases = [Tuning(), Tuning(block_p=16, block_n=16, row_blocks=1, num_warps=(4, 8, 8), output_heads=2)]
+        cases = [Tuning(), Tuning(block_p=16, block_n=16, row_blocks=1, num_warps=(4, 8, 8), output_heads=2,
+                                  segments=3)]
     else:
         cases = [Tuning()]
         cases += [Tuning(block_p=bp, block_n=bn) for bp, bn in ((64, 64), (64, 16), (32, 32), (32, 64))]
@@ -295,6 +296,8 @@ def variants(args, pallas, xla, heads, rng, jsync, calls, reps) -> list[dict]:
         cases += [Tuning(row_blocks=1, num_stages=(2, 2, 2))]
         cases += [Tuning(num_stages=(2, s, 2)) for s in (2, 4)]
         cases += [Tuning(output_heads=hb, num_warps=(4, 4, w)) for hb in (2, 4, 8) for w in (4, 8)]
+        cases += [Tuning(segments=sg) for sg in (2, 4, 8)]
+        cases += [Tuning(segments=sg, block_n=bn) for sg, bn in ((4, 64), (8, 128))]
     out = []
     for t in [256] if args.smoke else args.variants_tokens:
         x, dt, a, b, c, _ = ssd_inputs(rng, 1, t, h, p, g, n, initial=False)

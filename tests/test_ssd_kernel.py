@@ -22,7 +22,8 @@ H, P, G, N, CHUNK = 4, 32, 2, 16, 64
 
 
 FORMS = {"whole state": Tuning(), "state rows in blocks": Tuning(block_p=16),
-         "two heads per output program": Tuning(output_heads=2)}
+         "two heads per output program": Tuning(output_heads=2),
+         "the states loop in segments": Tuning(segments=3, block_p=16, output_heads=2)}
 
 
 def _run(x, dt, a, b, c, h0, *, y_dtype=jnp.float32, row_blocks=2, tuning=None):
@@ -86,6 +87,18 @@ def test_states_in_column_blocks_interpreted(rng):
                                   tuning=Tuning(block_p=16, block_n=16), interpret=True)
     ref = reference_per_sequence(x, dt, a, b, c, h0, lengths)
     check_against_reference(y, state, ref, lengths, "state in row and column blocks", BOUND_FP32)
+
+
+@pytest.mark.parametrize("segments,t", [(8, 130), (2, 65), (2, 192)])
+def test_states_in_more_segments_than_chunks_interpreted(rng, segments, t):
+    """Tuning.segments past the chunk count (8 segments of 3 chunks: one chunk each), two segments of two chunks
+    (the last one a single row), and two segments of two chunks over three whole chunks (the loop's fourth chunk
+    past the data, on a length that is a multiple of the chunk): fp32 against float64 with a random initial state,
+    y into a NaN-filled buffer."""
+    x, dt, a, b, c, h0 = ssd_inputs(rng, 2, t, H, P, G, N, initial=True, dtype=jnp.float32)
+    y, state = _run(x, dt, a, b, c, h0, tuning=Tuning(segments=segments))
+    check_against_reference(y, state, reference_per_sequence(x, dt, a, b, c, h0, [t, t]), [t, t],
+                            f"{segments} segments, T={t}", BOUND_FP32)
 
 
 @pytest.mark.parametrize("row_blocks", [1, 4])
@@ -169,6 +182,8 @@ def test_implementation_switch():
         Tuning(block_n=48)
     with pytest.raises(ValueError, match="output_heads=0"):
         Tuning(output_heads=0)
+    with pytest.raises(ValueError, match="segments=0"):
+        Tuning(segments=0)
     x, dt, a, b, c, _ = ssd_inputs(np.random.default_rng(0), 1, 8, 4, 16, 2, 16, initial=False)
     with pytest.raises(ValueError, match="output_heads=4 does not divide the 2 heads of a B/C group"):
         ssd_chunked_pallas(x, dt, a, b, c, chunk_size=16, tuning=Tuning(output_heads=4), interpret=True)
@@ -191,8 +206,8 @@ def test_kernels_lower_to_triton_at_30b_a3b_heads(form, dtype):
     t, h, p, g, n = 1000, 64, 64, 8, 128
     args = [shape((1, t, h, p), dtype), shape((1, t, h), jnp.float32), shape((h,), jnp.float32),
             shape((1, t, g, n), dtype), shape((1, t, g, n), dtype)]
-    names = KERNELS
     tuning = FORMS[form]
+    names = [{"ssd_states": "ssd_segment_states"}.get(k, k) if tuning.segments > 1 else k for k in KERNELS]
     for initial in ([], [shape((1, h, p, n), jnp.float32)]):
         text = _lowered_for_cuda(lambda *v: ssd_chunked_pallas(*v, chunk_size=128, tuning=tuning), *args, *initial)
         assert all(f'"{name}"' in text for name in names), [name for name in names if f'"{name}"' not in text]

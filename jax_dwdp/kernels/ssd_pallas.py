@@ -12,7 +12,8 @@ cum_i = sum_{j <= i} dt_j A_h and the state S [P, N]:
 2. `_states_kernel`, one program per (sequence, head, block of `block_p` rows and `block_n` columns of the state):
    a loop over the chunks carrying its block of S in fp32 and writing the state entering each chunk (operand
    dtype). The update x^T (B w) is independent across the state's rows and columns, so the blocks are programs of
-   their own: about two per multiprocessor at the default blocks.
+   their own: about two per multiprocessor at the default blocks. `Tuning.segments` also splits the chunks into
+   segments looped over in parallel, each from a zero state (`_segmented`).
 3. `_output_kernel`, one program per (sequence, chunk, head) (or `Tuning.output_heads` heads of a group), all in
    parallel: y from the chunk's own tokens and the state entering it. Within a chunk the rows are taken in
    `Tuning.row_blocks` blocks (in the states loop too), so that the [L, L] decay-weighted scores are computed as
@@ -92,9 +93,11 @@ class _Rows:
         store_rows(self._view(ref, head), value, self.start + self.first, self.t, self.masked)
 
 
-def _row_blocks(local, start, chunk: int, blocks: int, t: int) -> list[_Rows]:
+def _row_blocks(local, start, chunk: int, blocks: int, t: int, masked: bool = False) -> list[_Rows]:
+    """The chunk's rows in `blocks` blocks; masked where t is not a multiple of the chunk, or where `masked` says
+    that chunks past the data are looped over."""
     size = chunk // blocks
-    return [_Rows(local, start, k * size, size, t, t % chunk != 0) for k in range(blocks)]
+    return [_Rows(local, start, k * size, size, t, masked or t % chunk != 0) for k in range(blocks)]
 
 
 def _decays(dt_ref, rows: list[_Rows], a, head=None):
@@ -152,27 +155,37 @@ def _initial(h0_ref, shape):
     return jnp.zeros(shape, _F32) if h0_ref is None else h0_ref[...].astype(_F32)
 
 
-def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, t: int, has_initial: bool):
-    """The loop over chunks: the state entering each chunk (operand dtype) and the final state (fp32)."""
+def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, t: int, has_initial: bool,
+                   per_segment: int | None = None):
+    """The loop over chunks: the state entering each chunk (operand dtype) and the final state (fp32). With
+    `per_segment`, the loop covers the chunks of one segment (the grid's last axis) from a zero state: the states
+    entering them from the segment's own tokens, and the state it leaves."""
     h0_ref = rest[0] if has_initial else None
     states_ref, final_ref = rest[-2], rest[-1]
     a = a_ref[pl.program_id(1)]
+    first = None if per_segment is None else pl.program_id(4) * per_segment  # (read outside the loop's body)
 
-    def step(n, state):
-        states_ref[n] = state.astype(states_ref.dtype)
-        rows = _row_blocks(n * chunk, n * chunk, chunk, blocks, t)
+    def step(j, state):
+        n = j if first is None else first + j  # (j: the chunk within the block)
+        states_ref[j] = state.astype(states_ref.dtype)
+        # (segments padded to whole ones loop over chunks past the data: their rows masked too)
+        rows = _row_blocks(n * chunk, n * chunk, chunk, blocks, t, first is not None)
         dts, cums, total = _decays(dt_ref, rows, a)
         return _updated(state, [r.load(x_ref) for r in rows], [r.load(b_ref) for r in rows], dts, cums, total)
 
-    final_ref[...] = lax.fori_loop(0, pl.cdiv(t, chunk), step, _initial(h0_ref, final_ref.shape))
+    count = pl.cdiv(t, chunk) if per_segment is None else per_segment
+    final_ref[...] = lax.fori_loop(0, count, step, _initial(h0_ref, final_ref.shape))
 
 
 def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, blocks: int, t: int,
-                   heads: int):
+                   heads: int, segmented: bool = False):
     """The output of one chunk of `heads` heads of one group: each head's own part and its entering state's. The
     chunk's C and C B^T are the group's: loaded once for all its heads. With one head the head axis of the blocks is
-    squeezed away."""
+    squeezed away. `segmented`: states_ref holds the state from the segment's own tokens only; the one entering
+    the chunk adds the state entering the segment (seg_ref, fp32) decayed by exp(log_ref[chunk]), the log decay
+    from the segment's start to the chunk's."""
     y_ref = rest[-1]
+    log_ref, seg_ref = (rest[0], rest[1]) if segmented else (None, None)
     rows = _row_blocks(0, pl.program_id(1) * chunk, chunk, blocks, t)
     cs = None
     for i in range(heads):
@@ -183,6 +196,10 @@ def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk
         xs = [r.load(x_ref, k) for r in rows]
         cs = cs or [r.load(c_ref) for r in rows]  # (the group's: once)
         state = states_ref[...] if k is None else states_ref[k]
+        if segmented:
+            log = log_ref[pl.program_id(1)] if k is None else log_ref[k, pl.program_id(1)]
+            seg = seg_ref[...] if k is None else seg_ref[k]
+            state = state.astype(_F32) + jnp.exp(log) * seg
         ys = _outputs(cb_ref, rows, xs, cs, state, dts, cums)
         for r, y in zip(rows, ys):
             r.store(y_ref, y, k)
@@ -196,7 +213,10 @@ class Tuning:
     and the output: the output's [L, L] decay-weighted scores are then computed as tiles on and below the diagonal
     only, (b + 1) / 2b of the exps and products of whole [L, L] tiles. `output_heads`: heads of one B/C group per
     output program (a divisor of the heads per group), which then loads the chunk's C and C B^T once for all of
-    them instead of once per head. `num_warps` / `num_stages`: per kernel, (scores, states loop, output).
+    them instead of once per head. `segments`: the states loop over this many segments of the sequence in
+    parallel (each from a zero state; then a short chain over the segments' end states, and the output adds each
+    chunk's share of the state entering its segment): `segments` times the loop's programs, each 1 / `segments` as
+    long. `num_warps` / `num_stages`: per kernel, (scores, states loop, output).
 
     The defaults are the fastest measured at 30B-A3B's heads (H100, benchmarks/RESULTS.md, "Mamba-2 SSD scan";
     `bench_ssd.py --variants` times the alternatives)."""
@@ -205,6 +225,7 @@ class Tuning:
     block_n: int | None = None
     row_blocks: int = 2
     output_heads: int = 1
+    segments: int = 1
     num_warps: tuple[int, int, int] = (4, 4, 4)
     num_stages: tuple[int, int, int] = (2, 3, 2)
 
@@ -217,6 +238,8 @@ class Tuning:
             raise ValueError(f"Tuning.row_blocks={self.row_blocks}: 1, 2, 4 or 8")
         if self.output_heads < 1:
             raise ValueError(f"Tuning.output_heads={self.output_heads}: at least 1")
+        if self.segments < 1:
+            raise ValueError(f"Tuning.segments={self.segments}: at least 1")
 
     def blocks(self, chunk: int) -> int:
         """Row blocks of a chunk of `chunk` rows: `row_blocks`, at most chunk / 16."""
@@ -253,10 +276,13 @@ def scores(c, b, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = Fal
     )(c, b)
 
 
-def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = False):
+def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuning(), interpret: bool = False,
+           per_segment: int | None = None):
     """Kernel 2. a [H] fp32; dt [B, H, T'] fp32 (zero past T); x [B, T, H, P], b [B, T, G, N] (operand dtype);
     initial_state [B, H, P, N] or None. Returns (the state entering each chunk [B, H, T'/L, P, N] in x's dtype,
-    final state [B, H, P, N] fp32)."""
+    final state [B, H, P, N] fp32). With `per_segment` (T' / L a multiple of it, no initial state): the loop runs
+    over each segment of that many chunks in parallel, from a zero state; returns (the state entering each chunk
+    from its segment's own tokens, the state each segment leaves [B, H, T' / (L per_segment), P, N] fp32)."""
     bsz, t, h, p = x.shape
     g, n = b.shape[-2:]
     nc = dt.shape[-1] // chunk
@@ -275,6 +301,25 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
     if initial_state is not None:
         in_specs.append(state)
         args.append(initial_state.astype(_F32))
+    if per_segment is not None:
+        if initial_state is not None or nc % per_segment:
+            raise ValueError(f"ssd states: segments of {per_segment} chunks need no initial state and a multiple of "
+                             f"them ({nc} chunks)")
+        segs = nc // per_segment
+        return pl.pallas_call(
+            functools.partial(_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t, has_initial=False,
+                              per_segment=per_segment),
+            grid=(bsz, h, p // bp, n // bn, segs),
+            in_specs=[pl.BlockSpec(s.block_shape, lambda i, hh, j, k, q, m=s.index_map: m(i, hh, j, k))
+                      for s in in_specs],
+            out_specs=[pl.BlockSpec((None, None, per_segment, bp, bn), lambda i, hh, j, k, q: (i, hh, q, j, k)),
+                       pl.BlockSpec((None, None, None, bp, bn), lambda i, hh, j, k, q: (i, hh, q, j, k))],
+            out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype),
+                       jax.ShapeDtypeStruct((bsz, h, segs, p, n), _F32)],
+            compiler_params=tuning.params(1),
+            interpret=interpret,
+            name="ssd_segment_states",
+        )(*args)
     return pl.pallas_call(
         functools.partial(_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
                           has_initial=initial_state is not None),
@@ -289,9 +334,11 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
 
 
 def output(a, dt, x, c, cb, entering, out=None, *, chunk: int, y_dtype, tuning: Tuning = Tuning(),
-           interpret: bool = False):
+           interpret: bool = False, segments=None):
     """Kernel 3: y [B, T, H, P] in y_dtype from the states entering each chunk (`states`); c, cb as `scores`
-    takes and returns them; out an optional [B, T, H, P] buffer of y_dtype that y is written into."""
+    takes and returns them; out an optional [B, T, H, P] buffer of y_dtype that y is written into. `segments`:
+    (chunks per segment, the log decay from each chunk's segment start [B, H, chunks] fp32, the state entering
+    each segment [B, H, segments, P, N] fp32) when `entering` holds the segments' own states only."""
     bsz, t, h, p = x.shape
     g, n = c.shape[-2:]
     rep = h // g
@@ -308,11 +355,17 @@ def output(a, dt, x, c, cb, entering, out=None, *, chunk: int, y_dtype, tuning: 
                 pl.BlockSpec((None, None, chunk, chunk), lambda i, j, hh: (i, hh * hb // rep, j, 0)),
                 pl.BlockSpec((None, block, None, p, n), lambda i, j, hh: (i, hh, j, 0, 0))]
     args = [a, dt, x, c, cb, entering]
+    if segments is not None:
+        per_segment, logs, entering_segments = segments
+        in_specs += [pl.BlockSpec((None, block, logs.shape[-1]), lambda i, j, hh: (i, hh, 0)),
+                     pl.BlockSpec((None, block, None, p, n), lambda i, j, hh: (i, hh, j // per_segment, 0, 0))]
+        args += [logs, entering_segments]
     if out is not None:
         in_specs.append(y_spec)
         args.append(out)
     return pl.pallas_call(
-        functools.partial(_output_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t, heads=hb),
+        functools.partial(_output_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t, heads=hb,
+                          **({} if segments is None else {"segmented": True})),
         grid=(bsz, nc, h // hb),
         in_specs=in_specs,
         out_specs=y_spec,
@@ -357,7 +410,38 @@ def ssd_chunked_pallas(
     dt = jnp.pad(dt.astype(_F32), ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)  # [B, H, T']
     a = a.astype(_F32)
     cb = scores(c, b, chunk=chunk_size, tuning=tuning, interpret=interpret)
+    chunks = dt.shape[-1] // chunk_size
+    if tuning.segments > 1 and chunks > 1:
+        return _segmented(a, dt, x, b, c, cb, initial_state, out, chunk=chunk_size, y_dtype=y_dtype, tuning=tuning,
+                          interpret=interpret)
     entering, final = states(a, dt, x, b, initial_state, chunk=chunk_size, tuning=tuning, interpret=interpret)
     y = output(a, dt, x, c, cb, entering, out, chunk=chunk_size, y_dtype=y_dtype, tuning=tuning,
                interpret=interpret)
+    return y, final
+
+
+def _segmented(a, dt, x, b, c, cb, initial_state, out, *, chunk: int, y_dtype, tuning: Tuning, interpret: bool):
+    """`Tuning.segments`: the states loop over segments of the chunks in parallel, each from a zero state; the
+    chain over the segments (S_{s+1} = exp(A dt-sum of segment s) S_s + the state segment s leaves, S_0 the
+    initial state) in XLA, elementwise on [B, H, P, N] per segment; the output adds to each chunk's own-segment
+    state exp(A dt-sum from its segment's start) S_s."""
+    bsz, h = dt.shape[:2]
+    chunks = dt.shape[-1] // chunk
+    per_segment = pl.cdiv(chunks, tuning.segments)
+    segs = pl.cdiv(chunks, per_segment)
+    # whole segments: chunks past the last one have dt = 0 (the state unchanged) and only the loop sees them
+    padded = jnp.pad(dt, ((0, 0), (0, 0), (0, (segs * per_segment - chunks) * chunk)))
+    own, leaving = states(a, padded, x, b, chunk=chunk, tuning=tuning, interpret=interpret, per_segment=per_segment)
+    logs = padded.reshape(bsz, h, segs, per_segment, chunk).sum(-1) * a[None, :, None, None]  # each chunk's
+    into_chunk = (jnp.cumsum(logs, -1) - logs).reshape(bsz, h, segs * per_segment)  # from its segment's start
+
+    def chain(entering, segment):
+        leaves, log = segment
+        return jnp.exp(log)[..., None, None] * entering + leaves, entering
+
+    start = (jnp.zeros(leaving.shape[:2] + leaving.shape[3:], _F32) if initial_state is None
+             else initial_state.astype(_F32))
+    final, entering = lax.scan(chain, start, (jnp.moveaxis(leaving, 2, 0), jnp.moveaxis(logs.sum(-1), 2, 0)))
+    y = output(a, dt, x, c, cb, own, out, chunk=chunk, y_dtype=y_dtype, tuning=tuning, interpret=interpret,
+               segments=(per_segment, into_chunk, jnp.moveaxis(entering, 0, 2)))
     return y, final
