@@ -128,9 +128,10 @@ def main(argv=None):
                 rows[seq][f"{name}_dispatch_ms"] = round(host, 3)
                 rows[seq][f"{name}_max_rel_diff"] = diff
                 if args.trace:
-                    traces[seq][name] = trace_summary.trace_call(run, f"{args.trace}/{name}/{seq}", None)
-                    rows[seq][f"{name}_trace"] = {k: round(traces[seq][name][k], 3) for k in ("total_ms", "span_ms")}
-                    rows[seq][f"{name}_trace"]["idle_ms"] = round(traces[seq][name]["gaps"]["idle_ms"], 3)
+                    summary = traces[seq][name] = trace_summary.trace_call(run, f"{args.trace}/{name}/{seq}", None)
+                    rows[seq][f"{name}_trace"] = dict(total_ms=round(summary["total_ms"], 3),
+                                                      span_ms=round(summary["span_ms"], 3),
+                                                      idle_ms=round(summary["gaps"]["idle_ms"], 3))
                 print(json.dumps({"variant": name, "seq_len": seq, "ms": round(t, 3), "dispatch_ms": round(host, 3),
                                   "max_rel_diff": diff}), flush=True)
     finally:

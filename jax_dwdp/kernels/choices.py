@@ -130,7 +130,7 @@ class KernelChoices:
             conv_silu="ex2",  # the kernel 0.256 vs 0.271 ms (exact SiLU) at 16K, within a bf16 step (H100)
             norm_rope="pallas",  # the attention mixer 5.292 vs 5.387 ms at 16K (H200, 2026-12-01)
             gdn="pallas" if gpu else "xla",  # 0.957 ms vs 13.05 ms for the XLA scan at 16K (H200, 2026-12-01)
-            ssd="pallas" if gpu else "xla",  # 1.18 vs 3.93 ms for the XLA scan at 16K (H100, 2026-12-07)
+            ssd="pallas" if gpu else "xla",  # 0.725 vs 3.890 ms for the XLA scan at 16K (H100, 2026-12-08)
         )
 
     @classmethod

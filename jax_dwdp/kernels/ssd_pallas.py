@@ -178,7 +178,7 @@ def _states_kernel(a_ref, dt_ref, x_ref, b_ref, *rest, chunk: int, blocks: int, 
 
 
 def _output_kernel(a_ref, dt_ref, x_ref, c_ref, cb_ref, states_ref, *rest, chunk: int, blocks: int, t: int,
-                   heads: int, segmented: bool = False):
+                   heads: int, segmented: bool):
     """The output of one chunk of `heads` heads of one group: each head's own part and its entering state's. The
     chunk's C and C B^T are the group's: loaded once for all its heads. With one head the head axis of the blocks is
     squeezed away. `segmented`: states_ref holds the state from the segment's own tokens only; the one entering
@@ -301,35 +301,32 @@ def states(a, dt, x, b, initial_state=None, *, chunk: int, tuning: Tuning = Tuni
     if initial_state is not None:
         in_specs.append(state)
         args.append(initial_state.astype(_F32))
-    if per_segment is not None:
+    kernel = functools.partial(_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
+                               has_initial=initial_state is not None)
+    grid = (bsz, h, p // bp, n // bn)
+    out_specs = [pl.BlockSpec((None, None, nc, bp, bn), lambda i, hh, j, k: (i, hh, 0, j, k)), state]
+    leaving, name = (bsz, h, p, n), "ssd_states"
+    if per_segment is not None:  # a last grid axis over the segments; their own states, and the state each leaves
         if initial_state is not None or nc % per_segment:
             raise ValueError(f"ssd states: segments of {per_segment} chunks need no initial state and a multiple of "
                              f"them ({nc} chunks)")
         segs = nc // per_segment
-        return pl.pallas_call(
-            functools.partial(_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t, has_initial=False,
-                              per_segment=per_segment),
-            grid=(bsz, h, p // bp, n // bn, segs),
-            in_specs=[pl.BlockSpec(s.block_shape, lambda i, hh, j, k, q, m=s.index_map: m(i, hh, j, k))
-                      for s in in_specs],
-            out_specs=[pl.BlockSpec((None, None, per_segment, bp, bn), lambda i, hh, j, k, q: (i, hh, q, j, k)),
-                       pl.BlockSpec((None, None, None, bp, bn), lambda i, hh, j, k, q: (i, hh, q, j, k))],
-            out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype),
-                       jax.ShapeDtypeStruct((bsz, h, segs, p, n), _F32)],
-            compiler_params=tuning.params(1),
-            interpret=interpret,
-            name="ssd_segment_states",
-        )(*args)
+        kernel = functools.partial(kernel, per_segment=per_segment)
+        grid += (segs,)
+        in_specs = [pl.BlockSpec(s.block_shape, lambda i, hh, j, k, q, m=s.index_map: m(i, hh, j, k))
+                    for s in in_specs]
+        out_specs = [pl.BlockSpec((None, None, per_segment, bp, bn), lambda i, hh, j, k, q: (i, hh, q, j, k)),
+                     pl.BlockSpec((None, None, None, bp, bn), lambda i, hh, j, k, q: (i, hh, q, j, k))]
+        leaving, name = (bsz, h, segs, p, n), "ssd_segment_states"
     return pl.pallas_call(
-        functools.partial(_states_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t,
-                          has_initial=initial_state is not None),
-        grid=(bsz, h, p // bp, n // bn),
+        kernel,
+        grid=grid,
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, nc, bp, bn), lambda i, hh, j, k: (i, hh, 0, j, k)), state],
-        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype), jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, p, n), x.dtype), jax.ShapeDtypeStruct(leaving, _F32)],
         compiler_params=tuning.params(1),
         interpret=interpret,
-        name="ssd_states",
+        name=name,
     )(*args)
 
 
@@ -365,7 +362,7 @@ def output(a, dt, x, c, cb, entering, out=None, *, chunk: int, y_dtype, tuning: 
         args.append(out)
     return pl.pallas_call(
         functools.partial(_output_kernel, chunk=chunk, blocks=tuning.blocks(chunk), t=t, heads=hb,
-                          **({} if segments is None else {"segmented": True})),
+                          segmented=segments is not None),
         grid=(bsz, nc, h // hb),
         in_specs=in_specs,
         out_specs=y_spec,
