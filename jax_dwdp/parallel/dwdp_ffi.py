@@ -22,8 +22,8 @@ made.
   for their copy, and `after` handed on (the MoE calls it with its first grouped matmul's input and computes from
   the returned one: moe.AwaitedExperts); that data dependency keeps and orders the call, and an optimization
   barrier orders every use of the experts after it. The custom calls' whole interface is their attributes
-  (`VmmStore.in_place_attributes` / `prefetch_attributes` / `wait_attributes` here, `PrefetchInPlaceBinding` / `PrefetchBinding` / `WaitBinding` in
-  ffi/dwdp_store/handlers.h).
+  (`VmmStore.in_place_attributes` / `prefetch_attributes` / `wait_attributes` here, `PrefetchInPlaceBinding` /
+  `PrefetchBinding` / `WaitBinding` in ffi/dwdp_store/handlers.h).
 - `close()` (or leaving a `with` block) releases every allocation, mapping, VA range, stream, event and context;
   whoever made the store closes it (a Pipeline or IndependentRanks with experts="ffi" makes and closes its own).
   `live_objects()` counts them, for tests.
