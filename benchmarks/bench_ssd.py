@@ -181,7 +181,8 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
 
         record("xla (fp32 reference)", wall_ms(lambda: xla(*args_j), jsync, calls, reps), ref_y, ref_s, 4)
-        for label, fn, y_bytes in (("pallas (fp32 y)", pallas(), 4), ("pallas, bf16 y", pallas(y_dtype=jnp.bfloat16), 2)):
+        for label, fn, y_bytes in (("pallas (fp32 y)", pallas(), 4),
+                                   ("pallas, bf16 y", pallas(y_dtype=jnp.bfloat16), 2)):
             try:  # a form that does not compile here leaves its row with the error, and the baselines still run
                 y, s = fn(*args_j)
                 record(label, wall_ms(lambda fn=fn: fn(*args_j), jsync, calls, reps), jnp.asarray(y, jnp.float32), s,

@@ -1,7 +1,8 @@
 """Mamba-2's SSD scan as Pallas kernels (`kernels/ssd_pallas.py`) in interpret mode on the CPU against a float64
 sequential recurrence: single lengths around the chunk, a right-padded batch of mixed lengths (dt = 0 on padding),
-zero and random initial states, several heads per B/C group, the state in one block or in blocks of rows and columns, bf16 and fp32 inputs, outputs written
-into NaN-filled buffers; the implementation switch; the Triton lowering of every variant at 30B-A3B's heads."""
+zero and random initial states, several heads per B/C group, the state in one block or in blocks of rows and
+columns, heads per output program, the states loop in segments, bf16 and fp32 inputs, outputs written into
+NaN-filled buffers; the implementation switch; the Triton lowering of every variant at 30B-A3B's heads."""
 
 from __future__ import annotations
 
